@@ -1,0 +1,30 @@
+# Two entry points, each doing all of its own set-up on a fresh machine:
+#   make run    the main job (for now: the pools demo)
+#   make test   the whole test suite (what .ci/run calls)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test bench-io proto clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: this machine keeps the CPU build of 2.13.0 on disk, while
+	# an unpinned requirement can pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/tierstack demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench-io: $(STAMP)
+	$(PY) bench/io.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

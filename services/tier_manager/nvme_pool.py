@@ -1,0 +1,187 @@
+"""The node's NVMe pool: preallocated files, one per drive, with extents striped across them.
+
+Each configured directory (one per drive) holds one preallocated data file of
+size / len(paths) bytes; an `ExtentAllocator` per file hands out 4 KiB-aligned extents.
+A tensor's bytes are cut into `block_size` blocks dealt round-robin over the drives,
+starting at a rotating drive so that small tensors spread too; on each drive a tensor's
+blocks are contiguous. All bulk IO goes through the `IoEngine`; the pool never names a
+file after a tensor key (keys are opaque and never touch the filesystem).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierstack.services.tier_manager.extents import Extent, ExtentAllocator, align_up
+from tierstack.services.tier_manager.io_engine import (
+    DIRECT_IO_ALIGNMENT,
+    BlockRequest,
+    DirectFile,
+    IoEngine,
+)
+from tierstack.config import NvmePoolConfig
+from tierstack.errors import InvalidArgumentError, NvmePoolFullError
+
+log = logging.getLogger(__name__)
+
+DATA_FILE = "tierstack-nvme.data"
+
+
+@dataclass(frozen=True)
+class NvmeExtent:
+    """Where one tensor's bytes live: `stripes[k]` = (drive, extent) for drive slot k.
+
+    Block j of the tensor is on drive slot j % len(stripes), at
+    stripes[slot].offset + (j // len(stripes)) * block_size.
+    """
+
+    nbytes: int
+    block_size: int
+    stripes: tuple[tuple[int, Extent], ...]
+
+    @property
+    def nblocks(self) -> int:
+        return -(-self.nbytes // self.block_size)
+
+    def to_json(self) -> list:
+        return [self.nbytes, self.block_size, [[d, e.offset, e.length] for d, e in self.stripes]]
+
+    @classmethod
+    def from_json(cls, data: list) -> "NvmeExtent":
+        nbytes, block_size, stripes = data
+        return cls(nbytes, block_size, tuple((d, Extent(o, n)) for d, o, n in stripes))
+
+
+class NvmePool:
+    """Preallocated, striped, O_DIRECT storage with a fixed capacity."""
+
+    def __init__(self, config: NvmePoolConfig) -> None:
+        config.validate()
+        self.config = config
+        self.block_size = config.aio.block_size
+        per_drive = config.size // len(config.paths) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
+        self.files: list[DirectFile] = []
+        try:
+            for p in config.paths:
+                Path(p).mkdir(parents=True, exist_ok=True)
+                self.files.append(DirectFile(str(Path(p) / DATA_FILE), per_drive))
+        except BaseException:
+            for f in self.files:
+                f.close()
+            raise
+        self.allocators = [ExtentAllocator(per_drive, DIRECT_IO_ALIGNMENT) for _ in self.files]
+        self.capacity = per_drive * len(self.files)
+        self.engine = IoEngine(config.aio)
+        self._next_drive = itertools.cycle(range(len(self.files)))
+        self._lock = threading.Lock()
+        self._sync_executor = ThreadPoolExecutor(len(self.files), thread_name_prefix="tierstack-sync")
+
+    @property
+    def direct_io(self) -> bool:
+        return all(f.direct for f in self.files)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(a.used_bytes for a in self.allocators)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes
+
+    def _layout(self, nbytes: int, first: int) -> list[tuple[int, int]]:
+        """(drive, on-disk bytes) per drive slot for a tensor of nbytes starting at `first`."""
+        drives = len(self.files)
+        nblocks = -(-nbytes // self.block_size)
+        slots = min(drives, nblocks)
+        lengths = [0] * slots
+        for j in range(nblocks):
+            payload = min(self.block_size, nbytes - j * self.block_size)
+            lengths[j % slots] += align_up(payload, DIRECT_IO_ALIGNMENT)
+        return [((first + k) % drives, lengths[k]) for k in range(slots)]
+
+    def allocate(self, nbytes: int) -> NvmeExtent:
+        """Room for `nbytes`, striped over the drives; `NvmePoolFullError` if it does not fit."""
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"cannot store a tensor of {nbytes} bytes")
+        with self._lock:
+            first = next(self._next_drive)
+        taken: list[tuple[int, Extent]] = []
+        for drive, length in self._layout(nbytes, first):
+            extent = self.allocators[drive].allocate(length)
+            if extent is None:
+                for d, e in taken:
+                    self.allocators[d].free(e)
+                raise NvmePoolFullError(
+                    f"NVMe pool full: {nbytes} bytes requested, {self.free_bytes} of "
+                    f"{self.capacity} free (drive {self.config.paths[drive]} has no free "
+                    f"extent of {length} bytes); raise nvme_pool.size or delete tensors"
+                )
+            taken.append((drive, extent))
+        return NvmeExtent(nbytes, self.block_size, tuple(taken))
+
+    def reserve(self, extent: NvmeExtent) -> None:
+        """Mark an extent found in the manifest as used (daemon restart)."""
+        for drive, e in extent.stripes:
+            self.allocators[drive].reserve(e)
+
+    def free(self, extent: NvmeExtent) -> None:
+        for drive, e in extent.stripes:
+            self.allocators[drive].free(e)
+
+    def _requests(self, extent: NvmeExtent, buffer: memoryview, checksums: list[int] | None,
+                  label: str) -> list[BlockRequest]:
+        if len(buffer) != extent.nbytes:
+            raise InvalidArgumentError(
+                f"{label}: buffer has {len(buffer)} bytes but the extent holds {extent.nbytes}"
+            )
+        if checksums is not None and len(checksums) != extent.nblocks:
+            raise InvalidArgumentError(
+                f"{label}: {len(checksums)} checksums for {extent.nblocks} blocks"
+            )
+        buffer = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+        slots = len(extent.stripes)
+        requests = []
+        for j in range(extent.nblocks):
+            drive, stripe = extent.stripes[j % slots]
+            start = j * extent.block_size
+            payload = buffer[start:start + extent.block_size]
+            requests.append(BlockRequest(
+                fd=self.files[drive].fd,
+                file_offset=stripe.offset + (j // slots) * extent.block_size,
+                length=align_up(len(payload), DIRECT_IO_ALIGNMENT),
+                data=payload,
+                expected_crc=None if checksums is None else checksums[j],
+                label=f"{label} block {j} (bytes {start}..{start + len(payload)})",
+            ))
+        return requests
+
+    def write(self, extent: NvmeExtent, buffer: memoryview, label: str = "tensor") -> list[int]:
+        """Write `buffer` into `extent`; returns per-block crc32c. Durable after `sync([extent])`."""
+        return self.engine.write(self._requests(extent, memoryview(buffer), None, label))
+
+    def read(self, extent: NvmeExtent, buffer: memoryview, checksums: list[int] | None,
+             label: str = "tensor") -> None:
+        """Fill `buffer` from `extent`, verifying each block's checksum when given."""
+        self.engine.read(self._requests(extent, memoryview(buffer), checksums, label))
+
+    def sync(self, extents: list[NvmeExtent]) -> None:
+        """Make the completed writes to `extents` durable: fdatasync each drive they touch.
+
+        Per call rather than a shared dirty set, so a caller never returns before the
+        fdatasync that covers its own write has finished.
+        """
+        drives = sorted({d for e in extents for d, _ in e.stripes})
+        list(self._sync_executor.map(lambda d: self.files[d].sync(), drives))
+
+    def close(self) -> None:
+        self.engine.close()
+        self._sync_executor.shutdown(wait=True)
+        for f in self.files:
+            f.close()
+        self.files = []

@@ -1,0 +1,432 @@
+"""The registry: tensor key -> where its bytes live (CPU pool, NVMe pool, or both).
+
+The registry owns the node's `CpuPool`, `NvmePool` and `Manifest`, and maps opaque keys
+to records. It is the only place that decides what a tier means:
+
+- `nvme`: the bytes are on NVMe, durable, listed in the manifest with per-block crc32c;
+  `put(..., tier="nvme")` returns only after data and manifest row are durable.
+- `cpu`: the bytes are in a CPU pool buffer. A record can be in both tiers at once (a
+  clean cached copy of an NVMe tensor); a CPU-only record is volatile and does not
+  survive a restart.
+
+When the CPU pool is full it calls back into the registry, which evicts the least
+recently used unpinned CPU copy (writing it to NVMe first if it has no clean copy there).
+A tensor replaced or deleted while a reader holds it is freed when the reader lets go.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
+from tierstack.services.tier_manager.manifest import Manifest, ManifestEntry
+from tierstack.services.tier_manager.nvme_pool import NvmeExtent, NvmePool
+from tierstack.services.tier_manager.tensor_bytes import (
+    copy_bytes,
+    dtype_from_name,
+    dtype_name,
+    nbytes_of,
+    tensor_bytes,
+    tensor_from_buffer,
+)
+from tierstack.config import TierManagerConfig
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError
+
+log = logging.getLogger(__name__)
+
+Tier = Literal["cpu", "nvme"]
+TIERS: tuple[Tier, ...] = ("cpu", "nvme")
+MAX_KEY_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the registry knows of one tensor (plain data, safe to hand out)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    version: int
+    in_cpu: bool
+    on_nvme: bool
+
+
+@dataclass
+class _Record:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    version: int
+    cpu: CpuBuffer | None = None
+    nvme: NvmeExtent | None = None
+    checksums: tuple[int, ...] = ()
+    pins: int = 0
+    retired: bool = False
+    loading: threading.Event | None = field(default=None, repr=False)
+
+    def info(self) -> TensorInfo:
+        return TensorInfo(self.key, self.dtype, self.shape, self.nbytes, self.version,
+                          self.cpu is not None, self.nvme is not None)
+
+
+def validate_key(key: object) -> str:
+    """Keys are opaque strings: 1..1024 UTF-8 bytes, no NUL. They never name a file."""
+    if not isinstance(key, str):
+        raise InvalidArgumentError(f"a tensor key must be a string, got {type(key).__name__}")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"tensor key {key!r} is not valid UTF-8") from None
+    if size == 0:
+        raise InvalidArgumentError("a tensor key cannot be empty")
+    if size > MAX_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"tensor key of {size} bytes is longer than {MAX_KEY_BYTES}; use a shorter name"
+        )
+    if "\x00" in key:
+        raise InvalidArgumentError(f"tensor key {key!r} contains a NUL character")
+    return key
+
+
+class TierRegistry:
+    """Maps tensor keys to CPU-pool buffers and NVMe extents, durably for NVMe."""
+
+    def __init__(self, config: TierManagerConfig) -> None:
+        config.validate()
+        self.config = config
+        self._lock = threading.RLock()
+        self._records: dict[str, _Record] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()  # CPU-resident keys, oldest first
+        self._leases: dict[tuple[str, int], tuple[_Record, int]] = {}
+        # Versions come from one registry-wide counter, so (key, version) names one
+        # record even across delete and re-put.
+        self._last_version = 0
+        self.nvme_pool = NvmePool(config.nvme_pool)
+        try:
+            self.manifest = Manifest(config.resolved_manifest_path(), self._layout())
+            self.cpu_pool = CpuPool(config.cpu_pool, on_full=self._evict_for)
+        except BaseException:
+            self.nvme_pool.close()
+            raise
+        self._recover()
+
+    def _layout(self) -> dict:
+        nvme = self.config.nvme_pool
+        return {"paths": [str(p) for p in nvme.paths], "size": nvme.size,
+                "block_size": nvme.aio.block_size}
+
+    def _recover(self) -> None:
+        for entry in self.manifest.entries():
+            try:
+                self.nvme_pool.reserve(entry.extent)
+            except ValueError as e:
+                raise RuntimeError(
+                    f"manifest {self.manifest.path} is inconsistent at key {entry.key!r}: {e}"
+                ) from None
+            self._records[entry.key] = _Record(
+                entry.key, entry.dtype, entry.shape, entry.nbytes, entry.version,
+                nvme=entry.extent, checksums=entry.checksums)
+            self._last_version = max(self._last_version, entry.version)
+        if self._records:
+            log.info("recovered %d NVMe-resident tensors from %s", len(self._records),
+                     self.manifest.path)
+
+    # ---- writes -------------------------------------------------------------------
+
+    def put(self, key: str, tensor: torch.Tensor, tier: Tier = "nvme") -> TensorInfo:
+        """Store a CPU tensor under `key` in `tier`, replacing any older version."""
+        validate_key(key)
+        if tier not in TIERS:
+            raise InvalidArgumentError(f"unknown tier {tier!r}; use one of {TIERS}")
+        data = tensor_bytes(tensor)
+        dtype, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
+        if tier == "nvme":
+            extent, checksums = self._write_durable(key, data)
+            return self._install(key, dtype, shape, len(data), nvme=extent, checksums=checksums)
+        buffer = self._allocate_cpu(len(data))
+        try:
+            if len(data):
+                copy_bytes(self.cpu_pool.view(buffer), data)
+        except BaseException:
+            self._free_cpu(buffer)
+            raise
+        return self._install(key, dtype, shape, len(data), cpu=buffer)
+
+    def _write_durable(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
+        """Write bytes to a fresh NVMe extent and fdatasync; the caller commits or frees it."""
+        if len(data) == 0:
+            return NvmeExtent(0, self.nvme_pool.block_size, ()), ()
+        extent = self.nvme_pool.allocate(len(data))
+        try:
+            checksums = tuple(self.nvme_pool.write(extent, data, label=f"tensor {label!r}"))
+            self.nvme_pool.sync([extent])
+        except BaseException:
+            self.nvme_pool.free(extent)
+            raise
+        return extent, checksums
+
+    def _install(self, key: str, dtype: str, shape: tuple[int, ...], nbytes: int, *,
+                 cpu: CpuBuffer | None = None, nvme: NvmeExtent | None = None,
+                 checksums: tuple[int, ...] = ()) -> TensorInfo:
+        """Make a new version current: commit the manifest, swap the record, retire the old."""
+        with self._lock:
+            old = self._records.get(key)
+            self._last_version += 1
+            record = _Record(key, dtype, shape, nbytes, self._last_version,
+                             cpu=cpu, nvme=nvme, checksums=checksums)
+            try:
+                if nvme is not None:
+                    self.manifest.commit(ManifestEntry(key, dtype, shape, nbytes, record.version,
+                                                       nvme, checksums))
+                elif old is not None and old.nvme is not None:
+                    # The new version is CPU-only: an old manifest row would resurrect
+                    # stale bytes after a restart.
+                    self.manifest.delete(key)
+            except BaseException:
+                self._free_resources(record)
+                raise
+            self._records[key] = record
+            self._lru.pop(key, None)
+            if cpu is not None:
+                self._lru[key] = None
+            if old is not None:
+                self._retire(old)
+            return record.info()
+
+    def delete(self, key: str) -> None:
+        """Forget `key` and free its bytes in every tier (once no reader holds them)."""
+        validate_key(key)
+        with self._lock:
+            record = self._get(key)
+            if record.nvme is not None:
+                self.manifest.delete(key)
+            del self._records[key]
+            self._lru.pop(key, None)
+            self._retire(record)
+
+    # ---- reads --------------------------------------------------------------------
+
+    def info(self, key: str) -> TensorInfo:
+        validate_key(key)
+        with self._lock:
+            return self._get(key).info()
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, key: str) -> torch.Tensor:
+        """A fresh CPU tensor with the current bytes of `key`, checksums verified."""
+        validate_key(key)
+        record = self._pin(key)
+        try:
+            out = torch.empty(record.shape, dtype=dtype_from_name(record.dtype))
+            if record.nbytes == 0:
+                return out
+            dst = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            if record.cpu is not None:
+                copy_bytes(dst, self.cpu_pool.view(record.cpu))
+            else:
+                self.nvme_pool.read(record.nvme, dst, list(record.checksums),
+                                    label=f"tensor {key!r}")
+            return out
+        finally:
+            self._unpin(record)
+
+    def fetch(self, key: str) -> tuple[TensorInfo, CpuBuffer | None]:
+        """Make `key` resident in the CPU pool and pin it there until `release(key)`.
+
+        Returns the buffer (None for an empty tensor); a pinned buffer is never evicted.
+        """
+        validate_key(key)
+        while True:
+            with self._lock:
+                record = self._get(key)
+                if record.cpu is not None or record.nbytes == 0:
+                    self._lease(record)
+                    if record.cpu is not None:
+                        self._lru.pop(key, None)
+                        self._lru[key] = None
+                    return record.info(), record.cpu
+                if record.loading is not None:
+                    waiting = record.loading
+                else:
+                    waiting = None
+                    record.loading = threading.Event()
+                    self._lease(record)  # the load holds it: no retire under our feet
+            if waiting is not None:
+                waiting.wait()
+                continue
+            try:
+                buffer = self._allocate_cpu(record.nbytes)
+                try:
+                    self.nvme_pool.read(record.nvme, self.cpu_pool.view(buffer),
+                                        list(record.checksums), label=f"tensor {key!r}")
+                except BaseException:
+                    self._free_cpu(buffer)
+                    raise
+                with self._lock:
+                    record.cpu = buffer
+                    if not record.retired:
+                        self._lru[key] = None
+                    return record.info(), buffer
+            except BaseException:
+                self.release(key, record.version)
+                raise
+            finally:
+                with self._lock:
+                    event, record.loading = record.loading, None
+                event.set()
+
+    def release(self, key: str, version: int | None = None) -> None:
+        """Undo one `fetch` of `key` (of `version`, by default the current one)."""
+        validate_key(key)
+        with self._lock:
+            if version is None:
+                version = self._get(key).version
+            lease = self._leases.get((key, version))
+            if lease is None:
+                raise InvalidArgumentError(
+                    f"tensor {key!r} version {version} is not fetched; nothing to release")
+            record, count = lease
+            if count == 1:
+                del self._leases[(key, version)]
+            else:
+                self._leases[(key, version)] = (record, count - 1)
+            self._unpin(record)
+
+    def _lease(self, record: _Record) -> None:
+        """Pin `record` on behalf of a `fetch`; `release` finds it by (key, version)."""
+        record.pins += 1
+        _, count = self._leases.get((record.key, record.version), (record, 0))
+        self._leases[(record.key, record.version)] = (record, count + 1)
+
+    def view(self, buffer: CpuBuffer) -> memoryview:
+        return self.cpu_pool.view(buffer)
+
+    # ---- tier moves and eviction ---------------------------------------------------
+
+    def evict(self, key: str) -> TensorInfo:
+        """Move `key` out of the CPU pool to NVMe (written first if it has no copy there)."""
+        validate_key(key)
+        with self._lock:
+            record = self._get(key)
+            if record.cpu is None:
+                return record.info()
+            if record.pins:
+                raise InvalidArgumentError(
+                    f"tensor {key!r} is fetched by {record.pins} reader(s); release it first")
+            record.pins += 1
+            self._lru.pop(key, None)
+        try:
+            self._evict_pinned(record)
+        finally:
+            self._unpin(record)
+        return self.info(key)
+
+    def _evict_pinned(self, record: _Record) -> None:
+        """Write a pinned record's CPU copy to NVMe if needed, then drop the CPU copy."""
+        if record.nvme is None:
+            extent, checksums = self._write_durable(record.key, self.cpu_pool.view(record.cpu))
+            with self._lock:
+                if record.retired:  # replaced while we wrote: our copy is stale
+                    self.nvme_pool.free(extent)
+                    return
+                try:
+                    self.manifest.commit(ManifestEntry(record.key, record.dtype, record.shape,
+                                                       record.nbytes, record.version, extent,
+                                                       checksums))
+                except BaseException:
+                    self.nvme_pool.free(extent)
+                    raise
+                record.nvme, record.checksums = extent, checksums
+        with self._lock:
+            if record.pins == 1 and record.cpu is not None:
+                buffer, record.cpu = record.cpu, None
+                self._free_cpu(buffer)
+
+    def _evict_for(self, nbytes: int) -> bool:
+        """CpuPool callback: free room by evicting the least recently used unpinned tensor."""
+        with self._lock:
+            victim = next((self._records[k] for k in self._lru
+                           if self._records[k].pins == 0), None)
+            if victim is None:
+                return False
+            victim.pins += 1
+            self._lru.pop(victim.key, None)
+        log.debug("CPU pool full (%d bytes wanted): evicting %r", nbytes, victim.key)
+        try:
+            self._evict_pinned(victim)
+        finally:
+            self._unpin(victim)
+        return True
+
+    # ---- bookkeeping ---------------------------------------------------------------
+
+    def _get(self, key: str) -> _Record:
+        try:
+            return self._records[key]
+        except KeyError:
+            raise KeyNotFoundError(f"no tensor is stored under key {key!r}") from None
+
+    def _pin(self, key: str) -> _Record:
+        with self._lock:
+            record = self._get(key)
+            record.pins += 1
+            return record
+
+    def _unpin(self, record: _Record) -> None:
+        with self._lock:
+            record.pins -= 1
+            assert record.pins >= 0, f"unbalanced unpin of {record.key!r}"
+            if record.pins == 0 and record.retired:
+                self._free_resources(record)
+
+    def _retire(self, record: _Record) -> None:
+        record.retired = True
+        if record.pins == 0:
+            self._free_resources(record)
+
+    def _free_resources(self, record: _Record) -> None:
+        if record.cpu is not None:
+            self._free_cpu(record.cpu)
+            record.cpu = None
+        if record.nvme is not None and record.nvme.stripes:
+            self.nvme_pool.free(record.nvme)
+        record.nvme = None
+
+    def _allocate_cpu(self, nbytes: int) -> CpuBuffer | None:
+        return self.cpu_pool.allocate(nbytes) if nbytes else None
+
+    def _free_cpu(self, buffer: CpuBuffer | None) -> None:
+        if buffer is not None:
+            self.cpu_pool.free(buffer)
+
+    def close(self) -> None:
+        self.cpu_pool.close()
+        self.nvme_pool.close()
+        self.manifest.close()
+
+    def __enter__(self) -> "TierRegistry":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def tensor_view(registry: TierRegistry, info: TensorInfo, buffer: CpuBuffer | None) -> torch.Tensor:
+    """A tensor over a fetched CPU-pool buffer (no copy); valid until `release`."""
+    if buffer is None:
+        return torch.empty(info.shape, dtype=dtype_from_name(info.dtype))
+    return tensor_from_buffer(registry.view(buffer), info.dtype, info.shape)

@@ -1,0 +1,67 @@
+"""Shared fixtures: real directories on the ext4 disk, real /dev/shm arenas."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tierstack.config import KiB, MiB, CpuPoolConfig, NvmePoolConfig, TierManagerConfig, AioConfig
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    """A directory on the real disk (ext4 here), where O_DIRECT works."""
+    d = tmp_path / "nvme"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Path:
+    """A private directory inside /dev/shm, removed afterwards."""
+    d = Path("/dev/shm") / f"tierstack-test-{uuid.uuid4().hex[:10]}"
+    d.mkdir(mode=0o700)
+    yield d
+    shutil.rmtree(d)
+
+
+@pytest.fixture
+def tier_config(tmp_path: Path, shm_dir: Path) -> TierManagerConfig:
+    """A small node: 8 MiB CPU pool in 2 MiB arenas, 64 MiB NVMe over two directories."""
+    drives = [tmp_path / "drive0", tmp_path / "drive1"]
+    return TierManagerConfig(
+        cpu_pool=CpuPoolConfig(size=8 * MiB, arena_size=2 * MiB, shm_dir=str(shm_dir)),
+        nvme_pool=NvmePoolConfig(
+            paths=[str(d) for d in drives], size=64 * MiB,
+            aio=AioConfig(block_size=256 * KiB, queue_depth=4, thread_count=2)),
+        manifest_path=str(tmp_path / "manifest.sqlite"),
+    )
+
+
+def shm_bytes_used(shm_dir: Path) -> int:
+    """Bytes of memory the arena files in `shm_dir` really occupy (allocated blocks)."""
+    return sum(os.stat(f).st_blocks * 512 for f in shm_dir.iterdir())
+
+
+@pytest.fixture
+def mounted(tmp_path: Path):
+    """Mount a small real filesystem for a test (root only): mounted(fstype, size) -> path."""
+    mounts: list[Path] = []
+
+    def mount(fstype: str, options: str = "") -> Path:
+        target = tmp_path / f"mnt-{fstype}-{len(mounts)}"
+        target.mkdir()
+        cmd = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(target)]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            pytest.skip(f"cannot mount {fstype} here (needs root)")
+        mounts.append(target)
+        return target
+
+    yield mount
+    for target in mounts:
+        subprocess.run(["umount", "-l", str(target)], check=False)

@@ -1,0 +1,130 @@
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierstack.config import KiB, MiB, AioConfig, NvmePoolConfig
+from tierstack.errors import DataCorruptionError, NvmePoolFullError
+from tierstack.services.tier_manager.nvme_pool import DATA_FILE, NvmePool
+
+
+def make_pool(paths, size=32 * MiB, block=256 * KiB) -> NvmePool:
+    return NvmePool(NvmePoolConfig(paths=[str(p) for p in paths], size=size,
+                                   aio=AioConfig(block_size=block, queue_depth=4, thread_count=2)))
+
+
+def random_bytes(n: int, seed: int) -> memoryview:
+    return memoryview(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8))
+
+
+def test_files_are_opened_with_o_direct_on_a_real_disk(tmp_path):
+    pool = make_pool([tmp_path / "a"])
+    try:
+        assert pool.direct_io
+        flags = int(Path(f"/proc/self/fdinfo/{pool.files[0].fd}").read_text().split()[3], 8)
+        assert flags & os.O_DIRECT
+        assert os.path.getsize(tmp_path / "a" / DATA_FILE) == 32 * MiB
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 256 * KiB, 256 * KiB + 1, 3 * MiB + 12345])
+def test_round_trip_is_bit_exact_across_striped_drives(tmp_path, nbytes):
+    pool = make_pool([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
+    try:
+        data = random_bytes(nbytes, nbytes)
+        extent = pool.allocate(nbytes)
+        crcs = pool.write(extent, data)
+        pool.sync([extent])
+        out = bytearray(nbytes)
+        pool.read(extent, memoryview(out), crcs)
+        assert out == data.tobytes()
+        if extent.nblocks >= 3:
+            assert len({d for d, _ in extent.stripes}) == 3  # every drive holds a share
+    finally:
+        pool.close()
+
+
+def test_concurrent_writers_and_readers(tmp_path):
+    pool = make_pool([tmp_path / "a", tmp_path / "b"], size=64 * MiB)
+    errors = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(6):
+                n = int(np.random.default_rng(seed * 100 + i).integers(1, 2 * MiB))
+                data = random_bytes(n, seed * 100 + i)
+                ext = pool.allocate(n)
+                crcs = pool.write(ext, data)
+                out = bytearray(n)
+                pool.read(ext, memoryview(out), crcs)
+                if out != data.tobytes():
+                    errors.append((seed, i))
+                pool.free(ext)
+        except Exception as e:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    try:
+        assert errors == []
+        assert pool.used_bytes == 0
+    finally:
+        pool.close()
+
+
+def test_full_pool_gives_a_clear_error_and_keeps_what_it_holds(tmp_path):
+    pool = make_pool([tmp_path / "a"], size=4 * MiB)
+    try:
+        first = pool.allocate(3 * MiB)
+        crcs = pool.write(first, random_bytes(3 * MiB, 1))
+        with pytest.raises(NvmePoolFullError, match="raise nvme_pool.size"):
+            pool.allocate(2 * MiB)
+        out = bytearray(3 * MiB)
+        pool.read(first, memoryview(out), crcs)
+        assert out == random_bytes(3 * MiB, 1).tobytes()
+    finally:
+        pool.close()
+
+
+def test_flipped_byte_on_disk_is_detected(tmp_path):
+    pool = make_pool([tmp_path / "a"])
+    try:
+        ext = pool.allocate(600 * KiB)
+        crcs = pool.write(ext, random_bytes(600 * KiB, 2))
+        pool.sync([ext])
+        drive, stripe = ext.stripes[0]
+        with open(tmp_path / "a" / DATA_FILE, "r+b") as f:  # corrupt block 1 behind our back
+            f.seek(stripe.offset + 256 * KiB + 77)
+            b = f.read(1)
+            f.seek(stripe.offset + 256 * KiB + 77)
+            f.write(bytes([b[0] ^ 0x10]))
+        out = bytearray(600 * KiB)
+        with pytest.raises(DataCorruptionError, match="block 1"):
+            pool.read(ext, memoryview(out), crcs)
+    finally:
+        pool.close()
+
+
+def test_filesystem_without_o_direct_works_with_a_warning(mounted, caplog):
+    # ramfs has no direct IO at all (tmpfs gained it in Linux 6.6).
+    pool = make_pool([mounted("ramfs")], size=4 * MiB)
+    try:
+        assert not pool.direct_io
+        assert "without O_DIRECT" in caplog.text
+        ext = pool.allocate(300 * KiB)
+        crcs = pool.write(ext, random_bytes(300 * KiB, 3))
+        out = bytearray(300 * KiB)
+        pool.read(ext, memoryview(out), crcs)
+        assert out == random_bytes(300 * KiB, 3).tobytes()
+    finally:
+        pool.close()
+
+
+def test_a_disk_too_small_for_the_pool_fails_at_start(mounted):
+    small = mounted("tmpfs", "size=2m")
+    with pytest.raises(NvmePoolFullError, match="disk is full"):
+        make_pool([small], size=8 * MiB)

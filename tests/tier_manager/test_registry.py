@@ -1,0 +1,223 @@
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.conftest import shm_bytes_used
+from tierstack.errors import DataCorruptionError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
+from tierstack.services.tier_manager.nvme_pool import DATA_FILE
+from tierstack.services.tier_manager.registry import TierRegistry, tensor_view
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
+
+
+def random_tensor(seed: int, max_elems: int = 200_000) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[seed % len(DTYPES)]
+    shape = tuple(int(x) for x in torch.randint(1, 60, (1 + seed % 3,), generator=g))
+    n = 1
+    for d in shape:
+        n *= d
+    shape = shape if n <= max_elems else (max_elems,)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(b.contiguous().view(torch.uint8).numpy()))
+
+
+def test_tensors_round_trip_bit_exact_through_both_tiers_from_many_threads(tier_config):
+    with TierRegistry(tier_config) as reg:
+        errors = []
+
+        def worker(t: int) -> None:
+            try:
+                for i in range(12):
+                    seed = t * 1000 + i
+                    x = random_tensor(seed)
+                    key = f"thread{t}/tensor{i}"
+                    reg.put(key, x, tier="nvme" if i % 2 else "cpu")
+                    if not bit_equal(reg.get(key), x):
+                        errors.append(key)
+            except Exception as e:  # noqa: BLE001 - surfaced below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert errors == []
+        for t in range(4):
+            for i in range(12):
+                assert bit_equal(reg.get(f"thread{t}/tensor{i}"), random_tensor(t * 1000 + i))
+        assert shm_bytes_used(tier_config.cpu_pool.shm_dir and __import__("pathlib").Path(tier_config.cpu_pool.shm_dir)) <= tier_config.cpu_pool.size
+
+
+def test_cpu_pool_smaller_than_the_data_spills_to_nvme_without_loss(tier_config):
+    # 8 MiB CPU pool, 24 x 1 MiB tensors put in the CPU tier: most must be evicted.
+    with TierRegistry(tier_config) as reg:
+        tensors = {f"t{i}": torch.randn(256 * 1024, generator=torch.Generator().manual_seed(i))
+                   for i in range(24)}
+        for k, v in tensors.items():
+            reg.put(k, v, tier="cpu")
+            assert reg.cpu_pool.used_bytes <= reg.cpu_pool.capacity
+        infos = [reg.info(k) for k in tensors]
+        assert sum(i.in_cpu for i in infos) <= 8 and all(i.in_cpu or i.on_nvme for i in infos)
+        for k, v in tensors.items():
+            info, buf = reg.fetch(k)  # brings evicted ones back, evicting others
+            assert bit_equal(tensor_view(reg, info, buf), v)
+            reg.release(k)
+        assert reg.cpu_pool.used_bytes <= reg.cpu_pool.capacity
+
+
+def test_fetched_tensors_are_never_evicted(tier_config):
+    with TierRegistry(tier_config) as reg:
+        for i in range(7):
+            reg.put(f"pinned{i}", torch.full((256 * 1024,), float(i)), tier="cpu")
+            reg.fetch(f"pinned{i}")
+        reg.put("other", torch.zeros(256 * 1024), tier="cpu")
+        with pytest.raises(Exception, match="CPU pool full"):
+            reg.put("too-much", torch.zeros(512 * 1024), tier="cpu")
+        for i in range(7):
+            assert reg.info(f"pinned{i}").in_cpu
+        with pytest.raises(InvalidArgumentError, match="release it first"):
+            reg.evict("pinned0")
+
+
+def test_restarted_registry_finds_every_committed_tensor(tier_config):
+    tensors = {f"layer.{i}.weight": random_tensor(i) for i in range(30)}
+    with TierRegistry(tier_config) as reg:
+        for k, v in tensors.items():
+            reg.put(k, v, tier="nvme")
+        reg.put("layer.3.weight", tensors["layer.3.weight"] * 2, tier="nvme")  # new version
+        reg.put("volatile", torch.ones(10), tier="cpu")
+        reg.delete("layer.7.weight")
+        used = reg.nvme_pool.used_bytes
+    tensors["layer.3.weight"] = tensors["layer.3.weight"] * 2
+    del tensors["layer.7.weight"]
+    with TierRegistry(tier_config) as reg:
+        assert sorted(reg.keys()) == sorted(tensors)
+        for k, v in tensors.items():
+            assert bit_equal(reg.get(k), v), k
+        assert reg.nvme_pool.used_bytes == used  # exactly the committed extents are reserved
+        reg.put("new", torch.arange(1000), tier="nvme")  # allocations avoid recovered extents
+        for k, v in tensors.items():
+            assert bit_equal(reg.get(k), v), k
+
+
+def test_killed_writer_loses_nothing_that_was_acknowledged(tier_config, tmp_path):
+    """A process killed mid-stream leaves every acknowledged tensor readable, bit-exact."""
+    import json
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"tier_manager": {
+        "cpu_pool": {"size": tier_config.cpu_pool.size, "arena_size": tier_config.cpu_pool.arena_size,
+                     "shm_dir": tier_config.cpu_pool.shm_dir},
+        "nvme_pool": {"paths": tier_config.nvme_pool.paths, "size": tier_config.nvme_pool.size,
+                      "aio": {"block_size": tier_config.nvme_pool.aio.block_size}},
+        "manifest_path": tier_config.manifest_path}}))
+    acked = tmp_path / "acked.txt"
+    code = f"""
+import torch, sys
+from tierstack.config import load_config
+from tierstack.services.tier_manager.registry import TierRegistry
+reg = TierRegistry(load_config({str(cfg)!r}).tier_manager)
+with open({str(acked)!r}, "a") as f:
+    for i in range(10_000):
+        reg.put(f"k{{i % 40}}", torch.full((300_000,), float(i)), tier="nvme")
+        f.write(f"{{i}}\\n"); f.flush()
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.time() + 60
+    while time.time() < deadline and (not acked.exists() or len(acked.read_text().split()) < 60):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = [int(x) for x in acked.read_text().split()]
+    assert len(done) >= 60
+    with TierRegistry(tier_config) as reg:
+        for slot in range(40):
+            last_acked = max(i for i in done if i % 40 == slot)
+            got = reg.get(f"k{slot}")
+            # The newest acknowledged version, or one newer whose ack was cut off.
+            assert got[0].item() in (last_acked, last_acked + 40), slot
+            assert torch.equal(got, torch.full((300_000,), got[0].item()))
+
+
+def test_flipped_byte_is_detected_and_no_data_is_returned(tier_config):
+    with TierRegistry(tier_config) as reg:
+        reg.put("w", torch.randn(300_000), tier="nvme")
+        extent = reg._records["w"].nvme
+        drive, stripe = extent.stripes[0]
+        path = os.path.join(tier_config.nvme_pool.paths[drive], DATA_FILE)
+        with open(path, "r+b") as f:
+            f.seek(stripe.offset + 1000)
+            b = f.read(1)
+            f.seek(stripe.offset + 1000)
+            f.write(bytes([b[0] ^ 1]))
+        with pytest.raises(DataCorruptionError, match="'w' block 0"):
+            reg.get("w")
+        with pytest.raises(DataCorruptionError):
+            reg.fetch("w")
+        assert reg.cpu_pool.used_bytes == 0  # the failed fetch gave its buffer back
+
+
+def test_full_nvme_pool_gives_a_clear_error_and_keeps_old_versions(tier_config):
+    with TierRegistry(tier_config) as reg:
+        reg.put("a", torch.ones(4 * 1024 * 1024), tier="nvme")  # 16 MiB
+        with pytest.raises(NvmePoolFullError, match="nvme_pool.size"):
+            for i in range(10):
+                reg.put(f"b{i}", torch.ones(4 * 1024 * 1024), tier="nvme")
+        used = reg.nvme_pool.used_bytes
+        with pytest.raises(NvmePoolFullError):
+            reg.put("a", torch.zeros(16 * 1024 * 1024), tier="nvme")
+        assert torch.equal(reg.get("a"), torch.ones(4 * 1024 * 1024))
+        assert reg.nvme_pool.used_bytes == used
+
+
+@pytest.mark.parametrize("key,message", [
+    ("", "cannot be empty"),
+    ("a\x00b", "NUL"),
+    ("x" * 1025, "longer than 1024"),
+    (42, "must be a string"),
+])
+def test_bad_keys_get_clear_errors(tier_config, key, message):
+    with TierRegistry(tier_config) as reg:
+        with pytest.raises(InvalidArgumentError, match=message):
+            reg.put(key, torch.ones(3))
+
+
+def test_path_like_keys_are_opaque(tier_config):
+    with TierRegistry(tier_config) as reg:
+        for key in ["../../etc/passwd", "/abs/path", "a/../../b", "..", "con:nul", "ключ/🙂"]:
+            reg.put(key, torch.arange(5), tier="nvme")
+            assert torch.equal(reg.get(key), torch.arange(5))
+        for d in tier_config.nvme_pool.paths:
+            assert sorted(os.listdir(d)) == [DATA_FILE]
+
+
+def test_unknown_keys_and_bad_tiers(tier_config):
+    with TierRegistry(tier_config) as reg:
+        with pytest.raises(KeyNotFoundError, match="no tensor is stored under key 'nope'"):
+            reg.get("nope")
+        with pytest.raises(InvalidArgumentError, match="unknown tier"):
+            reg.put("k", torch.ones(2), tier="gpu")
+        with pytest.raises(InvalidArgumentError, match="unsupported dtype"):
+            reg.put("k", torch.ones(2, dtype=torch.complex64))
+
+
+def test_empty_and_scalar_tensors(tier_config):
+    with TierRegistry(tier_config) as reg:
+        for tier in ("cpu", "nvme"):
+            reg.put(f"empty-{tier}", torch.empty(0, 5), tier=tier)
+            reg.put(f"scalar-{tier}", torch.tensor(3.5), tier=tier)
+            assert reg.get(f"empty-{tier}").shape == (0, 5)
+            assert reg.get(f"scalar-{tier}").item() == 3.5

@@ -1,0 +1,60 @@
+"""Project exceptions.
+
+Every error a user can cause says what was wrong and what to do about it. Each class
+names the gRPC status it maps to, so the daemon's servicer translates them in one place.
+"""
+
+from __future__ import annotations
+
+
+class TierstackError(Exception):
+    """Base class of every error tierstack raises on purpose."""
+
+    grpc_status = "INTERNAL"
+
+
+class ConfigError(TierstackError, ValueError):
+    """A configuration value or key is wrong; the message names the key."""
+
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class InvalidArgumentError(TierstackError, ValueError):
+    """A request is malformed: a bad key, a wrong size, an unsupported dtype."""
+
+    grpc_status = "INVALID_ARGUMENT"
+
+
+class KeyNotFoundError(TierstackError, KeyError):
+    """No tensor is stored under the requested key."""
+
+    grpc_status = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class PoolExhaustedError(TierstackError, MemoryError):
+    """A pool cannot hold a request within its configured capacity."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
+class CpuPoolFullError(PoolExhaustedError):
+    """The CPU pool has no free extent large enough, and nothing could be evicted."""
+
+
+class NvmePoolFullError(PoolExhaustedError):
+    """The NVMe pool (its configured capacity, or the disk itself) is full."""
+
+
+class DataCorruptionError(TierstackError):
+    """Bytes read back do not match their stored checksum; no data is returned."""
+
+    grpc_status = "DATA_LOSS"
+
+
+class StorageIOError(TierstackError, OSError):
+    """The operating system failed an IO request for a reason other than a full disk."""
+
+    grpc_status = "UNAVAILABLE"
