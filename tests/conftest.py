@@ -65,3 +65,21 @@ def mounted(tmp_path: Path):
     yield mount
     for target in mounts:
         subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.fixture
+def hugetlbfs(mounted):
+    """A hugetlbfs mount with 32 MiB of huge pages reserved for the test (root only)."""
+    path = Path("/proc/sys/vm/nr_hugepages")
+    try:
+        old = int(path.read_text())
+        path.write_text(str(old + 16))
+    except OSError:
+        pytest.skip("cannot reserve huge pages here (needs root)")
+    if int(path.read_text()) < old + 16:
+        path.write_text(str(old))
+        pytest.skip("the kernel could not reserve 16 huge pages")
+    try:
+        yield mounted("hugetlbfs")
+    finally:
+        path.write_text(str(old))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from tierstack.services.tier_manager.extents import Extent, ExtentAllocator
-from tierstack.config import CpuPoolConfig
+from tierstack.config import CpuPoolConfig, parse_size
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, StorageIOError
 
 log = logging.getLogger(__name__)
@@ -72,15 +72,20 @@ class CpuPool:
                 f"cpu_pool.shm_dir {shm_dir} is not a directory; point it at a tmpfs such as /dev/shm"
             )
         reclaim_stale_arenas(shm_dir)
+        self.page_size = huge_page_size(shm_dir)
         self._lock = threading.Lock()
         self._arenas: list[ArenaInfo] = []
         self._fds: list[int] = []
         self._maps: list[mmap.mmap] = []
         self._allocators: list[ExtentAllocator] = []
         try:
-            remaining = config.size // config.alignment * config.alignment
+            # On a huge-page filesystem arenas are whole huge pages; rounding down keeps
+            # the pool inside its configured size.
+            granule = max(config.alignment, self.page_size)
+            remaining = config.size // granule * granule
+            arena_size = max(granule, config.arena_size // granule * granule)
             while remaining > 0:
-                size = min(config.arena_size, remaining)
+                size = min(arena_size, remaining)
                 self._create_arena(shm_dir, len(self._arenas), size)
                 remaining -= size
         except BaseException:
@@ -100,9 +105,11 @@ class CpuPool:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                hint = (f"reserve more huge pages (sysctl vm.nr_hugepages)" if self.page_size > 4096
+                        else f"free space in {shm_dir}")
                 raise CpuPoolFullError(
-                    f"cannot reserve {size} bytes for a CPU pool arena in {shm_dir}: the tmpfs "
-                    f"is full ({e.strerror}); lower cpu_pool.size or free space in {shm_dir}"
+                    f"cannot reserve {size} bytes for a CPU pool arena in {shm_dir}: it is "
+                    f"full ({e.strerror}); lower cpu_pool.size or {hint}"
                 ) from None
             raise StorageIOError(f"cannot size arena {path}: {e}") from e
         # MAP_POPULATE: map every page now, so the first copy into a buffer does not pay
@@ -110,6 +117,11 @@ class CpuPool:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         self._maps.append(mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE))
         self._allocators.append(ExtentAllocator(size, self.config.alignment))
+
+    @property
+    def huge_pages(self) -> bool:
+        """True when arenas are huge-page backed: the NVMe pool can then skip staging copies."""
+        return self.page_size > 4096
 
     @property
     def arenas(self) -> list[ArenaInfo]:
@@ -174,6 +186,37 @@ class CpuPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def huge_page_size(directory: Path) -> int:
+    """The page size backing files in `directory`: 4096, or the huge page size of a
+    hugetlbfs mount (pagesize=, default 2 MiB) or a tmpfs mounted with huge=always."""
+    target = os.path.realpath(directory)
+    best, size = "", 4096
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return size
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields, tail_fields = head.split(), tail.split()
+        if len(fields) < 5 or len(tail_fields) < 3:
+            continue
+        mount_point = fields[4].replace("\\040", " ")
+        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+        if not inside or len(mount_point) < len(best):
+            continue
+        best = mount_point
+        fstype, options = tail_fields[0], tail_fields[2].split(",")
+        size = 4096
+        if fstype == "hugetlbfs":
+            size = 2 << 20
+            for opt in options:
+                if opt.startswith("pagesize="):
+                    size = parse_size(opt.split("=", 1)[1] + ("iB" if opt[-1].isalpha() else ""))
+        elif fstype == "tmpfs" and ("huge=always" in options or "huge=within_size" in options):
+            size = 2 << 20
+    return size
 
 
 def reclaim_stale_arenas(shm_dir: Path) -> list[str]:

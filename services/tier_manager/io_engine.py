@@ -72,6 +72,9 @@ class BlockRequest:
     `data` is the caller's memory for this block (its payload, possibly shorter than
     `length` for a tensor's last block, whose disk tail is zero padding). For reads,
     `expected_crc` (when not None) is verified before the payload is copied out.
+    `zero_copy` says the caller's memory is huge-page backed, so a 4 KiB-aligned block
+    can go to the disk straight from it (no staging copy); on a failed read such a
+    buffer holds undefined bytes and must not be used.
     """
 
     fd: int
@@ -80,6 +83,26 @@ class BlockRequest:
     data: memoryview
     expected_crc: int | None = None
     label: str = ""
+    zero_copy: bool = False
+
+    def direct_view(self) -> memoryview | None:
+        """The caller's memory itself when the block can skip staging, else None."""
+        if not self.zero_copy or len(self.data) != self.length:
+            return None
+        if np.frombuffer(self.data, dtype=np.uint8).ctypes.data % DIRECT_IO_ALIGNMENT:
+            return None
+        return self.data
+
+
+@dataclass
+class IoStats:
+    """Cumulative counters of one engine (read by metrics and benchmarks)."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    zero_copy_blocks: int = 0
+    staged_blocks: int = 0
+    checksum_failures: int = 0
 
 
 class DirectFile:
@@ -130,6 +153,19 @@ class IoEngine:
         self.workers = aio.thread_count * aio.queue_depth
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tierstack-io")
         self._local = threading.local()
+        self.stats = IoStats()
+        self._stats_lock = threading.Lock()
+
+    def _count(self, r: BlockRequest, zero_copy: bool, write: bool) -> None:
+        with self._stats_lock:
+            if write:
+                self.stats.bytes_written += r.length
+            else:
+                self.stats.bytes_read += r.length
+            if zero_copy:
+                self.stats.zero_copy_blocks += 1
+            else:
+                self.stats.staged_blocks += 1
 
     def _staging(self) -> StagingBuffer:
         staging = getattr(self._local, "staging", None)
@@ -161,14 +197,17 @@ class IoEngine:
         return results
 
     def _write_one(self, r: BlockRequest) -> int:
-        staging = self._staging()
-        n = len(r.data)
-        buf = staging.array[:r.length]
-        copy_bytes(staging.view[:n], r.data)
-        if n < r.length:
-            buf[n:] = 0
-        crc = block_checksum(staging.view[:n])
-        view = staging.view[:r.length]
+        view = r.direct_view()
+        if view is None:
+            staging = self._staging()
+            n = len(r.data)
+            copy_bytes(staging.view[:n], r.data)
+            if n < r.length:
+                staging.array[n:r.length] = 0
+            crc = block_checksum(staging.view[:n])
+            view = staging.view[:r.length]
+        else:
+            crc = block_checksum(view)
         done = 0
         while done < r.length:
             try:
@@ -183,11 +222,15 @@ class IoEngine:
             if written <= 0:
                 raise StorageIOError(f"write of {r.label} made no progress")
             done += written
+        self._count(r, zero_copy=view is r.data, write=True)
         return crc
 
     def _read_one(self, r: BlockRequest) -> int:
-        staging = self._staging()
-        view = staging.view[:r.length]
+        view = r.direct_view()
+        staging = None
+        if view is None:
+            staging = self._staging()
+            view = staging.view[:r.length]
         done = 0
         while done < r.length:
             try:
@@ -197,14 +240,18 @@ class IoEngine:
             if got <= 0:
                 raise StorageIOError(f"read of {r.label} hit the end of its file")
             done += got
+        self._count(r, zero_copy=staging is None, write=False)
         n = len(r.data)
-        crc = block_checksum(staging.view[:n])
+        crc = block_checksum(view[:n])
         if r.expected_crc is not None and crc != r.expected_crc:
+            with self._stats_lock:
+                self.stats.checksum_failures += 1
             raise DataCorruptionError(
                 f"checksum mismatch in {r.label}: stored crc32c {r.expected_crc:#010x}, "
                 f"read {crc:#010x}; the bytes on disk are corrupt and were not returned"
             )
-        copy_bytes(r.data, staging.view[:n])
+        if staging is not None:
+            copy_bytes(r.data, staging.view[:n])
         return crc
 
     def close(self) -> None:
