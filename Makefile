@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test bench-io proto clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: this machine keeps the CPU build of 2.13.0 on disk, while

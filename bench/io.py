@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from tierstack.config import GiB, MiB, AioConfig, CpuPoolConfig, NvmePoolConfig, parse_size  # noqa: E402
@@ -53,18 +55,23 @@ def ensure_fio(explicit: str | None) -> str:
 
 
 def reserve_huge_pages(pages: int) -> int | None:
-    """Raise vm.nr_hugepages to at least `pages` (root only); returns the old value."""
+    """Raise vm.nr_hugepages by `pages` (root only); returns the old value, None if not."""
     path = Path("/proc/sys/vm/nr_hugepages")
     try:
         old = int(path.read_text())
-        if old < pages:
-            path.write_text(str(pages))
-        if int(path.read_text()) >= pages:
+        path.write_text(str(old + pages))
+        if int(path.read_text()) >= old + pages:
             return old
         path.write_text(str(old))
     except OSError:
         pass
     return None
+
+
+def mount_hugetlbfs(target: Path) -> bool:
+    target.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "hugetlbfs", "none", str(target)],
+                          capture_output=True).returncode == 0
 
 
 def fio_gbps(fio: str, path: Path, size: int, rw: str, qd: int, engine: str, iomem: str) -> float:
@@ -85,13 +92,17 @@ def fio_gbps(fio: str, path: Path, size: int, rw: str, qd: int, engine: str, iom
 class PoolSide:
     """NvmePool + the CPU pool buffers it moves the file between."""
 
-    def __init__(self, directory: Path, size: int, shm_dir: str) -> None:
+    def __init__(self, name: str, directory: Path, size: int, shm_dir: str) -> None:
+        self.name = name
         self.size = size
         self.cpu = CpuPool(CpuPoolConfig(size=size, arena_size=min(size, 1 * GiB), shm_dir=shm_dir))
         self.buffers = [self.cpu.allocate(TENSOR) for _ in range(size // TENSOR)]
+        # The same bytes on every side: they share one pool file, so each side's
+        # checksums must hold for what another side wrote there.
+        pattern = np.random.default_rng(0).bytes(1 * MiB) * (TENSOR // MiB)
         for i, b in enumerate(self.buffers):
             view = self.cpu.view(b)
-            view[:] = os.urandom(1 * MiB) * (TENSOR // MiB)
+            view[:] = pattern
             view[:8] = i.to_bytes(8, "little")
         self.directory = directory
         self.pool: NvmePool | None = None
@@ -106,14 +117,15 @@ class PoolSide:
 
     def write(self) -> float:
         start = time.perf_counter()
-        self.checksums = [self.pool.write(e, self.cpu.view(b)) for e, b in zip(self.extents, self.buffers)]
+        self.checksums = [self.pool.write(e, self.cpu.view(b), zero_copy=self.cpu.huge_pages)
+                          for e, b in zip(self.extents, self.buffers)]
         self.pool.sync(self.extents)
         return self.size / (time.perf_counter() - start) / 1e9
 
     def read(self) -> float:
         start = time.perf_counter()
         for e, b, c in zip(self.extents, self.buffers, self.checksums):
-            self.pool.read(e, self.cpu.view(b), c)
+            self.pool.read(e, self.cpu.view(b), c, zero_copy=self.cpu.huge_pages)
         return self.size / (time.perf_counter() - start) / 1e9
 
     def close_pool(self) -> None:
@@ -142,17 +154,23 @@ def main() -> None:
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=work))
-    old_huge = reserve_huge_pages(64)  # fio's huge-page buffers: qd x 1 MiB at most
+    # Huge pages for fio's buffers (qd x 1 MiB at most) and, as the same advantage for our
+    # side, for a CPU pool on hugetlbfs that the NVMe pool reads and writes without copies.
+    old_huge = reserve_huge_pages(64 + size // (2 * MiB))
     iomems = ["malloc"] + (["shmhuge"] if old_huge is not None else [])
     engines = ["libaio", "io_uring"]
     fio_file = tmp / "fio.dat"
-    side = PoolSide(tmp / "pool", size, args.shm_dir)
+    hugetlbfs = tmp / "hugetlbfs"
+    sides = [PoolSide(f"NvmePool+shm({args.shm_dir})", tmp / "pool", size, args.shm_dir)]
+    if old_huge is not None and mount_hugetlbfs(hugetlbfs):
+        sides.append(PoolSide("NvmePool+hugetlbfs", tmp / "pool", size, str(hugetlbfs)))
     results: dict[tuple, list[float]] = {}
     try:
         # fio lays its file out on the first write; prime it and the pool file once.
         fio_gbps(fio, fio_file, size, "write", 8, "libaio", "malloc")
-        side.open(8)
-        side.write()
+        sides[0].open(8)
+        sides[0].write()
+        sides[0].close_pool()
         for rep in range(args.reps):
             for qd in depths:
                 for rw in ("read", "write"):
@@ -164,12 +182,19 @@ def main() -> None:
                                 print(f"fio {engine}/{iomem} failed: {e}", file=sys.stderr)
                                 continue
                             results.setdefault(("fio", f"{engine}+{iomem}", rw, qd), []).append(v)
-                    side.open(qd)
-                    v = side.write() if rw == "write" else side.read()
-                    results.setdefault(("pool", "NvmePool", rw, qd), []).append(v)
+                    for side in sides:
+                        side.open(qd)
+                        if rw == "read" and not side.checksums:
+                            side.write()  # the first read of a side needs its checksums
+                        v = side.write() if rw == "write" else side.read()
+                        side.close_pool()
+                        results.setdefault(("pool", side.name, rw, qd), []).append(v)
                 print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
     finally:
-        side.close()
+        for side in sides:
+            side.close()
+        if hugetlbfs.is_mount():
+            subprocess.run(["umount", str(hugetlbfs)], check=False)
         shutil.rmtree(tmp, ignore_errors=True)
         if old_huge is not None:
             Path("/proc/sys/vm/nr_hugepages").write_text(str(old_huge))
@@ -184,8 +209,9 @@ def main() -> None:
             print(f"{who:6} {config:20} {rw:6} " + " ".join(
                 f"{c:<7.2f}" if c is not None else f"{'-':7}" for c in cells))
 
-    def best(who: str, rw: str) -> tuple[float, str]:
-        value, key = max((v, k) for k, v in medians.items() if k[0] == who and k[2] == rw)
+    def best(who: str, rw: str, config: str | None = None) -> tuple[float, str]:
+        value, key = max((v, k) for k, v in medians.items()
+                         if k[0] == who and k[2] == rw and config in (None, k[1]))
         return value, f"{key[1]} qd{key[3]}"
 
     pool_r, pool_r_cfg = best("pool", "read")
@@ -204,6 +230,8 @@ def main() -> None:
         "fio_read_config": fio_r_cfg, "fio_write_config": fio_w_cfg,
         "file_bytes": size, "block_bytes": BLOCK, "reps": args.reps, "fio": fio_version,
         "huge_page_fio": "shmhuge" in iomems,
+        "shm_read_ratio": round(best("pool", "read", sides[0].name)[0] / fio_r, 4),
+        "shm_write_ratio": round(best("pool", "write", sides[0].name)[0] / fio_w, 4),
     }))
 
 

@@ -64,8 +64,12 @@ class AioConfig:
     """Requests each IO thread keeps in flight."""
     thread_count: int = 1
     """IO submitter threads; thread_count x queue_depth requests are in flight at most."""
+    engine: str = "auto"
+    """'native' (the compiled block-IO loop), 'threads' (Python threads), or 'auto'."""
 
     def validate(self, prefix: str = "aio") -> None:
+        if self.engine not in ("auto", "native", "threads"):
+            raise ConfigError(f"{prefix}.engine: {self.engine!r} is not one of auto, native, threads")
         if self.block_size < 4096 or self.block_size % 4096:
             raise ConfigError(
                 f"{prefix}.block_size: {self.block_size} is not a positive multiple of 4096; "

@@ -119,11 +119,6 @@ class CpuPool:
         self._allocators.append(ExtentAllocator(size, self.config.alignment))
 
     @property
-    def huge_pages(self) -> bool:
-        """True when arenas are huge-page backed: the NVMe pool can then skip staging copies."""
-        return self.page_size > 4096
-
-    @property
     def arenas(self) -> list[ArenaInfo]:
         return list(self._arenas)
 

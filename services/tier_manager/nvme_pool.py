@@ -135,7 +135,7 @@ class NvmePool:
             self.allocators[drive].free(e)
 
     def _requests(self, extent: NvmeExtent, buffer: memoryview, checksums: list[int] | None,
-                  label: str, zero_copy: bool) -> list[BlockRequest]:
+                  label: str) -> list[BlockRequest]:
         if len(buffer) != extent.nbytes:
             raise InvalidArgumentError(
                 f"{label}: buffer has {len(buffer)} bytes but the extent holds {extent.nbytes}"
@@ -158,26 +158,20 @@ class NvmePool:
                 data=payload,
                 expected_crc=None if checksums is None else checksums[j],
                 label=f"{label} block {j} (bytes {start}..{start + len(payload)})",
-                zero_copy=zero_copy,
             ))
         return requests
 
-    def write(self, extent: NvmeExtent, buffer: memoryview, label: str = "tensor",
-              zero_copy: bool = False) -> list[int]:
-        """Write `buffer` into `extent`; returns per-block crc32c. Durable after `sync([extent])`.
-
-        `zero_copy`: `buffer` is huge-page backed (e.g. a huge-page CPU pool's buffer), so
-        aligned blocks skip the staging copy.
-        """
-        return self.engine.write(self._requests(extent, memoryview(buffer), None, label, zero_copy))
+    def write(self, extent: NvmeExtent, buffer: memoryview, label: str = "tensor") -> list[int]:
+        """Write `buffer` into `extent`; returns per-block crc32c. Durable after `sync([extent])`."""
+        return self.engine.write(self._requests(extent, memoryview(buffer), None, label))
 
     def read(self, extent: NvmeExtent, buffer: memoryview, checksums: list[int] | None,
-             label: str = "tensor", zero_copy: bool = False) -> None:
+             label: str = "tensor") -> None:
         """Fill `buffer` from `extent`, verifying each block's checksum when given.
 
-        On an error the contents of `buffer` are undefined.
+        On an error the contents of `buffer` are undefined (a failed block is not copied).
         """
-        self.engine.read(self._requests(extent, memoryview(buffer), checksums, label, zero_copy))
+        self.engine.read(self._requests(extent, memoryview(buffer), checksums, label))
 
     def sync(self, extents: list[NvmeExtent]) -> None:
         """Make the completed writes to `extents` durable: fdatasync each drive they touch.

@@ -160,15 +160,13 @@ class TierRegistry:
             raise
         return self._install(key, dtype, shape, len(data), cpu=buffer)
 
-    def _write_durable(self, label: str, data: memoryview,
-                       zero_copy: bool = False) -> tuple[NvmeExtent, tuple[int, ...]]:
+    def _write_durable(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
         """Write bytes to a fresh NVMe extent and fdatasync; the caller commits or frees it."""
         if len(data) == 0:
             return NvmeExtent(0, self.nvme_pool.block_size, ()), ()
         extent = self.nvme_pool.allocate(len(data))
         try:
-            checksums = tuple(self.nvme_pool.write(extent, data, label=f"tensor {label!r}",
-                                                   zero_copy=zero_copy))
+            checksums = tuple(self.nvme_pool.write(extent, data, label=f"tensor {label!r}"))
             self.nvme_pool.sync([extent])
         except BaseException:
             self.nvme_pool.free(extent)
@@ -274,8 +272,7 @@ class TierRegistry:
                 buffer = self._allocate_cpu(record.nbytes)
                 try:
                     self.nvme_pool.read(record.nvme, self.cpu_pool.view(buffer),
-                                        list(record.checksums), label=f"tensor {key!r}",
-                                        zero_copy=self.cpu_pool.huge_pages)
+                                        list(record.checksums), label=f"tensor {key!r}")
                 except BaseException:
                     self._free_cpu(buffer)
                     raise
@@ -341,8 +338,7 @@ class TierRegistry:
     def _evict_pinned(self, record: _Record) -> None:
         """Write a pinned record's CPU copy to NVMe if needed, then drop the CPU copy."""
         if record.nvme is None:
-            extent, checksums = self._write_durable(record.key, self.cpu_pool.view(record.cpu),
-                                                    zero_copy=self.cpu_pool.huge_pages)
+            extent, checksums = self._write_durable(record.key, self.cpu_pool.view(record.cpu))
             with self._lock:
                 if record.retired:  # replaced while we wrote: our copy is stale
                     self.nvme_pool.free(extent)
