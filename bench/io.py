@@ -9,7 +9,7 @@ compared. fio is run with default buffers and, where huge pages can be reserved,
 huge-page buffers (`--iomem=shmhuge`), with libaio and io_uring; its best configuration
 is the reference. The last line printed is one JSON object.
 
-Run: .venv/bin/python bench/io.py [--dir DIR] [--file-size 4GiB] [--reps 3]
+Run: make bench-io, or .venv/bin/python bench/io.py [--dir DIR] [--file-size 4GiB] [--reps 3]
 """
 
 from __future__ import annotations
@@ -27,11 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-
-from tierstack.config import GiB, MiB, AioConfig, CpuPoolConfig, NvmePoolConfig, parse_size  # noqa: E402
-from tierstack.services.tier_manager.cpu_pool import CpuPool  # noqa: E402
-from tierstack.services.tier_manager.nvme_pool import NvmePool  # noqa: E402
+from tierstack.config import GiB, MiB, AioConfig, CpuPoolConfig, NvmePoolConfig, parse_size
+from tierstack.services.tier_manager.cpu_pool import CpuPool
+from tierstack.services.tier_manager.nvme_pool import NvmePool
 
 BLOCK = 1 * MiB
 TENSOR = 256 * MiB  # the pool moves the file as 256 MiB tensors, one after another
