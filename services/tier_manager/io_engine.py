@@ -120,7 +120,7 @@ def load_native_blockio() -> ctypes.CDLL | None:
             log.warning("cannot load the native block-IO library %s: %s", path, e)
             continue
         lib.tsio_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_int]
+                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         lib.tsio_run.restype = ctypes.c_int
         lib.tsio_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
         lib.tsio_crc32c.restype = ctypes.c_uint32
@@ -240,12 +240,14 @@ class IoEngine:
              -1 if r.expected_crc is None else r.expected_crc, 0, 0)
             for r in requests
         ]
-        nthreads = min(self.workers, len(requests))
+        # Twice as many threads as requests allowed in flight: one copies and checksums
+        # while another's request is in the kernel (see blockio.c).
+        nthreads = min(2 * self.workers, len(requests))
         staging = self._take_staging(nthreads)
         try:
             addresses = np.array([s.array.ctypes.data for s in staging], dtype=np.uint64)
             err = self._native.tsio_run(int(write), table.ctypes.data, len(requests),
-                                        addresses.ctypes.data, nthreads)
+                                        addresses.ctypes.data, nthreads, self.workers)
         finally:
             self._give_staging(staging)
         if err:
@@ -288,7 +290,8 @@ class IoEngine:
     def _give_staging(self, buffers: list[StagingBuffer]) -> None:
         with self._staging_lock:
             # Keep at most one batch's worth: concurrent batches allocate their own.
-            self._free_staging.extend(buffers[: max(0, self.workers - len(self._free_staging))])
+            keep = max(0, 2 * self.workers - len(self._free_staging))
+            self._free_staging.extend(buffers[:keep])
 
     def _run_threads(self, fn, requests: list[BlockRequest]) -> list[int]:
         futures: list[Future] = [self._executor.submit(fn, r) for r in requests]

@@ -4,7 +4,12 @@
  * bandwidth on the dev machine's virtio disk: each completed request waited for the
  * GIL before the thread could issue the next one. Here `nthreads` POSIX threads pull
  * request indices from one atomic counter and loop pread/pwrite + crc32c on their own,
- * exactly like fio's psync engine with `numjobs` threads.
+ * like fio's psync engine with `numjobs` threads.
+ *
+ * Queue depth is enforced by a semaphore held only around the pread/pwrite itself, and
+ * there are twice as many threads as slots: while one thread checksums and copies the
+ * block it just read, another already has the next request in flight. Without this, at
+ * depth 1 the disk sat idle during every copy (measured 1.2 GB/s vs fio's 2.2).
  *
  * The caller (io_engine.py, through ctypes) owns every buffer: the payloads and one
  * staging buffer per thread (2 MiB-aligned, huge-page advised). Every block goes to
@@ -15,6 +20,7 @@
  */
 #include <errno.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -97,6 +103,7 @@ typedef struct {
     tsio_request *reqs;
     int64_t n;
     atomic_llong next;
+    sem_t slots; /* requests allowed in flight at once: the queue depth */
 } tsio_batch;
 
 typedef struct {
@@ -104,31 +111,39 @@ typedef struct {
     uint8_t *staging;
 } tsio_worker;
 
-static int64_t full_io(int write, int fd, uint8_t *buf, int64_t len, int64_t off) {
-    int64_t done = 0;
+static int64_t full_io(tsio_batch *b, int write, int fd, uint8_t *buf, int64_t len, int64_t off) {
+    while (sem_wait(&b->slots) != 0 && errno == EINTR) {
+    }
+    int64_t status = 0, done = 0;
     while (done < len) {
         ssize_t r = write ? pwrite(fd, buf + done, len - done, off + done)
                           : pread(fd, buf + done, len - done, off + done);
         if (r < 0) {
             if (errno == EINTR) continue;
-            return errno;
+            status = errno;
+            break;
         }
-        if (r == 0) return write ? EIO : TSIO_END_OF_FILE;
+        if (r == 0) {
+            status = write ? EIO : TSIO_END_OF_FILE;
+            break;
+        }
         done += r;
     }
-    return 0;
+    sem_post(&b->slots);
+    return status;
 }
 
-static void run_one(int write, tsio_request *r, uint8_t *staging) {
+static void run_one(tsio_batch *b, tsio_request *r, uint8_t *staging) {
+    int write = b->write;
     uint8_t *data = (uint8_t *)(uintptr_t)r->data;
     if (write) {
         memcpy(staging, data, (size_t)r->data_len);
         memset(staging + r->data_len, 0, (size_t)(r->length - r->data_len));
         r->crc = tsio_crc32c(0, staging, (size_t)r->data_len);
-        r->status = full_io(1, (int)r->fd, staging, r->length, r->file_offset);
+        r->status = full_io(b, 1, (int)r->fd, staging, r->length, r->file_offset);
         return;
     }
-    r->status = full_io(0, (int)r->fd, staging, r->length, r->file_offset);
+    r->status = full_io(b, 0, (int)r->fd, staging, r->length, r->file_offset);
     if (r->status) return;
     r->crc = tsio_crc32c(0, staging, (size_t)r->data_len);
     if (r->expected_crc >= 0 && r->crc != r->expected_crc) {
@@ -144,33 +159,36 @@ static void *worker_main(void *arg) {
     for (;;) {
         int64_t i = atomic_fetch_add(&b->next, 1);
         if (i >= b->n) return NULL;
-        run_one(b->write, &b->reqs[i], w->staging);
+        run_one(b, &b->reqs[i], w->staging);
     }
 }
 
-/* Run all `n` requests with up to `nthreads` threads; staging[i] is thread i's buffer.
- * Returns 0, or an errno if threads could not be started (requests then unrun). */
-int tsio_run(int write, tsio_request *reqs, int64_t n, uint64_t *staging, int nthreads) {
+/* Run all `n` requests on up to `nthreads` threads (staging[i] is thread i's buffer) with
+ * at most `depth` of them in the kernel at once. Every request is run even if some
+ * threads cannot be started; returns 0, or an errno if the semaphore cannot be made. */
+int tsio_run(int write, tsio_request *reqs, int64_t n, uint64_t *staging, int nthreads, int depth) {
     if (n <= 0) return 0;
     if (nthreads > n) nthreads = (int)n;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 1024) nthreads = 1024;
+    if (depth < 1) depth = 1;
     tsio_batch batch = {.write = write, .reqs = reqs, .n = n};
     atomic_init(&batch.next, 0);
+    if (sem_init(&batch.slots, 0, (unsigned)depth) != 0) return errno;
     tsio_worker workers[1024];
     pthread_t threads[1024];
-    int started = 0, err = 0;
+    int started = 0;
     for (int t = 0; t < nthreads; t++) {
         workers[t].batch = &batch;
         workers[t].staging = (uint8_t *)(uintptr_t)staging[t];
     }
     /* The calling thread is worker 0, so a one-request batch starts no thread at all. */
     for (int t = 1; t < nthreads; t++) {
-        err = pthread_create(&threads[t], NULL, worker_main, &workers[t]);
-        if (err) break;
+        if (pthread_create(&threads[t], NULL, worker_main, &workers[t]) != 0) break;
         started++;
     }
     worker_main(&workers[0]);
     for (int t = 1; t <= started; t++) pthread_join(threads[t], NULL);
+    sem_destroy(&batch.slots);
     return 0;
 }
