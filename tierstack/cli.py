@@ -67,6 +67,28 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tier_manager(args: argparse.Namespace) -> int:
+    """Run this node's tier-manager daemon in the foreground."""
+    from tierstack.services.tier_manager.daemon import serve
+
+    config = load_config(args.config).tier_manager
+    if args.listen:
+        config.listen = args.listen
+    if args.nvme_path:
+        config.nvme_pool.paths = args.nvme_path
+    if args.nvme_size:
+        config.nvme_pool.size = parse_size(args.nvme_size, "--nvme-size")
+    if args.cpu_pool_size:
+        config.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
+    if args.shm_dir:
+        config.cpu_pool.shm_dir = args.shm_dir
+    if args.manifest:
+        config.manifest_path = args.manifest
+    config.validate()
+    serve(config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstack", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -77,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--total", default="1GiB", help="bytes to move through each tier")
     demo.add_argument("--tensor-size", default="64MiB", help="bytes per tensor")
     demo.set_defaults(func=_demo)
+
+    tm = sub.add_parser("tier-manager", help="run this node's tier-manager daemon (gRPC)")
+    tm.add_argument("--config", help="tierstack JSON config (its tier_manager section)")
+    tm.add_argument("--listen", help="unix:/path/to.sock (default) or host:port")
+    tm.add_argument("--cpu-pool-size", help="CPU pool bytes, e.g. 16GiB")
+    tm.add_argument("--shm-dir", help="directory of the CPU pool's arenas (a tmpfs)")
+    tm.add_argument("--nvme-path", action="append", help="NVMe pool directory (repeatable)")
+    tm.add_argument("--nvme-size", help="NVMe pool bytes over all paths, e.g. 512GiB")
+    tm.add_argument("--manifest", help="path of the manifest database")
+    tm.set_defaults(func=_tier_manager)
     return parser
 
 

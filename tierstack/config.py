@@ -136,6 +136,11 @@ class TierManagerConfig:
     nvme_pool: NvmePoolConfig = field(default_factory=NvmePoolConfig)
     manifest_path: str = ""
     """sqlite manifest of NVMe-resident tensors; default: <first nvme path>/manifest.sqlite."""
+    listen: str = ""
+    """gRPC address: a unix socket path (unix:/path) or host:port; default: the node's
+    socket, $TIERSTACK_TIER_MANAGER or /tmp/tierstack-<uid>/tier-manager.sock."""
+    shutdown_grace_seconds: int = 30
+    """On SIGTERM, how long in-flight requests (writes) may take to finish."""
 
     def validate(self, prefix: str = "tier_manager") -> None:
         self.cpu_pool.validate(f"{prefix}.cpu_pool")

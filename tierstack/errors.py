@@ -58,3 +58,25 @@ class StorageIOError(TierstackError, OSError):
     """The operating system failed an IO request for a reason other than a full disk."""
 
     grpc_status = "UNAVAILABLE"
+
+
+class TierManagerUnavailableError(TierstackError):
+    """The node's tier-manager daemon did not answer within the reconnect timeout."""
+
+    grpc_status = "UNAVAILABLE"
+
+
+class DeviceBudgetError(TierstackError, MemoryError):
+    """A layer does not fit in the worker's device-memory budget."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
+# gRPC status name -> the project exception a client raises for it.
+ERRORS_BY_STATUS: dict[str, type[TierstackError]] = {
+    "INVALID_ARGUMENT": InvalidArgumentError,
+    "NOT_FOUND": KeyNotFoundError,
+    "RESOURCE_EXHAUSTED": PoolExhaustedError,
+    "DATA_LOSS": DataCorruptionError,
+    "UNAVAILABLE": TierManagerUnavailableError,
+}

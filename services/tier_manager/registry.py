@@ -9,8 +9,10 @@ to records. It is the only place that decides what a tier means:
   clean cached copy of an NVMe tensor); a CPU-only record is volatile and does not
   survive a restart.
 
-When the CPU pool is full it calls back into the registry, which evicts the least
-recently used unpinned CPU copy (writing it to NVMe first if it has no clean copy there).
+When the CPU pool is full it calls back into the registry, which evicts an unpinned CPU
+copy (writing it to NVMe first if it has no clean copy there): the one whose next use is
+furthest away when the access order is known (`set_access_order`), else the least
+recently used one.
 A tensor replaced or deleted while a reader holds it is freed when the reader lets go.
 """
 
@@ -56,6 +58,22 @@ class TensorInfo:
     version: int
     in_cpu: bool
     on_nvme: bool
+
+
+@dataclass(frozen=True)
+class RegistryStats:
+    """Occupancy and traffic counters of one node's tiers."""
+
+    cpu_capacity: int
+    cpu_used: int
+    nvme_capacity: int
+    nvme_used: int
+    tensors: int
+    nvme_bytes_read: int
+    nvme_bytes_written: int
+    evictions: int
+    checksum_failures: int
+    pinned: int
 
 
 @dataclass
@@ -109,6 +127,9 @@ class TierRegistry:
         # Versions come from one registry-wide counter, so (key, version) names one
         # record even across delete and re-put.
         self._last_version = 0
+        self._order: dict[str, int] = {}  # key -> position in the cyclic access order
+        self._cursor = -1  # position of the last key fetched in that order
+        self.evictions = 0
         self.nvme_pool = NvmePool(config.nvme_pool)
         try:
             self.manifest = Manifest(config.resolved_manifest_path(), self._layout())
@@ -141,8 +162,12 @@ class TierRegistry:
 
     # ---- writes -------------------------------------------------------------------
 
-    def put(self, key: str, tensor: torch.Tensor, tier: Tier = "nvme") -> TensorInfo:
-        """Store a CPU tensor under `key` in `tier`, replacing any older version."""
+    def put(self, key: str, tensor: torch.Tensor, tier: Tier = "nvme",
+            durable: bool = False) -> TensorInfo:
+        """Store a CPU tensor under `key` in `tier`, replacing any older version.
+
+        `durable` with tier "cpu" also writes the bytes through to NVMe before returning.
+        """
         validate_key(key)
         if tier not in TIERS:
             raise InvalidArgumentError(f"unknown tier {tier!r}; use one of {TIERS}")
@@ -151,14 +176,50 @@ class TierRegistry:
         if tier == "nvme":
             extent, checksums = self._write_durable(key, data)
             return self._install(key, dtype, shape, len(data), nvme=extent, checksums=checksums)
-        buffer = self._allocate_cpu(len(data))
+        buffer = self.allocate_buffer(len(data))
         try:
             if len(data):
                 copy_bytes(self.cpu_pool.view(buffer), data)
+            return self.adopt(key, buffer, dtype, shape, durable=durable)
         except BaseException:
-            self._free_cpu(buffer)
+            self.free_buffer(buffer)
             raise
-        return self._install(key, dtype, shape, len(data), cpu=buffer)
+
+    def allocate_buffer(self, nbytes: int) -> CpuBuffer | None:
+        """A CPU-pool buffer for a caller to fill and then `adopt` (None for 0 bytes)."""
+        if nbytes < 0:
+            raise InvalidArgumentError(f"cannot allocate {nbytes} bytes")
+        return self._allocate_cpu(nbytes)
+
+    def free_buffer(self, buffer: CpuBuffer | None) -> None:
+        self._free_cpu(buffer)
+
+    def adopt(self, key: str, buffer: CpuBuffer | None, dtype: str, shape: tuple[int, ...],
+              durable: bool = False) -> TensorInfo:
+        """Make a filled CPU-pool buffer the new version of `key` (no copy).
+
+        With `durable`, the bytes are first written to NVMe and recorded in the manifest,
+        so the tensor survives a crash. On an error the buffer still belongs to the caller.
+        """
+        validate_key(key)
+        dtype_from_name(dtype)
+        nbytes = nbytes_of(dtype, tuple(shape))
+        held = buffer.nbytes if buffer is not None else 0
+        if held != nbytes:
+            raise InvalidArgumentError(
+                f"tensor {key!r}: {dtype}{list(shape)} needs {nbytes} bytes but the buffer "
+                f"holds {held}; allocate a buffer of exactly the tensor's size")
+        if not durable:
+            return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer)
+        view = self.cpu_pool.view(buffer) if buffer is not None else memoryview(b"")
+        extent, checksums = self._write_durable(key, view)
+        try:
+            return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, nvme=extent,
+                                 checksums=checksums)
+        except BaseException:
+            if extent.stripes:
+                self.nvme_pool.free(extent)
+            raise
 
     def _write_durable(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
         """Write bytes to a fresh NVMe extent and fdatasync; the caller commits or frees it."""
@@ -191,6 +252,7 @@ class TierRegistry:
                     # stale bytes after a restart.
                     self.manifest.delete(key)
             except BaseException:
+                record.cpu = None  # the buffer stays the caller's
                 self._free_resources(record)
                 raise
             self._records[key] = record
@@ -255,9 +317,7 @@ class TierRegistry:
                 record = self._get(key)
                 if record.cpu is not None or record.nbytes == 0:
                     self._lease(record)
-                    if record.cpu is not None:
-                        self._lru.pop(key, None)
-                        self._lru[key] = None
+                    self._touch(key)
                     return record.info(), record.cpu
                 if record.loading is not None:
                     waiting = record.loading
@@ -279,7 +339,7 @@ class TierRegistry:
                 with self._lock:
                     record.cpu = buffer
                     if not record.retired:
-                        self._lru[key] = None
+                        self._touch(key)
                     return record.info(), buffer
             except BaseException:
                 self.release(key, record.version)
@@ -311,6 +371,17 @@ class TierRegistry:
         record.pins += 1
         _, count = self._leases.get((record.key, record.version), (record, 0))
         self._leases[(record.key, record.version)] = (record, count + 1)
+
+    def stats(self) -> "RegistryStats":
+        io = self.nvme_pool.engine.stats
+        with self._lock:
+            return RegistryStats(
+                cpu_capacity=self.cpu_pool.capacity, cpu_used=self.cpu_pool.used_bytes,
+                nvme_capacity=self.nvme_pool.capacity, nvme_used=self.nvme_pool.used_bytes,
+                tensors=len(self._records), nvme_bytes_read=io.bytes_read,
+                nvme_bytes_written=io.bytes_written, evictions=self.evictions,
+                checksum_failures=io.checksum_failures,
+                pinned=sum(count for _, count in self._leases.values()))
 
     def view(self, buffer: CpuBuffer) -> memoryview:
         return self.cpu_pool.view(buffer)
@@ -356,14 +427,43 @@ class TierRegistry:
                 buffer, record.cpu = record.cpu, None
                 self._free_cpu(buffer)
 
-    def _evict_for(self, nbytes: int) -> bool:
-        """CpuPool callback: free room by evicting the least recently used unpinned tensor."""
+    def set_access_order(self, keys: list[str]) -> None:
+        """Declare the cyclic order in which keys will be fetched (e.g. layer order)."""
         with self._lock:
-            victim = next((self._records[k] for k in self._lru
-                           if self._records[k].pins == 0), None)
+            self._order = {validate_key(k): i for i, k in enumerate(keys)}
+            self._cursor = -1
+
+    def _touch(self, key: str) -> None:
+        """Mark `key` as just used: most recent in LRU order, and the access cursor."""
+        self._lru.pop(key, None)
+        self._lru[key] = None
+        if key in self._order:
+            self._cursor = self._order[key]
+
+    def _pick_victim(self) -> _Record | None:
+        candidates = [self._records[k] for k in self._lru if self._records[k].pins == 0]
+        if not candidates:
+            return None
+        if self._order:
+            n = len(self._order)
+
+            def distance(record: _Record) -> int:
+                # Steps until the next use, going round the cyclic order; keys outside
+                # the order are the least needed of all.
+                pos = self._order.get(record.key)
+                return n + 1 if pos is None else (pos - self._cursor - 1) % n
+
+            return max(candidates, key=distance)
+        return candidates[0]  # least recently used
+
+    def _evict_for(self, nbytes: int) -> bool:
+        """CpuPool callback: free room by evicting the least-soon-needed unpinned tensor."""
+        with self._lock:
+            victim = self._pick_victim()
             if victim is None:
                 return False
             victim.pins += 1
+            self.evictions += 1
             self._lru.pop(victim.key, None)
         log.debug("CPU pool full (%d bytes wanted): evicting %r", nbytes, victim.key)
         try:

@@ -1,0 +1,221 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Arena(_message.Message):
+    __slots__ = ("index", "path", "size")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    path: str
+    size: int
+    def __init__(self, index: _Optional[int] = ..., path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class GetNodeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("instance_id", "arenas", "cpu_capacity", "nvme_capacity", "block_size", "alignment")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENAS_FIELD_NUMBER: _ClassVar[int]
+    CPU_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    NVME_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    arenas: _containers.RepeatedCompositeFieldContainer[Arena]
+    cpu_capacity: int
+    nvme_capacity: int
+    block_size: int
+    alignment: int
+    def __init__(self, instance_id: _Optional[str] = ..., arenas: _Optional[_Iterable[_Union[Arena, _Mapping]]] = ..., cpu_capacity: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., block_size: _Optional[int] = ..., alignment: _Optional[int] = ...) -> None: ...
+
+class AllocateBufferRequest(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+
+class BufferLease(_message.Message):
+    __slots__ = ("lease_id", "arena", "offset", "nbytes")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    arena: int
+    offset: int
+    nbytes: int
+    def __init__(self, lease_id: _Optional[int] = ..., arena: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class CancelBufferRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class CancelBufferResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorInfo(_message.Message):
+    __slots__ = ("key", "dtype", "shape", "nbytes", "version", "in_cpu", "on_nvme")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    IN_CPU_FIELD_NUMBER: _ClassVar[int]
+    ON_NVME_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    version: int
+    in_cpu: bool
+    on_nvme: bool
+    def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., version: _Optional[int] = ..., in_cpu: _Optional[bool] = ..., on_nvme: _Optional[bool] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("key", "lease_id", "dtype", "shape", "durable")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    lease_id: int
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    durable: bool
+    def __init__(self, key: _Optional[str] = ..., lease_id: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Resident(_message.Message):
+    __slots__ = ("info", "arena", "offset")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    info: TensorInfo
+    arena: int
+    offset: int
+    def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ..., arena: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[Resident]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Resident, _Mapping]]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("queued",)
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    def __init__(self, queued: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("key", "version")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    version: int
+    def __init__(self, key: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class SetAccessOrderRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SetAccessOrderResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchStatsRequest(_message.Message):
+    __slots__ = ("interval_seconds",)
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    interval_seconds: float
+    def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
+
+class NodeStats(_message.Message):
+    __slots__ = ("instance_id", "timestamp", "cpu_capacity", "cpu_used", "nvme_capacity", "nvme_used", "tensors", "nvme_bytes_read", "nvme_bytes_written", "evictions", "checksum_failures", "leases", "pinned")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    CPU_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CPU_USED_FIELD_NUMBER: _ClassVar[int]
+    NVME_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    NVME_USED_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NVME_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    NVME_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    timestamp: float
+    cpu_capacity: int
+    cpu_used: int
+    nvme_capacity: int
+    nvme_used: int
+    tensors: int
+    nvme_bytes_read: int
+    nvme_bytes_written: int
+    evictions: int
+    checksum_failures: int
+    leases: int
+    pinned: int
+    def __init__(self, instance_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., cpu_capacity: _Optional[int] = ..., cpu_used: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., nvme_used: _Optional[int] = ..., tensors: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,139 @@
+"""The tier-manager daemon: one process per node serving its registry over gRPC.
+
+`tierstack tier-manager` runs `serve`. It listens on a unix socket by default (the worker
+SDK finds it at the same default path), answers gRPC health checks, and on SIGTERM or
+SIGINT stops taking requests, lets in-flight ones (writes) finish within the grace
+period, and closes the pools. After a crash, the next start reclaims the dead instance's
+arenas and finds every durable tensor again through the manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tierstack.config import TierManagerConfig
+from tierstack.errors import InvalidArgumentError
+from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
+from tierstack.services.tier_manager.registry import TierRegistry
+from tierstack.services.tier_manager.server import TierManagerServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tierstack.tier_manager.v1.TierManager"
+ADDRESS_ENV = "TIERSTACK_TIER_MANAGER"
+
+
+def default_address() -> str:
+    """The node's tier-manager address: $TIERSTACK_TIER_MANAGER, else a per-user socket."""
+    return os.environ.get(ADDRESS_ENV) or f"unix:/tmp/tierstack-{os.getuid()}/tier-manager.sock"
+
+
+def grpc_target(address: str) -> str:
+    """A gRPC target from an address: a bare path becomes a unix socket."""
+    if address.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith("/") or address.startswith("./"):
+        return f"unix:{os.path.abspath(address)}"
+    return address
+
+
+def unix_socket_path(target: str) -> Path | None:
+    if target.startswith("unix://"):
+        return Path(target[len("unix://"):])
+    if target.startswith("unix:"):
+        return Path(target[len("unix:"):])
+    return None
+
+
+def _clear_stale_socket(path: Path) -> None:
+    """Remove a socket file left by a crashed daemon; refuse if a daemon still answers."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+        log.warning("removed stale socket %s left by a previous daemon", path)
+        return
+    finally:
+        probe.close()
+    raise InvalidArgumentError(
+        f"a tier manager is already listening on {path}; stop it, or give this one another "
+        f"address (--listen or ${ADDRESS_ENV})")
+
+
+class TierManagerDaemon:
+    """Owns the registry, the gRPC server and the health status of one node."""
+
+    def __init__(self, config: TierManagerConfig, max_workers: int = 32) -> None:
+        self.config = config
+        self.target = grpc_target(config.listen or default_address())
+        socket_path = unix_socket_path(self.target)
+        if socket_path is not None:
+            socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _clear_stale_socket(socket_path)
+        self.registry = TierRegistry(config)
+        self.servicer = TierManagerServicer(self.registry)
+        self.health = health.HealthServicer()
+        self.server = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix="tierstack-rpc"),
+                                  options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_TierManagerServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(self.target)
+        if self.port == 0:
+            self.registry.close()
+            raise InvalidArgumentError(f"cannot listen on {self.target}: address in use or invalid")
+        if socket_path is not None:
+            os.chmod(socket_path, 0o600)  # workers run as the daemon's user
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        self.server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("tier manager %s serving on %s", self.registry.cpu_pool.instance_id, self.target)
+
+    def stop(self) -> None:
+        """Graceful stop: refuse new work, finish in-flight requests, close the pools."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.servicer.stop()
+        self.server.stop(grace=self.config.shutdown_grace_seconds).wait()
+        self.registry.close()
+        socket_path = unix_socket_path(self.target)
+        if socket_path is not None and socket_path.exists():
+            socket_path.unlink()
+        log.info("tier manager stopped")
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def serve(config: TierManagerConfig) -> None:
+    """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    daemon = TierManagerDaemon(config)
+    stop_requested = threading.Event()
+
+    def on_signal(signum, frame):
+        log.info("signal %d: shutting down", signum)
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon.start()
+    print(f"tier manager listening on {daemon.target}", flush=True)
+    stop_requested.wait()
+    daemon.stop()

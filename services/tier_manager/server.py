@@ -1,0 +1,193 @@
+"""The TierManager gRPC servicer: the registry's operations as RPCs.
+
+Only keys, offsets and numbers cross gRPC; bytes move through the CPU pool's arenas,
+which clients map themselves. Project exceptions become gRPC status codes here, in one
+place, with their message unchanged (it already says what to do).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from tierstack.errors import InvalidArgumentError, TierstackError
+from tierstack.proto import tier_manager_pb2 as pb
+from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
+from tierstack.services.tier_manager.cpu_pool import CpuBuffer
+from tierstack.services.tier_manager.registry import TensorInfo, TierRegistry
+
+log = logging.getLogger(__name__)
+
+
+def _rpc(method):
+    """Run an RPC body, turning project errors into gRPC statuses."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except TierstackError as e:
+            context.abort(getattr(grpc.StatusCode, e.grpc_status), str(e))
+        except Exception as e:  # noqa: BLE001 - a bug: say so, keep the daemon up
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    return wrapper
+
+
+def tensor_info_pb(info: TensorInfo) -> pb.TensorInfo:
+    return pb.TensorInfo(key=info.key, dtype=info.dtype, shape=list(info.shape),
+                         nbytes=info.nbytes, version=info.version, in_cpu=info.in_cpu,
+                         on_nvme=info.on_nvme)
+
+
+class TierManagerServicer(pb_grpc.TierManagerServicer):
+    """Serves one node's `TierRegistry`."""
+
+    def __init__(self, registry: TierRegistry, prefetch_threads: int = 4) -> None:
+        self.registry = registry
+        self._leases: dict[int, CpuBuffer | None] = {}
+        self._lease_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._prefetcher = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="tierstack-prefetch")
+        self._stopping = threading.Event()
+
+    # ---- node -----------------------------------------------------------------------
+
+    @_rpc
+    def GetNode(self, request, context):
+        pool = self.registry.cpu_pool
+        return pb.NodeInfo(
+            instance_id=pool.instance_id,
+            arenas=[pb.Arena(index=a.index, path=a.path, size=a.size) for a in pool.arenas],
+            cpu_capacity=pool.capacity, nvme_capacity=self.registry.nvme_pool.capacity,
+            block_size=self.registry.nvme_pool.block_size, alignment=pool.config.alignment)
+
+    # ---- writes -----------------------------------------------------------------------
+
+    @_rpc
+    def AllocateBuffer(self, request, context):
+        buffer = self.registry.allocate_buffer(request.nbytes)
+        with self._lock:
+            lease_id = next(self._lease_ids)
+            self._leases[lease_id] = buffer
+        if buffer is None:
+            return pb.BufferLease(lease_id=lease_id, nbytes=0)
+        return pb.BufferLease(lease_id=lease_id, arena=buffer.arena, offset=buffer.offset,
+                              nbytes=buffer.nbytes)
+
+    def _take_lease(self, lease_id: int) -> CpuBuffer | None:
+        with self._lock:
+            if lease_id not in self._leases:
+                raise InvalidArgumentError(
+                    f"buffer lease {lease_id} is unknown: it was committed or cancelled "
+                    f"already, or granted by a previous daemon instance; allocate a new buffer")
+            return self._leases.pop(lease_id)
+
+    @_rpc
+    def CancelBuffer(self, request, context):
+        self.registry.free_buffer(self._take_lease(request.lease_id))
+        return pb.CancelBufferResponse()
+
+    @_rpc
+    def Commit(self, request, context):
+        buffer = self._take_lease(request.lease_id)
+        try:
+            info = self.registry.adopt(request.key, buffer, request.dtype, tuple(request.shape),
+                                       durable=request.durable)
+        except BaseException:
+            with self._lock:  # the client may fix the request and commit again
+                self._leases[request.lease_id] = buffer
+            raise
+        return tensor_info_pb(info)
+
+    # ---- reads ------------------------------------------------------------------------
+
+    @_rpc
+    def Fetch(self, request, context):
+        out, fetched = [], []
+        try:
+            for key in request.keys:
+                info, buffer = self.registry.fetch(key)
+                fetched.append((key, info.version))
+                out.append(pb.Resident(info=tensor_info_pb(info),
+                                       arena=buffer.arena if buffer else 0,
+                                       offset=buffer.offset if buffer else 0))
+        except BaseException:
+            for key, version in fetched:  # all or nothing: no pin outlives a failed call
+                self.registry.release(key, version)
+            raise
+        return pb.FetchResponse(tensors=out)
+
+    def _prefetch_one(self, key: str) -> None:
+        try:
+            info, _ = self.registry.fetch(key)
+            self.registry.release(key, info.version)
+        except TierstackError as e:
+            log.warning("prefetch of %r failed: %s", key, e)
+
+    @_rpc
+    def Prefetch(self, request, context):
+        for key in request.keys:
+            self.registry.info(key)  # unknown keys fail now, not silently later
+        for key in request.keys:
+            self._prefetcher.submit(self._prefetch_one, key)
+        return pb.PrefetchResponse(queued=len(request.keys))
+
+    @_rpc
+    def Release(self, request, context):
+        self.registry.release(request.key, request.version or None)
+        return pb.ReleaseResponse()
+
+    @_rpc
+    def Evict(self, request, context):
+        return pb.EvictResponse(tensors=[tensor_info_pb(self.registry.evict(k)) for k in request.keys])
+
+    @_rpc
+    def Delete(self, request, context):
+        for key in request.keys:
+            self.registry.delete(key)
+        return pb.DeleteResponse()
+
+    @_rpc
+    def Describe(self, request, context):
+        return tensor_info_pb(self.registry.info(request.key))
+
+    @_rpc
+    def SetAccessOrder(self, request, context):
+        self.registry.set_access_order(list(request.keys))
+        return pb.SetAccessOrderResponse()
+
+    # ---- stats ------------------------------------------------------------------------
+
+    def _stats(self) -> pb.NodeStats:
+        s = self.registry.stats()
+        with self._lock:
+            leases = len(self._leases)
+        return pb.NodeStats(
+            instance_id=self.registry.cpu_pool.instance_id, timestamp=time.time(),
+            cpu_capacity=s.cpu_capacity, cpu_used=s.cpu_used, nvme_capacity=s.nvme_capacity,
+            nvme_used=s.nvme_used, tensors=s.tensors, nvme_bytes_read=s.nvme_bytes_read,
+            nvme_bytes_written=s.nvme_bytes_written, evictions=s.evictions,
+            checksum_failures=s.checksum_failures, leases=leases, pinned=s.pinned)
+
+    @_rpc
+    def GetStats(self, request, context):
+        return self._stats()
+
+    def WatchStats(self, request, context):
+        interval = max(0.05, request.interval_seconds or 1.0)
+        while context.is_active() and not self._stopping.is_set():
+            yield self._stats()
+            self._stopping.wait(interval)
+
+    def stop(self) -> None:
+        """Stop streams and background prefetches (in-flight ones finish)."""
+        self._stopping.set()
+        self._prefetcher.shutdown(wait=True)

@@ -1,0 +1,115 @@
+"""The daemon over real gRPC (unix socket), driven by the worker's client."""
+
+import signal
+import threading
+
+import grpc
+import pytest
+import torch
+
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError, PoolExhaustedError
+from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.client import TierManagerClient
+
+
+def write(client: TierManagerClient, arenas: ArenaMap, key: str, data: torch.Tensor, durable=True):
+    flat = data.contiguous().view(-1).view(torch.uint8)
+    lease = client.allocate(flat.numel())
+    arenas.view(lease.arena, lease.offset, flat.numel()).copy_(flat)
+    return client.commit(key, lease.lease_id, "uint8", (flat.numel(),), durable)
+
+
+def test_health_node_info_and_a_round_trip_through_shared_memory(daemon):
+    client = TierManagerClient(daemon.address)
+    node = client.node()
+    assert node.cpu_capacity == 16 << 20 and len(node.arenas) == 2
+    arenas = ArenaMap(node, pin_for_cuda=False)
+    data = torch.randint(0, 255, (3_000_000,), dtype=torch.uint8)
+    info = write(client, arenas, "a/b", data)
+    assert info.nbytes == 3_000_000 and info.on_nvme and info.in_cpu
+    client.evict(["a/b"])
+    (res,) = client.fetch(["a/b"])
+    assert torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes), data)
+    assert client.stats().pinned == 1
+    client.release("a/b", res.info.version)
+    assert client.stats().pinned == 0
+    assert client.stats().nvme_bytes_read >= 3_000_000
+
+
+def test_errors_map_to_grpc_statuses_with_useful_messages(daemon):
+    client = TierManagerClient(daemon.address)
+    with pytest.raises(KeyNotFoundError, match="no tensor is stored under key 'missing'"):
+        client.fetch(["missing"])
+    lease = client.allocate(100)
+    with pytest.raises(InvalidArgumentError, match="needs 400 bytes but the buffer holds 100"):
+        client.commit("k", lease.lease_id, "float32", (100,), True)
+    with pytest.raises(InvalidArgumentError, match="unsupported dtype 'complex7'"):
+        client.commit("k", lease.lease_id, "complex7", (100,), True)
+    client.commit("k", lease.lease_id, "uint8", (100,), True)  # the lease survived the errors
+    with pytest.raises(InvalidArgumentError, match="lease .* is unknown"):
+        client.commit("k2", lease.lease_id, "uint8", (100,), True)
+    with pytest.raises(PoolExhaustedError, match="arena_size"):
+        client.allocate(64 << 20)
+    # RESOURCE_EXHAUSTED when the pool is full of pinned tensors and nothing can be evicted.
+    node = client.node()
+    arenas = ArenaMap(node, pin_for_cuda=False)
+    keys = []
+    for i in range(2):  # one 5 MiB tensor per 8 MiB arena, then pinned
+        write(client, arenas, f"big{i}", torch.zeros(5 << 20, dtype=torch.uint8))
+        keys.append(f"big{i}")
+    pins = client.fetch(keys)
+    with pytest.raises(PoolExhaustedError, match="CPU pool full"):
+        client.allocate(5 << 20)
+    for key, res in zip(keys, pins):
+        client.release(key, res.info.version)
+    client.allocate(5 << 20)  # evicts now
+    with grpc.insecure_channel(daemon.address) as channel:  # the raw status code, too
+        from tierstack.proto import tier_manager_pb2 as pb, tier_manager_pb2_grpc as pbg
+        with pytest.raises(grpc.RpcError) as err:
+            pbg.TierManagerStub(channel).Describe(pb.DescribeRequest(key="nope"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_many_concurrent_clients(daemon):
+    errors = []
+
+    def worker(n: int) -> None:
+        try:
+            client = TierManagerClient(daemon.address)
+            arenas = ArenaMap(client.node(), pin_for_cuda=False)
+            for i in range(10):
+                data = torch.full((200_000 + n,), n * 10 + i, dtype=torch.uint8)
+                write(client, arenas, f"c{n}/{i}", data, durable=i % 2 == 0)
+                (res,) = client.fetch([f"c{n}/{i}"])
+                if not torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes), data):
+                    errors.append((n, i))
+                client.release(f"c{n}/{i}", res.info.version)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert errors == []
+
+
+def test_graceful_shutdown_and_restart_keep_durable_tensors(daemon):
+    client = TierManagerClient(daemon.address, reconnect_timeout=30)
+    arenas = ArenaMap(client.node(), pin_for_cuda=False)
+    data = torch.arange(1_000_000, dtype=torch.int32)
+    write(client, arenas, "kept", data)
+    assert daemon.stop() == 0  # SIGTERM
+    daemon.start()
+    node = client.node()
+    assert node.instance_id != arenas.instance_id
+    arenas = ArenaMap(node, pin_for_cuda=False)
+    (res,) = client.fetch(["kept"])
+    assert torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes).view(torch.int32), data)
+
+
+def test_generated_grpc_code_is_in_sync_with_proto(tmp_path):
+    from proto.generate import PROTO_DIR, generate
+    for path in generate(tmp_path):
+        committed = PROTO_DIR / path.name
+        assert committed.read_text() == path.read_text(), (
+            f"{committed.name} is out of date with proto/: run `make proto`")

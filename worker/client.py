@@ -1,0 +1,99 @@
+"""The worker's connection to its node's tier manager (gRPC, unix socket by default).
+
+Calls wait for the daemon to be ready up to `reconnect_timeout` seconds, so a daemon
+restart looks like a pause rather than an error; statuses come back as the project's
+exceptions. `node()` tells whether the daemon restarted (a new instance id), which the
+layer store uses to remap arenas and redo interrupted work.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from tierstack.errors import ERRORS_BY_STATUS, TierManagerUnavailableError, TierstackError
+from tierstack.proto import tier_manager_pb2 as pb
+from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
+from tierstack.services.tier_manager.daemon import default_address, grpc_target
+
+
+class TierManagerClient:
+    """Typed calls to the TierManager service."""
+
+    def __init__(self, address: str | None = None, reconnect_timeout: float = 60.0) -> None:
+        self.target = grpc_target(address or default_address())
+        self.reconnect_timeout = reconnect_timeout
+        self._channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            # Reconnect quickly after a daemon restart instead of backing off for seconds.
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ])
+        self._stub = pb_grpc.TierManagerStub(self._channel)
+        self._lock = threading.Lock()
+
+    def call(self, method: str, request, timeout: float | None = None):
+        """Invoke an RPC; waits for a restarting daemon; raises project exceptions."""
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=timeout or self.reconnect_timeout, wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise self._translate(method, e) from None
+
+    def _translate(self, method: str, e: grpc.RpcError) -> TierstackError:
+        code = e.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.CANCELLED):
+            return TierManagerUnavailableError(
+                f"tier manager at {self.target} did not answer {method} "
+                f"({code.name}: {e.details()}); is `tierstack tier-manager` running there?")
+        cls = ERRORS_BY_STATUS.get(code.name, TierstackError)
+        return cls(e.details())
+
+    # ---- the service's calls, typed ---------------------------------------------------
+
+    def node(self) -> pb.NodeInfo:
+        return self.call("GetNode", pb.GetNodeRequest())
+
+    def allocate(self, nbytes: int) -> pb.BufferLease:
+        return self.call("AllocateBuffer", pb.AllocateBufferRequest(nbytes=nbytes))
+
+    def cancel(self, lease_id: int) -> None:
+        self.call("CancelBuffer", pb.CancelBufferRequest(lease_id=lease_id))
+
+    def commit(self, key: str, lease_id: int, dtype: str, shape: tuple[int, ...],
+               durable: bool) -> pb.TensorInfo:
+        return self.call("Commit", pb.CommitRequest(key=key, lease_id=lease_id, dtype=dtype,
+                                                    shape=list(shape), durable=durable))
+
+    def fetch(self, keys: list[str]) -> list[pb.Resident]:
+        return list(self.call("Fetch", pb.FetchRequest(keys=keys)).tensors)
+
+    def prefetch(self, keys: list[str]) -> None:
+        self.call("Prefetch", pb.PrefetchRequest(keys=keys))
+
+    def release(self, key: str, version: int) -> None:
+        self.call("Release", pb.ReleaseRequest(key=key, version=version))
+
+    def evict(self, keys: list[str]) -> list[pb.TensorInfo]:
+        return list(self.call("Evict", pb.EvictRequest(keys=keys)).tensors)
+
+    def delete(self, keys: list[str]) -> None:
+        self.call("Delete", pb.DeleteRequest(keys=keys))
+
+    def describe(self, key: str) -> pb.TensorInfo:
+        return self.call("Describe", pb.DescribeRequest(key=key))
+
+    def set_access_order(self, keys: list[str]) -> None:
+        self.call("SetAccessOrder", pb.SetAccessOrderRequest(keys=keys))
+
+    def stats(self) -> pb.NodeStats:
+        return self.call("GetStats", pb.GetStatsRequest())
+
+    def watch_stats(self, interval: float = 1.0):
+        """Yield NodeStats every `interval` seconds until the iterator is closed."""
+        return self._stub.WatchStats(pb.WatchStatsRequest(interval_seconds=interval))
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,339 @@
+"""The worker SDK's layer store: `ensure_layer(i)` puts layer i on the worker's device.
+
+Each layer's tensors are packed into one contiguous block (`LayerLayout`) and kept by the
+node's tier manager under `<job>/layer<i>/params`, in its CPU pool or on NVMe. Loading a
+layer is: Fetch (the daemon makes the block resident in a shared-memory arena and pins it
+there), one host-to-device copy straight from the arena mapping (page-locked once with
+cudaHostRegister) on a side CUDA stream, an event that the compute stream waits on, and
+Release once the copy is done. On a CPU-only machine the device is `cpu` and the same
+path runs with plain copies.
+
+`prefetch(i)` asks the daemon to start reading layer i from NVMe at once and queues its
+device copy, so the NVMe->CPU and CPU->device legs of successive layers overlap each
+other and the caller's compute. Device memory held by layers never exceeds the budget.
+A daemon restart is survived: calls wait for it, arenas of the new instance are mapped,
+and interrupted reads and writes are redone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence, TypeVar
+
+import torch
+
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError, TierManagerUnavailableError
+from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.client import TierManagerClient
+from tierstack.worker.device_budget import DeviceBudget
+from tierstack.worker.layout import LayerLayout
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_DEVICE_BUDGET = 4 << 30
+
+
+@dataclass
+class _Resident:
+    """A layer on the device, or on its way there."""
+
+    nbytes: int
+    buffer: torch.Tensor | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+    copied: object | None = None  # torch.cuda.Event once the copy is queued
+    error: BaseException | None = None
+
+
+def layer_tensors(layer: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A layer's named tensors: a module's state dict (parameters and buffers) or a mapping."""
+    if isinstance(layer, torch.nn.Module):
+        return {k: v.detach() for k, v in layer.state_dict().items()}
+    return {k: v.detach() for k, v in layer.items()}
+
+
+class LayerStore:
+    """One job's layers, kept by the node's tier manager, brought to one device on demand."""
+
+    def __init__(self, job: str, device: str | torch.device | None = None,
+                 device_budget: int = DEFAULT_DEVICE_BUDGET, address: str | None = None,
+                 reconnect_timeout: float = 60.0, durable: bool = True) -> None:
+        if not job or "/" in job:
+            raise InvalidArgumentError(f"job name {job!r} must be non-empty and contain no '/'")
+        self.job = job
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.cuda = self.device.type == "cuda"
+        self.durable = durable
+        self.budget = DeviceBudget(device_budget)
+        self.client = TierManagerClient(address, reconnect_timeout)
+        self._arenas: ArenaMap | None = None
+        self._arena_lock = threading.Lock()
+        self._connect()
+        self.layouts: list[LayerLayout] = []
+        self._resident: dict[int, _Resident] = {}
+        self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-load")
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="tierstack-release")
+        self.stall_seconds = 0.0  # time ensure_layer spent waiting for a load
+
+    # ---- keys and connection -----------------------------------------------------------
+
+    def key(self, index: int, kind: str = "params") -> str:
+        return f"{self.job}/layer{index}/{kind}"
+
+    def _connect(self) -> ArenaMap:
+        """Map the daemon's arenas; remap if the daemon restarted since the last call."""
+        node = self.client.node()
+        with self._arena_lock:
+            if self._arenas is None or self._arenas.instance_id != node.instance_id:
+                if self._arenas is not None:
+                    log.warning("tier manager restarted (%s -> %s): remapping its arenas",
+                                self._arenas.instance_id, node.instance_id)
+                    self._arenas.close()
+                self._arenas = ArenaMap(node, pin_for_cuda=self.cuda)
+            return self._arenas
+
+    def _retrying(self, what: str, op: Callable[[ArenaMap], T], attempts: int = 3) -> T:
+        """Run `op`; if the daemon restarted under it, remap and run it again."""
+        for attempt in range(attempts):
+            arenas = self._arenas if attempt == 0 and self._arenas is not None else self._connect()
+            try:
+                return op(arenas)
+            except (TierManagerUnavailableError, InvalidArgumentError, KeyNotFoundError) as e:
+                # A restart shows as UNAVAILABLE, as a lease the new instance never granted,
+                # or as a volatile key it does not know. Retry only if the instance changed.
+                if attempt + 1 == attempts or self._instance() == arenas.instance_id:
+                    raise
+                log.warning("%s interrupted by a tier-manager restart (%s); redoing it", what, e)
+        raise AssertionError("unreachable")
+
+    def _instance(self) -> str:
+        return self.client.node().instance_id
+
+    # ---- writing layers ------------------------------------------------------------------
+
+    def register_layers(self, layers: Sequence[torch.nn.Module | Mapping[str, torch.Tensor]]) -> list[LayerLayout]:
+        """Upload each layer's tensors as one contiguous block, with its layout.
+
+        Afterwards the tier manager holds the only copy that matters: callers drop their
+        device copies and get them back with `ensure_layer`.
+        """
+        layouts = []
+        for i, layer in enumerate(layers):
+            tensors = layer_tensors(layer)
+            layout = LayerLayout.of(tensors)
+            self._write_block(self.key(i, "layout"), torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8))
+            self._write_layer(self.key(i), layout, tensors)
+            layouts.append(layout)
+        self.layouts = layouts
+        self._write_block(f"{self.job}/meta", torch.tensor([len(layouts)], dtype=torch.int64))
+        self.client.set_access_order([self.key(i) for i in range(len(layouts))])
+        return layouts
+
+    def attach(self) -> list[LayerLayout]:
+        """Load the layouts of a job another worker (or an earlier run) registered."""
+        meta = self._read_block(f"{self.job}/meta").view(torch.int64)
+        self.layouts = [LayerLayout.from_json(bytes(self._read_block(self.key(i, "layout")).numpy()))
+                        for i in range(int(meta[0]))]
+        return self.layouts
+
+    def write_back(self, index: int, tensors: Mapping[str, torch.Tensor], kind: str = "params",
+                   durable: bool | None = None) -> None:
+        """Store a layer's tensors (updated parameters, gradients, ...) from any device.
+
+        `kind="params"` replaces the layer itself (names and shapes must match its layout);
+        any other kind is stored beside it under its own key and layout.
+        """
+        layout = self.layouts[index] if kind == "params" else LayerLayout.of(tensors)
+        if kind != "params":
+            self._write_block(self.key(index, f"{kind}.layout"),
+                              torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8))
+        self._write_layer(self.key(index, kind), layout, tensors, durable)
+
+    def _write_layer(self, key: str, layout: LayerLayout, tensors: Mapping[str, torch.Tensor],
+                     durable: bool | None = None) -> None:
+        layout.check(tensors)
+
+        def fill(block: torch.Tensor) -> None:
+            if self.cuda and any(t.is_cuda for t in tensors.values()):
+                # D2H on a side stream, after the work that produced the tensors.
+                self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._d2h_stream):
+                    layout.pack_into(block, tensors)
+                self._d2h_stream.synchronize()
+            else:
+                layout.pack_into(block, tensors)
+
+        self._write(key, layout.nbytes, fill, self.durable if durable is None else durable)
+
+    def _write_block(self, key: str, data: torch.Tensor) -> None:
+        flat = data.contiguous().view(-1).view(torch.uint8)
+        self._write(key, flat.numel(), lambda block: block.copy_(flat), durable=True)
+
+    def _write(self, key: str, nbytes: int, fill: Callable[[torch.Tensor], None], durable: bool) -> None:
+        def op(arenas: ArenaMap) -> None:
+            lease = self.client.allocate(nbytes)
+            try:
+                block = arenas.view(lease.arena, lease.offset, nbytes)
+                fill(block)
+                self.client.commit(key, lease.lease_id, "uint8", (nbytes,), durable)
+            except BaseException:
+                try:
+                    self.client.cancel(lease.lease_id)
+                except Exception:  # noqa: BLE001 - the lease died with its daemon
+                    pass
+                raise
+
+        self._retrying(f"write of {key}", op)
+
+    # ---- reading layers ------------------------------------------------------------------
+
+    def _read_block(self, key: str) -> torch.Tensor:
+        def op(arenas: ArenaMap) -> torch.Tensor:
+            (res,) = self.client.fetch([key])
+            try:
+                return arenas.view(res.arena, res.offset, res.info.nbytes).clone()
+            finally:
+                self.client.release(key, res.info.version)
+
+        return self._retrying(f"read of {key}", op)
+
+    def read_layer(self, index: int, kind: str = "params") -> dict[str, torch.Tensor]:
+        """A CPU copy of a stored layer's tensors."""
+        layout = self.layouts[index] if kind == "params" else LayerLayout.from_json(
+            bytes(self._read_block(self.key(index, f"{kind}.layout")).numpy()))
+        return layout.views(self._read_block(self.key(index, kind)))
+
+    def prefetch(self, index: int) -> bool:
+        """Start bringing layer `index` to the device; False if it does not fit the budget now."""
+        return self._start(index, required=False) is not None
+
+    def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer `index`'s tensors on the device, ready for use on the current stream."""
+        resident = self._resident.get(index)
+        if resident is None or resident.error is not None:
+            resident = self._start(index, required=True)
+        if not resident.ready.is_set():
+            start = time.perf_counter()
+            resident.ready.wait()
+            self.stall_seconds += time.perf_counter() - start
+        if resident.error is not None:
+            self._drop(index, resident)
+            raise resident.error
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(resident.copied)
+            resident.buffer.record_stream(stream)
+        return resident.tensors
+
+    def release_layer(self, index: int) -> None:
+        """Drop layer `index` from the device (its bytes stay with the tier manager)."""
+        with self._lock:
+            resident = self._resident.pop(index, None)
+        if resident is not None:
+            resident.ready.wait()
+            self.budget.free(resident.nbytes)
+
+    def resident_layers(self) -> list[int]:
+        with self._lock:
+            return sorted(self._resident)
+
+    def _drop(self, index: int, resident: _Resident) -> None:
+        with self._lock:
+            if self._resident.get(index) is resident:
+                del self._resident[index]
+                self.budget.free(resident.nbytes)
+
+    def _start(self, index: int, required: bool) -> _Resident | None:
+        if not 0 <= index < len(self.layouts):
+            raise InvalidArgumentError(
+                f"layer {index} does not exist: {len(self.layouts)} layers are registered "
+                f"(register_layers or attach first)")
+        layout = self.layouts[index]
+        with self._lock:
+            if index in self._resident and self._resident[index].error is None:
+                return self._resident[index]
+            if required:
+                self.budget.reserve(layout.nbytes, f"layer {index}")
+            elif not self.budget.try_reserve(layout.nbytes):
+                return None
+            resident = _Resident(layout.nbytes)
+            self._resident[index] = resident
+        try:
+            buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+            allocated = None
+            if self.cuda:
+                # The buffer may reuse memory the compute stream freed moments ago: the
+                # copy stream must not write it before that stream's earlier work is done.
+                allocated = torch.cuda.Event()
+                allocated.record(torch.cuda.current_stream(self.device))
+            resident.buffer = buffer
+            resident.tensors = layout.views(buffer)
+            self.client.prefetch([self.key(index)])  # the daemon starts reading NVMe now
+        except BaseException:
+            self._drop(index, resident)
+            raise
+        self._loader.submit(self._load, index, resident, allocated)
+        return resident
+
+    def _load(self, index: int, resident: _Resident, allocated) -> None:
+        key = self.key(index)
+        try:
+            def op(arenas: ArenaMap):
+                (res,) = self.client.fetch([key])
+                if res.info.nbytes != resident.nbytes:
+                    self.client.release(key, res.info.version)
+                    raise InvalidArgumentError(
+                        f"{key} holds {res.info.nbytes} bytes but its layout says {resident.nbytes}")
+                return arenas, res
+
+            arenas, res = self._retrying(f"load of {key}", op)
+            src = arenas.view(res.arena, res.offset, resident.nbytes)
+            if self.cuda:
+                with torch.cuda.stream(self._copy_stream):
+                    self._copy_stream.wait_event(allocated)
+                    resident.buffer.copy_(src, non_blocking=True)
+                    resident.buffer.record_stream(self._copy_stream)
+                    copied = torch.cuda.Event()
+                    copied.record(self._copy_stream)
+                resident.copied = copied
+            else:
+                resident.buffer.copy_(src)
+                copied = None
+            self._releaser.submit(self._release_after, key, res.info.version, copied)
+        except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
+            resident.error = e
+        finally:
+            resident.ready.set()
+
+    def _release_after(self, key: str, version: int, copied) -> None:
+        if copied is not None:
+            copied.synchronize()
+        try:
+            self.client.release(key, version)
+        except Exception as e:  # noqa: BLE001 - a restarted daemon forgot the pin anyway
+            log.debug("release of %s v%d: %s", key, version, e)
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+        self._releaser.shutdown(wait=True)
+        with self._lock:
+            for resident in self._resident.values():
+                self.budget.free(resident.nbytes)
+            self._resident.clear()
+        if self._arenas is not None:
+            self._arenas.close()
+        self.client.close()
+
+    def __enter__(self) -> "LayerStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
