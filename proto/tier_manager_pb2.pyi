@@ -43,16 +43,18 @@ class AllocateBufferRequest(_message.Message):
     def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
 
 class BufferLease(_message.Message):
-    __slots__ = ("lease_id", "arena", "offset", "nbytes")
+    __slots__ = ("lease_id", "arena", "offset", "nbytes", "instance_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     arena: int
     offset: int
     nbytes: int
-    def __init__(self, lease_id: _Optional[int] = ..., arena: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, lease_id: _Optional[int] = ..., arena: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class CancelBufferRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -113,10 +115,12 @@ class Resident(_message.Message):
     def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ..., arena: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "instance_id")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Resident]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[Resident, _Mapping]]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Resident, _Mapping]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("keys",)

@@ -9,6 +9,7 @@ layer store uses to remap arenas and redo interrupted work.
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 
@@ -16,6 +17,13 @@ from tierstack.errors import ERRORS_BY_STATUS, TierManagerUnavailableError, Tier
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.services.tier_manager.daemon import default_address, grpc_target
+
+
+# Calls that can simply be sent again when a connection drops mid-call (a daemon crash):
+# repeating them changes nothing. The others (buffers, commits, pins) are redone as a
+# whole by the layer store, which first checks whether the daemon restarted.
+IDEMPOTENT = frozenset({"GetNode", "Prefetch", "Describe", "GetStats", "SetAccessOrder",
+                        "Evict", "Delete"})
 
 
 class TierManagerClient:
@@ -35,11 +43,17 @@ class TierManagerClient:
 
     def call(self, method: str, request, timeout: float | None = None):
         """Invoke an RPC; waits for a restarting daemon; raises project exceptions."""
-        try:
-            return getattr(self._stub, method)(
-                request, timeout=timeout or self.reconnect_timeout, wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise self._translate(method, e) from None
+        deadline = time.monotonic() + (timeout or self.reconnect_timeout)
+        while True:
+            try:
+                return getattr(self._stub, method)(
+                    request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
+            except grpc.RpcError as e:
+                dropped = e.code() == grpc.StatusCode.UNAVAILABLE
+                if dropped and method in IDEMPOTENT and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise self._translate(method, e) from None
 
     def _translate(self, method: str, e: grpc.RpcError) -> TierstackError:
         code = e.code()
@@ -67,8 +81,8 @@ class TierManagerClient:
         return self.call("Commit", pb.CommitRequest(key=key, lease_id=lease_id, dtype=dtype,
                                                     shape=list(shape), durable=durable))
 
-    def fetch(self, keys: list[str]) -> list[pb.Resident]:
-        return list(self.call("Fetch", pb.FetchRequest(keys=keys)).tensors)
+    def fetch(self, keys: list[str]) -> pb.FetchResponse:
+        return self.call("Fetch", pb.FetchRequest(keys=keys))
 
     def prefetch(self, keys: list[str]) -> None:
         self.call("Prefetch", pb.PrefetchRequest(keys=keys))

@@ -38,6 +38,10 @@ T = TypeVar("T")
 DEFAULT_DEVICE_BUDGET = 4 << 30
 
 
+class _StaleArenas(Exception):
+    """An answer refers to the arenas of a daemon instance other than the one mapped."""
+
+
 @dataclass
 class _Resident:
     """A layer on the device, or on its way there."""
@@ -100,12 +104,20 @@ class LayerStore:
                 self._arenas = ArenaMap(node, pin_for_cuda=self.cuda)
             return self._arenas
 
-    def _retrying(self, what: str, op: Callable[[ArenaMap], T], attempts: int = 3) -> T:
-        """Run `op`; if the daemon restarted under it, remap and run it again."""
+    def _retrying(self, what: str, op: Callable[[ArenaMap], T], attempts: int = 4) -> T:
+        """Run `op`; if the daemon restarted under it, remap and run it again.
+
+        `op` raises `_StaleArenas` when an answer names another daemon instance's arenas.
+        """
         for attempt in range(attempts):
             arenas = self._arenas if attempt == 0 and self._arenas is not None else self._connect()
             try:
                 return op(arenas)
+            except _StaleArenas:
+                if attempt + 1 == attempts:
+                    raise TierManagerUnavailableError(
+                        f"{what}: the tier manager keeps restarting; check its log") from None
+                continue
             except (TierManagerUnavailableError, InvalidArgumentError, KeyNotFoundError) as e:
                 # A restart shows as UNAVAILABLE, as a lease the new instance never granted,
                 # or as a volatile key it does not know. Retry only if the instance changed.
@@ -116,6 +128,15 @@ class LayerStore:
 
     def _instance(self) -> str:
         return self.client.node().instance_id
+
+    def _fetch_one(self, key: str, arenas: ArenaMap):
+        """Fetch and pin `key`; `_StaleArenas` if the answer is for another daemon instance."""
+        response = self.client.fetch([key])
+        (res,) = response.tensors
+        if response.instance_id != arenas.instance_id:
+            self.client.release(key, res.info.version)
+            raise _StaleArenas()
+        return res
 
     # ---- writing layers ------------------------------------------------------------------
 
@@ -181,6 +202,8 @@ class LayerStore:
         def op(arenas: ArenaMap) -> None:
             lease = self.client.allocate(nbytes)
             try:
+                if lease.instance_id != arenas.instance_id:
+                    raise _StaleArenas()
                 block = arenas.view(lease.arena, lease.offset, nbytes)
                 fill(block)
                 self.client.commit(key, lease.lease_id, "uint8", (nbytes,), durable)
@@ -197,7 +220,7 @@ class LayerStore:
 
     def _read_block(self, key: str) -> torch.Tensor:
         def op(arenas: ArenaMap) -> torch.Tensor:
-            (res,) = self.client.fetch([key])
+            res = self._fetch_one(key, arenas)
             try:
                 return arenas.view(res.arena, res.offset, res.info.nbytes).clone()
             finally:
@@ -287,7 +310,7 @@ class LayerStore:
         key = self.key(index)
         try:
             def op(arenas: ArenaMap):
-                (res,) = self.client.fetch([key])
+                res = self._fetch_one(key, arenas)
                 if res.info.nbytes != resident.nbytes:
                     self.client.release(key, res.info.version)
                     raise InvalidArgumentError(

@@ -77,10 +77,11 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         with self._lock:
             lease_id = next(self._lease_ids)
             self._leases[lease_id] = buffer
+        instance = self.registry.cpu_pool.instance_id
         if buffer is None:
-            return pb.BufferLease(lease_id=lease_id, nbytes=0)
+            return pb.BufferLease(lease_id=lease_id, nbytes=0, instance_id=instance)
         return pb.BufferLease(lease_id=lease_id, arena=buffer.arena, offset=buffer.offset,
-                              nbytes=buffer.nbytes)
+                              nbytes=buffer.nbytes, instance_id=instance)
 
     def _take_lease(self, lease_id: int) -> CpuBuffer | None:
         with self._lock:
@@ -123,7 +124,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             for key, version in fetched:  # all or nothing: no pin outlives a failed call
                 self.registry.release(key, version)
             raise
-        return pb.FetchResponse(tensors=out)
+        return pb.FetchResponse(tensors=out, instance_id=self.registry.cpu_pool.instance_id)
 
     def _prefetch_one(self, key: str) -> None:
         try:

@@ -28,7 +28,7 @@ def test_health_node_info_and_a_round_trip_through_shared_memory(daemon):
     info = write(client, arenas, "a/b", data)
     assert info.nbytes == 3_000_000 and info.on_nvme and info.in_cpu
     client.evict(["a/b"])
-    (res,) = client.fetch(["a/b"])
+    (res,) = client.fetch(["a/b"]).tensors
     assert torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes), data)
     assert client.stats().pinned == 1
     client.release("a/b", res.info.version)
@@ -57,7 +57,7 @@ def test_errors_map_to_grpc_statuses_with_useful_messages(daemon):
     for i in range(2):  # one 5 MiB tensor per 8 MiB arena, then pinned
         write(client, arenas, f"big{i}", torch.zeros(5 << 20, dtype=torch.uint8))
         keys.append(f"big{i}")
-    pins = client.fetch(keys)
+    pins = client.fetch(keys).tensors
     with pytest.raises(PoolExhaustedError, match="CPU pool full"):
         client.allocate(5 << 20)
     for key, res in zip(keys, pins):
@@ -80,7 +80,7 @@ def test_many_concurrent_clients(daemon):
             for i in range(10):
                 data = torch.full((200_000 + n,), n * 10 + i, dtype=torch.uint8)
                 write(client, arenas, f"c{n}/{i}", data, durable=i % 2 == 0)
-                (res,) = client.fetch([f"c{n}/{i}"])
+                (res,) = client.fetch([f"c{n}/{i}"]).tensors
                 if not torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes), data):
                     errors.append((n, i))
                 client.release(f"c{n}/{i}", res.info.version)
@@ -103,7 +103,7 @@ def test_graceful_shutdown_and_restart_keep_durable_tensors(daemon):
     node = client.node()
     assert node.instance_id != arenas.instance_id
     arenas = ArenaMap(node, pin_for_cuda=False)
-    (res,) = client.fetch(["kept"])
+    (res,) = client.fetch(["kept"]).tensors
     assert torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes).view(torch.int32), data)
 
 
