@@ -85,6 +85,7 @@ class TierManagerClient:
         return self.call("Fetch", pb.FetchRequest(keys=keys))
 
     def prefetch(self, keys: list[str]) -> None:
+        """Ask the daemon to start loading keys into its CPU pool; returns once queued."""
         self.call("Prefetch", pb.PrefetchRequest(keys=keys))
 
     def release(self, key: str, version: int) -> None:

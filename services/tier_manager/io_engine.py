@@ -119,8 +119,12 @@ def load_native_blockio() -> ctypes.CDLL | None:
         except OSError as e:
             log.warning("cannot load the native block-IO library %s: %s", path, e)
             continue
-        lib.tsio_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.tsio_engine_new.argtypes = [ctypes.c_int]
+        lib.tsio_engine_new.restype = ctypes.c_void_p
+        lib.tsio_engine_free.argtypes = [ctypes.c_void_p]
+        lib.tsio_engine_free.restype = None
+        lib.tsio_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_int]
         lib.tsio_run.restype = ctypes.c_int
         lib.tsio_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
         lib.tsio_crc32c.restype = ctypes.c_uint32
@@ -197,6 +201,10 @@ class IoEngine:
             log.warning("native block IO is not built (no C compiler at install?): using "
                         "Python threads, about 15%% slower; reinstall with a C compiler")
         self.backend = "native" if self._native is not None else "threads"
+        # One queue-depth semaphore for all of this engine's concurrent batches.
+        self._handle = self._native.tsio_engine_new(self.workers) if self._native is not None else None
+        if self._native is not None and not self._handle:
+            raise StorageIOError("cannot create the native IO engine's semaphore")
         self._executor = (None if self._native is not None else
                           ThreadPoolExecutor(self.workers, thread_name_prefix="tierstack-io"))
         self._local = threading.local()
@@ -246,8 +254,8 @@ class IoEngine:
         staging = self._take_staging(nthreads)
         try:
             addresses = np.array([s.array.ctypes.data for s in staging], dtype=np.uint64)
-            err = self._native.tsio_run(int(write), table.ctypes.data, len(requests),
-                                        addresses.ctypes.data, nthreads, self.workers)
+            err = self._native.tsio_run(self._handle, int(write), table.ctypes.data,
+                                        len(requests), addresses.ctypes.data, nthreads)
         finally:
             self._give_staging(staging)
         if err:
@@ -361,3 +369,6 @@ class IoEngine:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._handle:
+            self._native.tsio_engine_free(self._handle)
+            self._handle = None
