@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench-io proto clean
+.PHONY: run test bench-io bench-ensure-layer proto clean
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ test: $(STAMP)
 
 bench-io: $(STAMP)
 	$(PY) bench/io.py
+
+bench-ensure-layer: $(STAMP)
+	$(PY) bench/ensure_layer.py
+
+# Regenerate proto/*_pb2*.py from proto/*.proto (a test fails when they are out of date).
+proto: $(STAMP)
+	$(PY) proto/generate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
