@@ -57,7 +57,9 @@ class DataCorruptionError(TierstackError):
 class StorageIOError(TierstackError, OSError):
     """The operating system failed an IO request for a reason other than a full disk."""
 
-    grpc_status = "UNAVAILABLE"
+    # Not UNAVAILABLE: clients retry that as a dropped connection, and a failing disk
+    # does not heal by asking again.
+    grpc_status = "INTERNAL"
 
 
 class TierManagerUnavailableError(TierstackError):

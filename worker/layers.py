@@ -286,8 +286,12 @@ class LayerStore:
                 f"(register_layers or attach first)")
         layout = self.layouts[index]
         with self._lock:
-            if index in self._resident and self._resident[index].error is None:
-                return self._resident[index]
+            existing = self._resident.get(index)
+            if existing is not None and existing.error is None:
+                return existing
+            if existing is not None:  # a failed load: give its reservation back first
+                del self._resident[index]
+                self.budget.free(existing.nbytes)
             if required:
                 self.budget.reserve(layout.nbytes, f"layer {index}")
             elif not self.budget.try_reserve(layout.nbytes):
@@ -323,18 +327,25 @@ class LayerStore:
                 return arenas, res
 
             arenas, res = self._retrying(f"load of {key}", op)
-            src = arenas.view(res.arena, res.offset, resident.nbytes)
-            if self.cuda:
-                with torch.cuda.stream(self._copy_stream):
-                    self._copy_stream.wait_event(allocated)
-                    resident.buffer.copy_(src, non_blocking=True)
-                    resident.buffer.record_stream(self._copy_stream)
-                    copied = torch.cuda.Event()
-                    copied.record(self._copy_stream)
-                resident.copied = copied
-            else:
-                resident.buffer.copy_(src)
-                copied = None
+            try:
+                src = arenas.view(res.arena, res.offset, resident.nbytes)
+                if self.cuda:
+                    with torch.cuda.stream(self._copy_stream):
+                        self._copy_stream.wait_event(allocated)
+                        resident.buffer.copy_(src, non_blocking=True)
+                        resident.buffer.record_stream(self._copy_stream)
+                        copied = torch.cuda.Event()
+                        copied.record(self._copy_stream)
+                    resident.copied = copied
+                else:
+                    resident.buffer.copy_(src)
+                    copied = None
+            except BaseException:
+                if self.cuda:
+                    torch.cuda.current_stream(self.device).synchronize()
+                    self._copy_stream.synchronize()  # no copy may still read the arena
+                self._releaser.submit(self._release_after, key, res.info.version, None)
+                raise
             self._releaser.submit(self._release_after, key, res.info.version, copied)
         except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
             resident.error = e

@@ -89,10 +89,15 @@ class TierManagerDaemon:
                                   options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_TierManagerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(self.target)
+        try:
+            self.port = self.server.add_insecure_port(self.target)
+        except RuntimeError:  # grpcio >= 1.5x raises instead of returning 0
+            self.port = 0
         if self.port == 0:
             self.registry.close()
-            raise InvalidArgumentError(f"cannot listen on {self.target}: address in use or invalid")
+            raise InvalidArgumentError(
+                f"cannot listen on {self.target}: the address is in use or invalid; give "
+                f"another with --listen (unix:/path/to.sock or host:port)")
         if socket_path is not None:
             os.chmod(socket_path, 0o600)  # workers run as the daemon's user
         self._stopped = threading.Event()

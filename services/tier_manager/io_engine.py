@@ -178,7 +178,11 @@ class DirectFile:
         self.size = size
 
     def sync(self) -> None:
-        os.fdatasync(self.fd)
+        try:
+            os.fdatasync(self.fd)
+        except OSError as e:
+            raise StorageIOError(f"fdatasync of {self.path} failed: {e.strerror}; the last "
+                                 f"writes there are not durable and were not committed") from e
 
     def close(self) -> None:
         os.close(self.fd)

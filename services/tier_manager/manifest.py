@@ -77,6 +77,16 @@ class Manifest:
                  entry.version, json.dumps(entry.extent.to_json()), crcs),
             )
 
+    def version_high_water(self) -> int:
+        """Versions up to this may have been handed out by an earlier daemon instance."""
+        row = self._db.execute("SELECT value FROM meta WHERE name='version_hwm'").fetchone()
+        return int(row[0]) if row else 0
+
+    def reserve_versions(self, upto: int) -> None:
+        """Durably record that versions up to `upto` may be handed out."""
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('version_hwm', ?)", (str(upto),))
+
     def delete(self, key: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM tensors WHERE key=?", (key,))

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 Tier = Literal["cpu", "nvme"]
 TIERS: tuple[Tier, ...] = ("cpu", "nvme")
 MAX_KEY_BYTES = 1024
+VERSION_RESERVATION = 100_000  # versions reserved per durable manifest write
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,10 @@ class TierRegistry:
                 entry.key, entry.dtype, entry.shape, entry.nbytes, entry.version,
                 nvme=entry.extent, checksums=entry.checksums)
             self._last_version = max(self._last_version, entry.version)
+        # Volatile (CPU-only) versions are not in the manifest; the reserved high-water
+        # mark keeps a restarted daemon from handing any (key, version) out twice.
+        self._last_version = max(self._last_version, self.manifest.version_high_water())
+        self._version_limit = self._last_version
         if self._records:
             log.info("recovered %d NVMe-resident tensors from %s", len(self._records),
                      self.manifest.path)
@@ -213,13 +218,9 @@ class TierRegistry:
             return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer)
         view = self.cpu_pool.view(buffer) if buffer is not None else memoryview(b"")
         extent, checksums = self._write_durable(key, view)
-        try:
-            return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, nvme=extent,
-                                 checksums=checksums)
-        except BaseException:
-            if extent.stripes:
-                self.nvme_pool.free(extent)
-            raise
+        # On failure _install frees the extent it was given (never the caller's buffer).
+        return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, nvme=extent,
+                             checksums=checksums)
 
     def _write_durable(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
         """Write bytes to a fresh NVMe extent and fdatasync; the caller commits or frees it."""
@@ -240,8 +241,7 @@ class TierRegistry:
         """Make a new version current: commit the manifest, swap the record, retire the old."""
         with self._lock:
             old = self._records.get(key)
-            self._last_version += 1
-            record = _Record(key, dtype, shape, nbytes, self._last_version,
+            record = _Record(key, dtype, shape, nbytes, self._next_version(),
                              cpu=cpu, nvme=nvme, checksums=checksums)
             try:
                 if nvme is not None:
@@ -317,7 +317,8 @@ class TierRegistry:
                 record = self._get(key)
                 if record.cpu is not None or record.nbytes == 0:
                     self._lease(record)
-                    self._touch(key)
+                    if record.cpu is not None:  # an empty tensor holds no buffer to evict
+                        self._touch(key)
                     return record.info(), record.cpu
                 if record.loading is not None:
                     waiting = record.loading
@@ -403,7 +404,7 @@ class TierRegistry:
         try:
             self._evict_pinned(record)
         finally:
-            self._unpin(record)
+            self._end_eviction(record)
         return self.info(key)
 
     def _evict_pinned(self, record: _Record) -> None:
@@ -433,6 +434,14 @@ class TierRegistry:
             self._order = {validate_key(k): i for i, k in enumerate(keys)}
             self._cursor = -1
 
+    def _next_version(self) -> int:
+        """A version never handed out before, by this or any earlier instance (lock held)."""
+        self._last_version += 1
+        if self._last_version > self._version_limit:
+            self._version_limit = self._last_version + VERSION_RESERVATION
+            self.manifest.reserve_versions(self._version_limit)
+        return self._last_version
+
     def _touch(self, key: str) -> None:
         """Mark `key` as just used: most recent in LRU order, and the access cursor."""
         self._lru.pop(key, None)
@@ -441,7 +450,8 @@ class TierRegistry:
             self._cursor = self._order[key]
 
     def _pick_victim(self) -> _Record | None:
-        candidates = [self._records[k] for k in self._lru if self._records[k].pins == 0]
+        candidates = [self._records[k] for k in self._lru
+                      if self._records[k].pins == 0 and self._records[k].cpu is not None]
         if not candidates:
             return None
         if self._order:
@@ -469,8 +479,18 @@ class TierRegistry:
         try:
             self._evict_pinned(victim)
         finally:
-            self._unpin(victim)
+            self._end_eviction(victim)
         return True
+
+    def _end_eviction(self, record: _Record) -> None:
+        """Unpin an eviction's victim; if it kept its CPU copy (a reader pinned it meanwhile,
+        or the write to NVMe failed), it goes back on the eviction list, first in line."""
+        with self._lock:
+            current = self._records.get(record.key) is record
+            if current and record.cpu is not None and record.key not in self._lru:
+                self._lru[record.key] = None
+                self._lru.move_to_end(record.key, last=False)
+            self._unpin(record)
 
     # ---- bookkeeping ---------------------------------------------------------------
 

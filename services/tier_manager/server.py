@@ -25,6 +25,10 @@ from tierstack.services.tier_manager.registry import TensorInfo, TierRegistry
 log = logging.getLogger(__name__)
 
 
+class _ClientGone(Exception):
+    """The caller's deadline passed or it disconnected while the call ran."""
+
+
 def _rpc(method):
     """Run an RPC body, turning project errors into gRPC statuses."""
 
@@ -34,6 +38,8 @@ def _rpc(method):
             return method(self, request, context)
         except TierstackError as e:
             context.abort(getattr(grpc.StatusCode, e.grpc_status), str(e))
+        except _ClientGone:
+            context.abort(grpc.StatusCode.CANCELLED, "the client went away; its pins were released")
         except Exception as e:  # noqa: BLE001 - a bug: say so, keep the daemon up
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
@@ -107,8 +113,11 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             info = self.registry.adopt(request.key, buffer, request.dtype, tuple(request.shape),
                                        durable=request.durable)
         except BaseException:
-            with self._lock:  # the client may fix the request and commit again
-                self._leases[request.lease_id] = buffer
+            if context.is_active():
+                with self._lock:  # the client may fix the request and commit again
+                    self._leases[request.lease_id] = buffer
+            else:
+                self.registry.free_buffer(buffer)
             raise
         return tensor_info_pb(info)
 
@@ -124,6 +133,8 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
                 out.append(pb.Resident(info=tensor_info_pb(info),
                                        arena=buffer.arena if buffer else 0,
                                        offset=buffer.offset if buffer else 0))
+            if not context.is_active():
+                raise _ClientGone()  # it timed out or went away: nobody would release these
         except BaseException:
             for key, version in fetched:  # all or nothing: no pin outlives a failed call
                 self.registry.release(key, version)

@@ -113,3 +113,28 @@ def test_generated_grpc_code_is_in_sync_with_proto(tmp_path):
         committed = PROTO_DIR / path.name
         assert committed.read_text() == path.read_text(), (
             f"{committed.name} is out of date with proto/: run `make proto`")
+
+
+def test_a_taken_address_gets_a_clear_error(daemon_config, tmp_path):
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "tierstack.cli", "tier-manager", "--config",
+                              str(daemon_config), "--listen", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "cannot listen on 127.0.0.1" in out.stderr and "--listen" in out.stderr
+
+
+def test_a_second_daemon_on_the_same_socket_is_refused(daemon, daemon_config):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "tierstack.cli", "tier-manager", "--config",
+                          str(daemon_config), "--listen", daemon.address],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "already listening" in out.stderr
+    TierManagerClient(daemon.address).node()  # the first one is untouched

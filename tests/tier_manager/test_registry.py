@@ -261,3 +261,57 @@ def test_cpu_pool_on_hugetlbfs_spills_and_verifies_like_any_other(tier_config, h
         assert not reg.info("t3").in_cpu
         assert reg.cpu_pool.used_bytes == cpu_bytes_held(reg)  # the failed buffer went back
         assert stats.checksum_failures == 1
+
+
+def test_failed_manifest_commit_frees_the_new_extent_once(tier_config, monkeypatch):
+    """Fault injection: the manifest write fails after the data was written."""
+    with TierRegistry(tier_config) as reg:
+        reg.put("victim", torch.arange(300_000), tier="nvme")
+        used = reg.nvme_pool.used_bytes
+
+        def broken_commit(entry):
+            raise OSError("database or disk is full")
+
+        monkeypatch.setattr(reg.manifest, "commit", broken_commit)
+        with pytest.raises(OSError, match="disk is full"):
+            reg.put("k", torch.ones(300_000), tier="cpu", durable=True)
+        monkeypatch.undo()
+        assert reg.nvme_pool.used_bytes == used  # the new extent went back, exactly once
+        assert reg.cpu_pool.used_bytes == 0
+        reg.put("next", torch.zeros(300_000), tier="nvme")  # may reuse that extent...
+        assert torch.equal(reg.get("victim"), torch.arange(300_000))  # ...never another's
+
+
+def test_empty_cpu_tensors_never_become_eviction_victims(tier_config):
+    with TierRegistry(tier_config) as reg:
+        reg.put("empty", torch.empty(0), tier="cpu")
+        reg.fetch("empty")
+        reg.release("empty")
+        for i in range(12):  # overflow the 8 MiB pool: evictions must skip "empty"
+            reg.put(f"t{i}", torch.full((256 * 1024,), float(i)), tier="cpu")
+        assert reg.get("empty").shape == (0,)
+        assert torch.equal(reg.get("t0"), torch.full((256 * 1024,), 0.0))
+
+
+def test_a_failed_eviction_leaves_the_tensor_evictable(tier_config):
+    tier_config.nvme_pool.size = 2 * 1024 * 1024  # room for two 1 MiB tensors
+    tier_config.nvme_pool.paths = tier_config.nvme_pool.paths[:1]
+    with TierRegistry(tier_config) as reg:
+        for i in range(8):
+            reg.put(f"t{i}", torch.full((256 * 1024,), float(i)), tier="cpu")
+        reg.put("n0", torch.zeros(256 * 1024), tier="nvme")
+        reg.put("n1", torch.zeros(256 * 1024), tier="nvme")
+        with pytest.raises(NvmePoolFullError):  # eviction cannot write its victim anywhere
+            reg.put("more", torch.ones(256 * 1024), tier="cpu")
+        reg.delete("n0")
+        reg.delete("n1")
+        reg.put("more", torch.ones(256 * 1024), tier="cpu")  # now the victim can go
+        for i in range(8):
+            assert torch.equal(reg.get(f"t{i}"), torch.full((256 * 1024,), float(i)))
+
+
+def test_versions_are_never_reused_across_restarts(tier_config):
+    with TierRegistry(tier_config) as reg:
+        volatile = reg.put("v", torch.ones(3), tier="cpu").version
+    with TierRegistry(tier_config) as reg:
+        assert reg.put("v", torch.ones(3), tier="cpu").version > volatile

@@ -96,3 +96,16 @@ def test_device_budget_is_never_exceeded(daemon):
         assert store.budget.peak <= 2_200_000
         with pytest.raises(InvalidArgumentError, match="layer 9 does not exist"):
             store.ensure_layer(9)
+
+
+def test_a_failed_load_gives_its_device_budget_back(daemon):
+    with LayerStore("fail", device="cpu", device_budget=4 << 20, address=daemon.address) as store:
+        store.register_layers([{"w": torch.randn(250_000)} for _ in range(2)])
+        store.client.delete([store.key(1)])  # the layer vanishes behind the worker's back
+        store.prefetch(1)
+        from tierstack.errors import KeyNotFoundError
+        for _ in range(3):
+            with pytest.raises(KeyNotFoundError):
+                store.ensure_layer(1)
+        assert store.budget.used == 0
+        assert store.client.stats().pinned == 0

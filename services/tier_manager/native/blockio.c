@@ -137,8 +137,10 @@ typedef struct {
 } tsio_worker;
 
 static int64_t full_io(tsio_batch *b, int write, int fd, uint8_t *buf, int64_t len, int64_t off) {
-    while (sem_wait(b->slots) != 0 && errno == EINTR) {
+    int rc;
+    while ((rc = sem_wait(b->slots)) != 0 && errno == EINTR) {
     }
+    if (rc != 0) return errno; /* never IO (or post) without holding a slot */
     int64_t status = 0, done = 0;
     while (done < len) {
         ssize_t r = write ? pwrite(fd, buf + done, len - done, off + done)
