@@ -11,8 +11,11 @@
  * prefetched at once, must not push the disk past the depth it does best at: 32 in
  * flight read 20% slower than 8 here). A FIFO admission gate (earlier batch first) was
  * tried and measured slower on the 16-core GPU machine (0.76 vs 0.92 of fio's read):
- * waking every waiter on each admission costs more than the order gains. There are
- * twice as many threads as slots: while one thread checksums and copies the
+ * waking every waiter on each admission costs more than the order gains. Kernel AIO
+ * (one submitter, `depth` in flight, as fio's libaio engine) was tried too: with no
+ * checksum and no copy it matched fio, but doing both on the one submitter thread
+ * capped reads at 1.3 GB/s here (copies into /dev/shm run at ~3 GB/s on these VMs), so
+ * the copies stay spread over threads. There are twice as many threads as slots: while one thread checksums and copies the
  * block it just read, another already has the next request in flight. Without this, at
  * depth 1 the disk sat idle during every copy (measured 1.2 GB/s vs fio's 2.2).
  *
