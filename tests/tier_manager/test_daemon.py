@@ -138,3 +138,44 @@ def test_a_second_daemon_on_the_same_socket_is_refused(daemon, daemon_config):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "already listening" in out.stderr
     TierManagerClient(daemon.address).node()  # the first one is untouched
+
+
+def test_sigterm_lets_an_in_flight_durable_write_finish(tmp_path, shm_dir):
+    import json
+    import time
+    from tests.conftest import DaemonProcess
+    config = tmp_path / "big.json"
+    config.write_text(json.dumps({"tier_manager": {
+        "cpu_pool": {"size": "320MiB", "arena_size": "320MiB", "shm_dir": str(shm_dir)},
+        "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "640MiB"},
+        "manifest_path": str(tmp_path / "m.sqlite"), "shutdown_grace_seconds": 60}}))
+    daemon = DaemonProcess(config, tmp_path / "big.sock").start()
+    try:
+        client = TierManagerClient(daemon.address)
+        arenas = ArenaMap(client.node(), pin_for_cuda=False)
+        data = torch.randint(0, 255, (300 << 20,), dtype=torch.uint8)
+        lease = client.allocate(data.numel())
+        arenas.view(lease.arena, lease.offset, data.numel()).copy_(data)
+        result = {}
+
+        def commit():
+            try:
+                result["info"] = client.commit("big", lease.lease_id, "uint8", (data.numel(),), True)
+            except Exception as e:  # noqa: BLE001
+                result["error"] = e
+
+        t = threading.Thread(target=commit)
+        t.start()
+        time.sleep(0.05)  # the 300 MiB write is under way
+        daemon.proc.send_signal(signal.SIGTERM)
+        t.join(timeout=120)
+        assert "error" not in result, result.get("error")
+        assert result["info"].on_nvme
+        assert daemon.proc.wait(timeout=120) == 0
+        daemon.start()
+        client = TierManagerClient(daemon.address)
+        arenas = ArenaMap(client.node(), pin_for_cuda=False)
+        (res,) = client.fetch(["big"]).tensors
+        assert torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes), data)
+    finally:
+        daemon.kill()

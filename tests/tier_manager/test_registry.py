@@ -315,3 +315,32 @@ def test_versions_are_never_reused_across_restarts(tier_config):
         volatile = reg.put("v", torch.ones(3), tier="cpu").version
     with TierRegistry(tier_config) as reg:
         assert reg.put("v", torch.ones(3), tier="cpu").version > volatile
+
+
+def test_eviction_picks_the_tensor_needed_furthest_in_the_future(tier_config):
+    """With a known cyclic order, the victim is the one whose next use is furthest away
+    (for a sweep, the one just used), not the least recently used one."""
+    with TierRegistry(tier_config) as reg:
+        keys = [f"layer{i}" for i in range(8)]
+        reg.set_access_order(keys)
+        for k in keys:
+            reg.put(k, torch.zeros(256 * 1024), tier="nvme")
+        for k in keys:  # a sweep over all 8 x 1 MiB fills the 8 MiB pool
+            reg.fetch(k)
+            reg.release(k)
+        reg.put("other", torch.zeros(256 * 1024), tier="cpu")  # needs one eviction
+        # From the cursor (after layer7) the next uses are layer0, 1, ..., 7: layer7 is
+        # needed last. LRU would have evicted layer0, the next one needed.
+        assert {k for k in keys if not reg.info(k).in_cpu} == {"layer7"}
+
+
+def test_without_an_order_eviction_is_least_recently_used(tier_config):
+    with TierRegistry(tier_config) as reg:
+        for i in range(8):  # 8 x 1 MiB fill the 8 MiB pool
+            reg.put(f"t{i}", torch.zeros(256 * 1024), tier="nvme")
+            reg.fetch(f"t{i}")
+            reg.release(f"t{i}")
+        reg.fetch("t0")  # t0 becomes the most recently used
+        reg.release("t0")
+        reg.put("other", torch.zeros(256 * 1024), tier="cpu")
+        assert {k for k in reg.keys() if k.startswith("t") and not reg.info(k).in_cpu} == {"t1"}
