@@ -43,3 +43,105 @@ def test_json_file_is_loaded(tmp_path):
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(tmp_path / "bad.json")
+
+
+DEEPSPEED_NVME = {
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                              "weight_decay": 0.1}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                          "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 0},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True,
+                              "buffer_count": 4, "fast_init": False},
+        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+        "stage3_prefetch_bucket_size": 5e8, "stage3_param_persistence_threshold": 1e6,
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "aio": {"block_size": 1048576, "queue_depth": 32, "thread_count": 4, "single_submit": False,
+            "overlap_events": True},
+    "steps_per_print": 10,
+    "wall_clock_breakdown": False,
+}
+
+
+def test_a_deepspeed_zero_infinity_config_is_accepted_as_is():
+    config = load_config(DEEPSPEED_NVME)
+    train, tm = config.train, config.tier_manager
+    assert (train.micro_batch_size, train.gradient_accumulation_steps) == (8, 2)
+    assert train.precision == "bf16" and train.gradient_clipping == 1.0
+    assert train.params.device == "nvme" and train.params.max_in_cpu == 0
+    assert train.params.buffer_size == 100_000_000
+    assert train.optimizer_state.device == "nvme" and train.optimizer_state.buffer_count == 4
+    assert train.optimizer.lr == 3e-4 and train.optimizer.betas == [0.9, 0.95]
+    assert tm.nvme_pool.paths == ["/local_nvme"]
+    # thread_count is honoured as written (DeepSpeed 0.19.8 ignored it).
+    assert (tm.nvme_pool.aio.queue_depth, tm.nvme_pool.aio.thread_count) == (32, 4)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d["zero_optimization"].update(stage=2), "zero_optimization.stage is 2"),
+    (lambda d: d.update(fp16={"enabled": True}), "bf16.enabled and fp16.enabled"),
+    (lambda d: d["zero_optimization"]["offload_param"].pop("nvme_path"),
+     "offload_param.device is 'nvme' but zero_optimization.offload_param.nvme_path is missing"),
+    (lambda d: d.update(train_batch_size=17), "train_batch_size 17"),
+    (lambda d: d["zero_optimization"].update(stage3_magic=1), "unknown DeepSpeed key zero_optimization.stage3_magic"),
+    (lambda d: d["aio"].update(use_gds=True), "aio.use_gds"),
+    (lambda d: d.update(scheduler={"type": "WarmupLR"}), "scheduler"),
+    (lambda d: d["optimizer"]["params"].update(amsgrad=True), "optimizer.params.amsgrad"),
+    (lambda d: d["zero_optimization"]["offload_param"].update(device="tape"), "zero_optimization.offload_param.device: 'tape'"),
+])
+def test_bad_or_contradictory_deepspeed_keys_are_named(change, message):
+    import copy
+    data = copy.deepcopy(DEEPSPEED_NVME)
+    change(data)
+    with pytest.raises(ConfigError, match=message):
+        load_config(data)
+
+
+def test_module_tier_overrides_resolve_by_specificity():
+    from tierstack.module_tiers import ModuleTiers
+    tiers = ModuleTiers({"model.layers[0-2]": "cpu", "model.layers[3-]": "nvme",
+                         "model.layers[5].mlp": "gpu", "model.embed_tokens": "gpu",
+                         "*.norm": "gpu"})
+    assert tiers.tier_for("model.layers.0") == "cpu"
+    assert tiers.tier_for("model.layers.2.self_attn.q_proj") == "cpu"
+    assert tiers.tier_for("model.layers.3") == "nvme"
+    assert tiers.tier_for("model.layers.41.mlp") == "nvme"
+    assert tiers.tier_for("model.layers.5.mlp.up_proj") == "gpu"  # deeper pattern wins
+    assert tiers.tier_for("model.embed_tokens") == "gpu"
+    assert tiers.tier_for("model.norm") == "gpu"
+    assert tiers.tier_for("lm_head") is None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"model.layers[2-1]": "cpu"}, "is empty"),
+    ({"model.layers[x]": "cpu"}, "cannot read module pattern"),
+    ({"model.layers": "tape"}, "tier 'tape'"),
+])
+def test_bad_overrides_name_the_pattern(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({"train": {"tier_overrides": overrides}})
+
+
+def test_equally_specific_overrides_that_disagree_are_an_error():
+    from tierstack.module_tiers import ModuleTiers
+    tiers = ModuleTiers({"model.layers[0-4]": "cpu", "model.layers[3-]": "nvme"})
+    assert tiers.tier_for("model.layers.1") == "cpu"
+    with pytest.raises(ConfigError, match="both apply to module 'model.layers.3'"):
+        tiers.tier_for("model.layers.3")
+
+
+def test_tierstack_own_train_section():
+    config = load_config({"train": {"precision": "fp32", "device_budget": "2GiB",
+                                    "params": {"device": "cpu"},
+                                    "tier_overrides": {"model.layers[3-]": "nvme"}}})
+    assert config.train.device_budget == 2 << 30 and config.train.params.device == "cpu"
+    with pytest.raises(ConfigError, match="unknown config key train.precison"):
+        load_config({"train": {"precison": "fp32"}})

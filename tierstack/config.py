@@ -152,17 +152,102 @@ class TierManagerConfig:
         return Path(self.nvme_pool.paths[0]) / "manifest.sqlite"
 
 
+TIERS = ("gpu", "cpu", "nvme")
+
+
+@dataclass
+class OffloadConfig:
+    """Where one kind of training state lives beyond the device (DeepSpeed's offload_*)."""
+
+    device: str = "none"
+    """'none' (stays on the device), 'cpu' (the CPU pool) or 'nvme' (the NVMe pool)."""
+    pin_memory: bool = True
+    """Accepted for DeepSpeed compatibility: the CPU pool is always page-locked once."""
+    buffer_count: int = 5
+    """Layers of this state in flight at once (prefetch buffers)."""
+    buffer_size: int = 100_000_000
+    """Bytes per buffer: a layer larger than this is an error naming the layer."""
+    max_in_cpu: int = 1_000_000_000
+    """With device 'nvme': bytes of this state that may stay in the CPU pool."""
+
+    def validate(self, prefix: str) -> None:
+        if self.device not in ("none", "cpu", "nvme"):
+            raise ConfigError(f"{prefix}.device: {self.device!r} is not one of none, cpu, nvme")
+        if self.buffer_count < 1:
+            raise ConfigError(f"{prefix}.buffer_count must be at least 1, got {self.buffer_count}")
+        if self.buffer_size <= 0:
+            raise ConfigError(f"{prefix}.buffer_size must be positive, got {self.buffer_size}")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with fp32 master weights, run by the tier manager where the bytes are."""
+
+    type: str = "adamw"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    def validate(self, prefix: str) -> None:
+        if self.type.lower() not in ("adamw", "adam"):
+            raise ConfigError(f"{prefix}.type: {self.type!r} is not supported; use AdamW")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"{prefix}.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0:
+            raise ConfigError(f"{prefix}: lr and eps must be positive and weight_decay >= 0")
+
+
+@dataclass
+class TrainConfig:
+    """How a job trains: batch, precision, where each kind of state lives."""
+
+    micro_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    precision: str = "bf16"
+    """'bf16' or 'fp16' on the device with fp32 masters, or 'fp32' end to end."""
+    gradient_clipping: float = 0.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    device_budget: int = 4 * GiB
+    """Device bytes that offloaded layers may hold at once."""
+    params: OffloadConfig = field(default_factory=OffloadConfig)
+    optimizer_state: OffloadConfig = field(default_factory=OffloadConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    tier_overrides: dict[str, str] = field(default_factory=dict)
+    """Module name pattern -> tier ('gpu', 'cpu', 'nvme'), e.g. "model.layers[3-]": "nvme"."""
+
+    def validate(self, prefix: str = "train") -> None:
+        for name in ("micro_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{prefix}.{name} must be at least 1, got {getattr(self, name)}")
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            raise ConfigError(f"{prefix}.precision: {self.precision!r} is not one of bf16, fp16, fp32")
+        if self.gradient_clipping < 0:
+            raise ConfigError(f"{prefix}.gradient_clipping must be >= 0")
+        self.params.validate(f"{prefix}.params")
+        self.optimizer_state.validate(f"{prefix}.optimizer_state")
+        self.optimizer.validate(f"{prefix}.optimizer")
+        from tierstack.module_tiers import ModuleTiers
+        ModuleTiers(self.tier_overrides, f"{prefix}.tier_overrides")  # checks every pattern
+
+
 @dataclass
 class TierstackConfig:
     """The root of a tierstack config file."""
 
     tier_manager: TierManagerConfig = field(default_factory=TierManagerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self) -> None:
         self.tier_manager.validate("tier_manager")
+        self.train.validate("train")
+        uses_nvme = "nvme" in (self.train.params.device, self.train.optimizer_state.device)
+        uses_nvme = uses_nvme or "nvme" in self.train.tier_overrides.values()
+        if uses_nvme and not self.tier_manager.nvme_pool.paths:
+            raise ConfigError("train offloads to nvme but tier_manager.nvme_pool.paths is empty")
 
 
-_SIZE_FIELDS = {"size", "arena_size", "block_size", "alignment"}
+_SIZE_FIELDS = {"size", "arena_size", "block_size", "alignment", "device_budget"}
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
@@ -192,19 +277,41 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             if not isinstance(value, str):
                 raise ConfigError(f"{key}: expected a string, got {value!r}")
             kwargs[name] = value
+        elif hint is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{key}: expected a number, got {value!r}")
+            kwargs[name] = float(value)
+        elif hint is bool:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key}: expected true or false, got {value!r}")
+            kwargs[name] = value
         elif hint == list[str]:
             if isinstance(value, str):
                 value = [value]
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
             kwargs[name] = list(value)
+        elif hint == list[float]:
+            if not isinstance(value, list) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                raise ConfigError(f"{key}: expected a list of numbers, got {value!r}")
+            kwargs[name] = [float(v) for v in value]
+        elif hint == dict[str, str]:
+            if not isinstance(value, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+                raise ConfigError(f"{key}: expected an object of strings, got {value!r}")
+            kwargs[name] = dict(value)
         else:  # pragma: no cover - a field type this loader was not taught
             raise TypeError(f"config loader cannot read field {key} of type {hint}")
     return cls(**kwargs)
 
 
 def load_config(source: dict | str | os.PathLike | None = None) -> TierstackConfig:
-    """Load, validate and return the config from a dict, a JSON file, or defaults."""
+    """Load, validate and return the config from a dict, a JSON file, or defaults.
+
+    A DeepSpeed config (one with a `zero_optimization` section) is accepted as is and
+    translated (tierstack/deepspeed_config.py); anything else is tierstack's own format.
+    """
     if source is None:
         data: dict = {}
     elif isinstance(source, dict):
@@ -217,6 +324,9 @@ def load_config(source: dict | str | os.PathLike | None = None) -> TierstackConf
             raise ConfigError(f"config file {path} does not exist") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+    from tierstack.deepspeed_config import is_deepspeed_config, translate_deepspeed
+    if is_deepspeed_config(data):
+        data = translate_deepspeed(data)
     config = _build(TierstackConfig, data, "")
     config.validate()
     return config

@@ -1,0 +1,185 @@
+"""DeepSpeed JSON, accepted as is and translated into tierstack's typed config.
+
+Every DeepSpeed key is in one of three tables below: translated (it means the same
+thing here), decided by tierstack (a tuning knob whose job the scheduler does from
+measured bandwidth; accepted, logged once), or refused (a feature tierstack does not
+have: an error naming the key, never a silent no-op). Anything else is an unknown key.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tierstack.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Tuning knobs the scheduler sets from measured bandwidth and the layer trace.
+_DECIDED_BY_TIERSTACK = {
+    "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+    "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+    "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
+    "zero_optimization.reduce_scatter", "zero_optimization.allgather_partitions",
+    "zero_optimization.sub_group_size", "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.round_robin_gradients", "zero_optimization.ignore_unused_parameters",
+    "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_optimizer.pipeline_read",
+    "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.pipeline",
+    "aio.single_submit", "aio.overlap_events", "fp16.loss_scale_window", "fp16.hysteresis",
+    "fp16.min_loss_scale", "fp16.initial_scale_power", "fp16.loss_scale",
+}
+
+# Features tierstack does not have: refusing beats ignoring.
+_REFUSED = {
+    "scheduler": "learning-rate schedulers are not supported yet; drop 'scheduler' and set optimizer.params.lr",
+    "activation_checkpointing": "activation checkpointing is not supported yet",
+    "zero_optimization.offload_optimizer.ratio": "partial optimizer offload (ratio) is not supported",
+    "zero_optimization.zero_quantized_weights": "quantized weights are not supported",
+    "zero_optimization.zero_hpz_partition_size": "hierarchical partitioning is not supported",
+    "zero_optimization.mics_shard_size": "MiCS sharding is not supported",
+    "aio.use_gds": "GPUDirect Storage is not supported; the NVMe pool reads into the CPU pool",
+    "flops_profiler": "use bench/train.py for FLOP/s figures",
+    "tensorboard": "tierstack exports Prometheus metrics instead",
+    "wandb": "tierstack exports Prometheus metrics instead",
+    "comms_logger": "not supported",
+}
+
+
+def is_deepspeed_config(data: dict) -> bool:
+    return isinstance(data, dict) and "zero_optimization" in data
+
+
+def _offload(section: dict, key: str, nvme_paths: list[str]) -> dict:
+    out: dict[str, Any] = {}
+    for name, value in section.items():
+        full = f"{key}.{name}"
+        if full in _DECIDED_BY_TIERSTACK:
+            continue
+        if full in _REFUSED:
+            raise ConfigError(f"{full}: {_REFUSED[full]}")
+        if name == "device":
+            if value not in (None, "none", "cpu", "nvme"):
+                raise ConfigError(f"{full}: {value!r} is not one of none, cpu, nvme")
+            out["device"] = "none" if value in (None, "none") else value
+        elif name == "nvme_path":
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{full}: expected a directory path, got {value!r}")
+            if value not in nvme_paths:
+                nvme_paths.append(value)
+        elif name in ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu"):
+            out[name] = int(value) if name in ("buffer_size", "max_in_cpu") and isinstance(value, float) else value
+        else:
+            raise ConfigError(f"unknown DeepSpeed key {full}")
+    if out.get("device") == "nvme" and "nvme_path" not in section:
+        raise ConfigError(f"{key}.device is 'nvme' but {key}.nvme_path is missing: name the "
+                          f"directory on the NVMe drive")
+    return out
+
+
+def translate_deepspeed(ds: dict) -> dict:
+    """A tierstack config dict from a DeepSpeed config dict; errors name the DeepSpeed key."""
+    train: dict[str, Any] = {}
+    tier_manager: dict[str, Any] = {}
+    nvme_paths: list[str] = []
+    aio: dict[str, Any] = {}
+    decided = []
+    precision = "fp32"
+    for name, value in ds.items():
+        if name in _DECIDED_BY_TIERSTACK:
+            decided.append(name)
+        elif name in _REFUSED:
+            raise ConfigError(f"{name}: {_REFUSED[name]}")
+        elif name == "zero_optimization":
+            for zname, zvalue in value.items():
+                full = f"zero_optimization.{zname}"
+                if full in _DECIDED_BY_TIERSTACK:
+                    decided.append(full)
+                elif full in _REFUSED:
+                    raise ConfigError(f"{full}: {_REFUSED[full]}")
+                elif zname == "stage":
+                    if zvalue != 3:
+                        raise ConfigError(
+                            f"zero_optimization.stage is {zvalue}: tierstack partitions parameters, "
+                            f"gradients and optimizer states (stage 3); set it to 3")
+                elif zname == "offload_param":
+                    train["params"] = _offload(zvalue, full, nvme_paths)
+                elif zname == "offload_optimizer":
+                    train["optimizer_state"] = _offload(zvalue, full, nvme_paths)
+                else:
+                    raise ConfigError(f"unknown DeepSpeed key {full}")
+        elif name == "aio":
+            for aname, avalue in value.items():
+                full = f"aio.{aname}"
+                if full in _DECIDED_BY_TIERSTACK:
+                    decided.append(full)
+                elif full in _REFUSED:
+                    raise ConfigError(f"{full}: {_REFUSED[full]}")
+                elif aname in ("block_size", "queue_depth", "thread_count"):
+                    aio[aname] = avalue  # honoured as written, thread_count included
+                elif aname == "intra_op_parallelism":
+                    aio["thread_count"] = avalue
+                else:
+                    raise ConfigError(f"unknown DeepSpeed key {full}")
+        elif name == "train_micro_batch_size_per_gpu":
+            train["micro_batch_size"] = value
+        elif name == "gradient_accumulation_steps":
+            train["gradient_accumulation_steps"] = value
+        elif name == "train_batch_size":
+            pass  # checked below against micro batch x accumulation
+        elif name == "gradient_clipping":
+            train["gradient_clipping"] = value
+        elif name in ("bf16", "fp16"):
+            for k in value:
+                full = f"{name}.{k}"
+                if k != "enabled" and full not in _DECIDED_BY_TIERSTACK:
+                    raise ConfigError(f"unknown DeepSpeed key {full}")
+            if value.get("enabled"):
+                if precision != "fp32":
+                    raise ConfigError("bf16.enabled and fp16.enabled are both true; choose one")
+                precision = name
+        elif name == "optimizer":
+            train["optimizer"] = _optimizer(value)
+        elif name in ("tier_overrides", "device_budget"):
+            train[name] = value  # tierstack's own additions are welcome in a DeepSpeed file
+        else:
+            raise ConfigError(f"unknown DeepSpeed key {name}")
+    train["precision"] = precision
+    if "train_batch_size" in ds:
+        micro = train.get("micro_batch_size", 1)
+        accum = train.get("gradient_accumulation_steps", 1)
+        if ds["train_batch_size"] % (micro * accum):
+            raise ConfigError(
+                f"train_batch_size {ds['train_batch_size']} is not a multiple of "
+                f"train_micro_batch_size_per_gpu x gradient_accumulation_steps ({micro} x {accum})")
+    if nvme_paths:
+        tier_manager["nvme_pool"] = {"paths": nvme_paths}
+    if aio:
+        tier_manager.setdefault("nvme_pool", {})["aio"] = aio
+    if decided:
+        log.info("DeepSpeed settings decided by tierstack's scheduler instead: %s", ", ".join(decided))
+    out: dict[str, Any] = {"train": train}
+    if tier_manager:
+        out["tier_manager"] = tier_manager
+    return out
+
+
+def _optimizer(section: dict) -> dict:
+    out: dict[str, Any] = {}
+    for name, value in section.items():
+        if name == "type":
+            out["type"] = value
+        elif name == "params":
+            for pname, pvalue in value.items():
+                if pname in ("lr", "betas", "eps", "weight_decay"):
+                    out[pname] = pvalue
+                elif pname in ("torch_adam", "adam_w_mode"):
+                    if pname == "adam_w_mode" and not pvalue:
+                        raise ConfigError("optimizer.params.adam_w_mode false (L2 Adam) is not supported; use AdamW")
+                else:
+                    raise ConfigError(f"unknown DeepSpeed key optimizer.params.{pname}")
+        else:
+            raise ConfigError(f"unknown DeepSpeed key optimizer.{name}")
+    return out
