@@ -1,5 +1,5 @@
 # Two entry points, each doing all of its own set-up on a fresh machine:
-#   make run    the main job (for now: the pools demo)
+#   make run    the main job: `tierstack train` on the embedded single-node default
 #   make test   the whole test suite (what .ci/run calls)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	touch $@
 
 run: $(STAMP)
-	$(VENV)/bin/tierstack demo
+	$(VENV)/bin/tierstack train
 
 test: $(STAMP)
 	$(PY) -m pytest

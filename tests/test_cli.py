@@ -27,3 +27,18 @@ def test_bad_config_key_exits_with_its_name(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "unknown config key tier_manager.cpu_pol" in out.stderr
+
+
+def test_train_runs_with_state_spilling_to_nvme_and_the_loss_falls(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "tierstack.cli", "train", "--steps", "6", "--layers", "3",
+         "--dim", "64", "--heads", "4", "--seq-len", "64", "--cpu-pool-size", "1MiB",
+         "--nvme-path", str(tmp_path / "nvme")],
+        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = out.stdout.replace("\n", " ")
+    assert "done: 6 steps" in summary
+    read_gb = float(summary.split("NVMe read ")[1].split(" GB")[0])
+    assert read_gb > 0  # the state did not fit the CPU pool
+    first, last = summary.split("loss ")[1].split(",")[0].split(" -> ")
+    assert float(last) < float(first)

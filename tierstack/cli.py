@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tensor-size", default="64MiB", help="bytes per tensor")
     demo.set_defaults(func=_demo)
 
+    train = sub.add_parser("train", help="train a byte-level GPT with its state offloaded (the main job)")
+    from tierstack.worker.train_job import add_arguments, run as run_train
+    add_arguments(train)
+    train.set_defaults(func=run_train)
+
     tm = sub.add_parser("tier-manager", help="run this node's tier-manager daemon (gRPC)")
     tm.add_argument("--config", help="tierstack JSON config (its tier_manager section)")
     tm.add_argument("--listen", help="unix:/path/to.sock (default) or host:port")

@@ -1,0 +1,114 @@
+"""`tierstack train`: a byte-level GPT on the standard library's sources, state offloaded.
+
+On one machine it starts an embedded tier manager, registers the model's blocks with it
+and trains, showing loss, tokens/s and per-tier traffic; the default model's training
+state (parameters, gradients, AdamW moments) is larger than both the device budget and
+the CPU pool, so the NVMe pool really is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import uuid
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tierstack.config import MiB, TierManagerConfig, load_config, parse_size
+from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+from tierstack.worker.corpus import ByteBatches, stdlib_bytes
+from tierstack.worker.engine import OffloadEngine
+from tierstack.worker.gpt import GPT, GPTConfig
+from tierstack.worker.layers import LayerStore
+
+console = Console()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="tierstack or DeepSpeed JSON config")
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=6)
+    parser.add_argument("--cpu-pool-size", default="64MiB", help="the embedded CPU pool")
+    parser.add_argument("--device-budget", default="", help="default: 3 layers' worth")
+    parser.add_argument("--nvme-path", default="/var/tmp/tierstack/train-nvme")
+    parser.add_argument("--address", help="use this running tier manager instead of starting one")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when there is one)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpt = GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads)
+    model = GPT(gpt)
+    block_params = sum(p.numel() for p in model.blocks.parameters())
+    layer_bytes = block_params * 4 // gpt.layers
+    state_bytes = block_params * 16  # fp32 parameters, gradients, exp_avg, exp_avg_sq
+    budget = parse_size(args.device_budget, "--device-budget") if args.device_budget else 3 * layer_bytes
+    tm: TierManagerConfig = config.tier_manager
+    tm.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
+    tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
+    run_dir = os.path.join(args.nvme_path, uuid.uuid4().hex[:8])
+    tm.nvme_pool.paths = [run_dir]
+    tm.nvme_pool.size = max(tm.nvme_pool.aio.block_size, 2 * state_bytes + 64 * MiB)
+    tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
+    console.print(f"[bold]tierstack train[/]: GPT {gpt.layers} x {gpt.dim}, "
+                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}; "
+                  f"block state {state_bytes / MiB:.0f} MiB vs device budget {budget / MiB:.0f} MiB "
+                  f"and CPU pool {tm.cpu_pool.size / MiB:.0f} MiB -> NVMe at {run_dir}")
+    data = ByteBatches(stdlib_bytes(), gpt.seq_len, args.batch_size, seed=args.seed)
+    try:
+        if args.address:
+            return _train(args, model, device, budget, args.address, data, config)
+        with EmbeddedTierManager(tm) as daemon:
+            return _train(args, model, device, budget, daemon.address, data, config)
+    finally:
+        import shutil
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatches, config) -> int:
+    store = LayerStore(f"train-{uuid.uuid4().hex[:8]}", device=device, device_budget=budget,
+                       address=address, durable=False)
+    try:
+        engine = OffloadEngine(model, store, config.train.optimizer)
+        tokens_per_step = args.batch_size * args.seq_len
+        first, losses, start = store.client.stats(), [], time.perf_counter()
+        last = (first, start)
+        columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                   TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("train", total=args.steps, status="")
+            for step in range(args.steps):
+                x, y = data.next()
+                losses.append(engine.train_step(x, y))
+                now, stats = time.perf_counter(), store.client.stats()
+                dt = now - last[1]
+                read = (stats.nvme_bytes_read - last[0].nvme_bytes_read) / dt / 1e9
+                written = (stats.nvme_bytes_written - last[0].nvme_bytes_written) / dt / 1e9
+                last = (stats, now)
+                progress.update(task, advance=1, status=(
+                    f"loss {losses[-1]:.3f}  {tokens_per_step / dt:,.0f} tok/s  "
+                    f"nvme->cpu {read:.2f} GB/s  cpu->nvme {written:.2f} GB/s  "
+                    f"cpu pool {stats.cpu_used / MiB:.0f}/{stats.cpu_capacity / MiB:.0f} MiB"))
+        elapsed = time.perf_counter() - start
+        end = store.client.stats()
+        tokens = tokens_per_step * args.steps
+        console.print(
+            f"[bold]done[/]: {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+            f"{tokens / elapsed:,.0f} tokens/s, "
+            f"{model.flops_per_token() * tokens / elapsed / 1e12:.3f} model TFLOP/s; "
+            f"NVMe read {(end.nvme_bytes_read - first.nvme_bytes_read) / 1e9:.2f} GB, "
+            f"written {(end.nvme_bytes_written - first.nvme_bytes_written) / 1e9:.2f} GB; "
+            f"device budget peak {store.budget.peak / MiB:.0f} of {store.budget.capacity / MiB:.0f} MiB")
+        return 0
+    finally:
+        store.close()
