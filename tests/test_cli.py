@@ -38,7 +38,7 @@ def test_train_runs_with_state_spilling_to_nvme_and_the_loss_falls(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = out.stdout.replace("\n", " ")
     assert "done: 6 steps" in summary
-    read_gb = float(summary.split("NVMe read ")[1].split(" GB")[0])
+    read_gb = float(summary.split("done: ")[1].split("NVMe read ")[1].split(" GB")[0])
     assert read_gb > 0  # the state did not fit the CPU pool
-    first, last = summary.split("loss ")[1].split(",")[0].split(" -> ")
+    first, last = summary.split("done: ")[1].split("loss ")[1].split(",")[0].split(" -> ")
     assert float(last) < float(first)
