@@ -24,14 +24,9 @@ class OffloadEngine:
                  blocks_attr: str = "blocks", prefetch_depth: int = 2) -> None:
         self.model = model
         self.store = store
-        self.blocks = OffloadedBlocks(getattr(model, blocks_attr), store, prefetch_depth)
-        persistent = [p for n, p in model.named_parameters()
-                      if not n.startswith(f"{blocks_attr}.") and p.requires_grad]
-        for p in persistent:
-            p.data = p.data.to(store.device)
-        for name, b in model.named_buffers():
-            if not name.startswith(f"{blocks_attr}."):
-                b.data = b.data.to(store.device)
+        self.blocks = OffloadedBlocks(model.get_submodule(blocks_attr), store, prefetch_depth)
+        model.to(store.device)  # what is left in the model stays on the device
+        persistent = [p for p in model.parameters() if p.requires_grad]
         hyper = dict(lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
                      weight_decay=optimizer.weight_decay)
         self.persistent_optimizer = torch.optim.AdamW(persistent, fused=True, **hyper)
@@ -40,7 +35,7 @@ class OffloadEngine:
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and optimizer step; returns the loss."""
         inputs, targets = inputs.to(self.store.device), targets.to(self.store.device)
-        logits = self.model(inputs, self.blocks)
+        logits = self.model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         self.persistent_optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -51,14 +51,10 @@ class GPT(torch.nn.Module):
         self.ln = torch.nn.LayerNorm(config.dim)
         self.head = torch.nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, idx: torch.Tensor, blocks: torch.nn.Module | None = None) -> torch.Tensor:
-        """Logits; `blocks` replaces `self.blocks` (e.g. their offloaded version)."""
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        if blocks is not None:
-            x = blocks(x)
-        else:
-            for block in self.blocks:
-                x = block(x)
+        for block in self.blocks:
+            x = block(x)
         return self.head(self.ln(x))
 
     def flops_per_token(self) -> float:

@@ -39,13 +39,10 @@ class TinyGPT(torch.nn.Module):
         self.ln = torch.nn.LayerNorm(dim)
         self.head = torch.nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, idx: torch.Tensor, blocks=None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx) + self.pos(torch.arange(idx.shape[1]))
-        if blocks is None:
-            for block in self.blocks:
-                x = block(x)
-        else:
-            x = blocks(x)
+        for block in self.blocks:
+            x = block(x)
         return self.head(self.ln(x))
 
 
@@ -63,8 +60,9 @@ def test_offloaded_forward_and_backward_match_plain_pytorch(daemon):
     store = LayerStore("gpt", device="cpu", device_budget=4 * layer_bytes, address=daemon.address)
     try:
         blocks = OffloadedBlocks(model.blocks, store, prefetch_depth=2)
-        assert all(p.numel() == 0 for p in model.blocks.parameters())  # nothing stays resident
-        loss = torch.nn.functional.cross_entropy(model(idx, blocks).flatten(0, 1), targets.flatten())
+        assert list(model.blocks.parameters()) == []  # the slots hold proxies now
+        assert all(p.numel() == 0 for b in blocks.blocks for p in b.parameters())
+        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
         assert torch.equal(loss, ref_loss)
         loss.backward()
         for i, ref_block in enumerate(reference.blocks):
@@ -97,7 +95,7 @@ def test_twenty_steps_with_state_on_nvme_match_plain_adamw(daemon):
                        durable=False)
     try:
         blocks = OffloadedBlocks(model.blocks, store)
-        persistent = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+        persistent = list(model.parameters())  # the blocks' slots hold proxies now
         opt = torch.optim.AdamW(persistent, fused=True, **hyper)
         tiered = TieredAdamW(blocks, OptimizerConfig(lr=1e-3, betas=[0.9, 0.95], eps=1e-8,
                                                      weight_decay=0.1))
@@ -109,7 +107,7 @@ def test_twenty_steps_with_state_on_nvme_match_plain_adamw(daemon):
             ref_opt.zero_grad()
             ref_loss.backward()
             ref_opt.step()
-            loss = torch.nn.functional.cross_entropy(model(idx, blocks).flatten(0, 1), targets.flatten())
+            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -123,3 +121,47 @@ def test_twenty_steps_with_state_on_nvme_match_plain_adamw(daemon):
                 torch.testing.assert_close(stored[name], p.detach(), rtol=1e-5, atol=1e-6)
     finally:
         store.close()
+
+
+def _hf_matches_plain(daemon, model_factory, blocks_attr, job):
+    """Three AdamW steps of a Hugging Face model: offloaded vs plain, fp32, same data."""
+    from tierstack.config import OptimizerConfig
+    from tierstack.worker.engine import OffloadEngine
+    torch.manual_seed(0)
+    reference = model_factory()
+    model = copy.deepcopy(reference)
+    ref_opt = torch.optim.AdamW(reference.parameters(), fused=True, lr=1e-3, weight_decay=0.01)
+    store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-3, weight_decay=0.01),
+                               blocks_attr=blocks_attr)
+        data = torch.Generator().manual_seed(2)
+        for step in range(3):
+            ids = torch.randint(0, 256, (2, 24), generator=data)
+            ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
+            ref_opt.zero_grad()
+            ref_loss.backward()
+            ref_opt.step()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            engine.persistent_optimizer.zero_grad()
+            loss.backward()
+            engine.persistent_optimizer.step()
+            engine.block_optimizer.step()
+            assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), step
+    finally:
+        store.close()
+
+
+def test_hugging_face_llama_from_config_matches_plain_pytorch(daemon):
+    transformers = __import__("pytest").importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    _hf_matches_plain(daemon, lambda: transformers.LlamaForCausalLM(config), "model.layers", "llama")
+
+
+def test_hugging_face_gpt2_from_config_matches_plain_pytorch(daemon):
+    transformers = __import__("pytest").importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    _hf_matches_plain(daemon, lambda: transformers.GPT2LMHeadModel(config), "transformer.h", "gpt2")
