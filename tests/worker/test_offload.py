@@ -165,3 +165,66 @@ def test_hugging_face_gpt2_from_config_matches_plain_pytorch(daemon):
     config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     _hf_matches_plain(daemon, lambda: transformers.GPT2LMHeadModel(config), "transformer.h", "gpt2")
+
+
+def _steps(engine, data_seed, count):
+    data = torch.Generator().manual_seed(data_seed)
+    losses = []
+    for _ in range(count):
+        idx = torch.randint(0, 256, (4, 32), generator=data)
+        targets = torch.randint(0, 256, (4, 32), generator=data)
+        losses.append(engine.train_step(idx, targets))
+    return losses
+
+
+def test_resume_after_step_10_reproduces_steps_11_to_20(daemon, tmp_path):
+    from tierstack.config import OptimizerConfig
+    from tierstack.worker.checkpoint import load_checkpoint, save_checkpoint
+    from tierstack.worker.engine import OffloadEngine
+    torch.manual_seed(0)
+    store = LayerStore("run-a", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine(TinyGPT(dim=128, heads=4, layers=4), store, OptimizerConfig())
+        _steps(engine, 1, 10)
+        save_checkpoint(engine, tmp_path / "ckpt")
+        expected = _steps(engine, 2, 10)
+    finally:
+        store.close()
+    torch.manual_seed(123)  # a differently initialised model: everything must come from the checkpoint
+    store = LayerStore("run-b", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine(TinyGPT(dim=128, heads=4, layers=4), store, OptimizerConfig())
+        load_checkpoint(engine, tmp_path / "ckpt")
+        assert _steps(engine, 2, 10) == expected  # bit for bit
+    finally:
+        store.close()
+
+
+def test_export_loads_with_hugging_face_from_pretrained(daemon, tmp_path):
+    transformers = __import__("pytest").importorskip("transformers")
+    from tierstack.config import OptimizerConfig
+    from tierstack.worker.checkpoint import export_safetensors
+    from tierstack.worker.engine import OffloadEngine
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    store = LayerStore("export", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-2), blocks_attr="model.layers")
+        ids = torch.randint(0, 256, (2, 16))
+        for _ in range(2):  # move the weights away from their initial values
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            engine.persistent_optimizer.zero_grad()
+            loss.backward()
+            engine.persistent_optimizer.step()
+            engine.block_optimizer.step()
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+        export_safetensors(engine, tmp_path / "hf", blocks_attr="model.layers")
+        loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids, use_cache=False).logits, logits)
+    finally:
+        store.close()
