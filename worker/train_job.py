@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierstack.config import MiB, TierManagerConfig, load_config, parse_size
+from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.engine import OffloadEngine
@@ -45,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    if config.train.precision != "fp32":
+        raise ConfigError(
+            f"train.precision {config.train.precision!r} (DeepSpeed bf16/fp16.enabled) is not "
+            f"implemented yet: the engine trains in fp32; set it to fp32")
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpt = GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads)
