@@ -48,6 +48,16 @@ _REFUSED = {
 }
 
 
+def _screened(key: str, decided: list[str]) -> bool:
+    """True for a key left to tierstack (noted in `decided`); raises for a refused one."""
+    if key in _REFUSED:
+        raise ConfigError(f"{key}: {_REFUSED[key]}")
+    if key in _DECIDED_BY_TIERSTACK:
+        decided.append(key)
+        return True
+    return False
+
+
 def is_deepspeed_config(data: dict) -> bool:
     return isinstance(data, dict) and "zero_optimization" in data
 
@@ -56,10 +66,8 @@ def _offload(section: dict, key: str, nvme_paths: list[str]) -> dict:
     out: dict[str, Any] = {}
     for name, value in section.items():
         full = f"{key}.{name}"
-        if full in _DECIDED_BY_TIERSTACK:
+        if _screened(full, []):
             continue
-        if full in _REFUSED:
-            raise ConfigError(f"{full}: {_REFUSED[full]}")
         if name == "device":
             if value not in (None, "none", "cpu", "nvme"):
                 raise ConfigError(f"{full}: {value!r} is not one of none, cpu, nvme")
@@ -88,18 +96,14 @@ def translate_deepspeed(ds: dict) -> dict:
     decided = []
     precision = "fp32"
     for name, value in ds.items():
-        if name in _DECIDED_BY_TIERSTACK:
-            decided.append(name)
-        elif name in _REFUSED:
-            raise ConfigError(f"{name}: {_REFUSED[name]}")
-        elif name == "zero_optimization":
+        if _screened(name, decided):
+            continue
+        if name == "zero_optimization":
             for zname, zvalue in value.items():
                 full = f"zero_optimization.{zname}"
-                if full in _DECIDED_BY_TIERSTACK:
-                    decided.append(full)
-                elif full in _REFUSED:
-                    raise ConfigError(f"{full}: {_REFUSED[full]}")
-                elif zname == "stage":
+                if _screened(full, decided):
+                    continue
+                if zname == "stage":
                     if zvalue != 3:
                         raise ConfigError(
                             f"zero_optimization.stage is {zvalue}: tierstack partitions parameters, "
@@ -113,11 +117,9 @@ def translate_deepspeed(ds: dict) -> dict:
         elif name == "aio":
             for aname, avalue in value.items():
                 full = f"aio.{aname}"
-                if full in _DECIDED_BY_TIERSTACK:
-                    decided.append(full)
-                elif full in _REFUSED:
-                    raise ConfigError(f"{full}: {_REFUSED[full]}")
-                elif aname in ("block_size", "queue_depth", "thread_count"):
+                if _screened(full, decided):
+                    continue
+                if aname in ("block_size", "queue_depth", "thread_count"):
                     aio[aname] = avalue  # honoured as written, thread_count included
                 elif aname == "intra_op_parallelism":
                     aio["thread_count"] = avalue

@@ -4,46 +4,13 @@ import copy
 
 import torch
 
+from tierstack.worker.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
 
 
-class Block(torch.nn.Module):
-    """A GPT block: pre-norm causal self-attention and MLP, no dropout."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = torch.nn.LayerNorm(dim)
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-        self.ln2 = torch.nn.LayerNorm(dim)
-        self.fc = torch.nn.Linear(dim, 4 * dim)
-        self.out = torch.nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(torch.nn.Module):
-    def __init__(self, vocab=256, dim=64, heads=4, layers=6, seq=32) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.pos = torch.nn.Embedding(seq, dim)
-        self.blocks = torch.nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln = torch.nn.LayerNorm(dim)
-        self.head = torch.nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
+def TinyGPT(vocab=256, dim=64, heads=4, layers=6, seq=32) -> GPT:
+    return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, dim=dim, heads=heads, layers=layers))
 
 
 def test_offloaded_forward_and_backward_match_plain_pytorch(daemon):
