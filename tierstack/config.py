@@ -205,8 +205,8 @@ class TrainConfig:
     micro_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     precision: str = "fp32"
-    """'fp32' end to end; 'bf16' / 'fp16' (on the device, fp32 masters) are accepted by the
-    loader but the engine refuses them until mixed precision lands."""
+    """'fp32' end to end, or 'bf16' on the device with fp32 masters ('fp16' is accepted by
+    the loader but refused by the engine: it would need loss scaling)."""
     gradient_clipping: float = 0.0
     """Clip the global gradient norm to this (0: no clipping)."""
     device_budget: int = 4 * GiB

@@ -37,15 +37,16 @@ def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | 
     store, optimizer = engine.store, engine.block_optimizer
     for i in range(len(engine.blocks.blocks)):
         tensors = dict(store.read_layer(i))
-        if optimizer.steps:
-            for kind in MOMENTS:
-                tensors.update(store.read_layer(i, kind))
+        kinds = (MOMENTS if optimizer.steps else ()) + (("master",) if optimizer.masters else ())
+        for kind in kinds:
+            tensors.update(store.read_layer(i, kind))
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(_block_file(directory, i)))
     torch.save({
         "blocks": len(engine.blocks.blocks),
         "steps": optimizer.steps,
         "persistent": engine.model.state_dict(),
         "persistent_optimizer": engine.persistent_optimizer.state_dict(),
+        "persistent_masters": [m.detach().cpu() for m in engine.persistent_masters],
         "extra": extra or {},
     }, directory / ENGINE_FILE)
 
@@ -65,11 +66,14 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
         saved = load_file(str(_block_file(directory, i)))
         layout_names = {s.name for s in store.layouts[i].slots}
         store.write_back(i, {n: saved[n] for n in layout_names})
-        if meta["steps"]:
-            for kind in MOMENTS:
-                store.write_back(i, {k: v for k, v in saved.items() if k.endswith(f".{kind}")}, kind=kind)
+        kinds = (MOMENTS if meta["steps"] else ()) + (("master",) if optimizer.masters else ())
+        for kind in kinds:
+            store.write_back(i, {k: v for k, v in saved.items() if k.endswith(f".{kind}")}, kind=kind)
     engine.model.load_state_dict(meta["persistent"])
     engine.persistent_optimizer.load_state_dict(meta["persistent_optimizer"])
+    with torch.no_grad():
+        for m, saved_master in zip(engine.persistent_masters, meta["persistent_masters"]):
+            m.copy_(saved_master)
     optimizer.steps = meta["steps"]
     return meta["extra"]
 

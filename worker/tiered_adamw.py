@@ -5,8 +5,12 @@ buffers from the tier manager (kinds "params", "grad", "exp_avg", "exp_avg_sq"),
 PyTorch's own AdamW kernel on the CPU (`torch.optim.adamw.adamw`, fused by default),
 and writes parameters and moments back. No block's state is on the device at any time.
 
-Not yet here (see the issue): mixed precision with fp32 masters, running the step
-inside the tier manager, and overlapping the next block's reads with this block's update.
+With `masters`, AdamW updates the fp32 master weights (kind "master") from the
+low-precision gradients, and the layer's parameters are written back as the masters
+rounded to the layer's dtype.
+
+Not yet here (see the issue): running the step inside the tier manager, and overlapping
+the next block's reads with this block's update and the previous block's writes.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ class TieredAdamW:
     """AdamW for the parameters of an `OffloadedBlocks`, state kept by the tier manager."""
 
     def __init__(self, blocks: OffloadedBlocks, config: OptimizerConfig | None = None,
-                 fused: bool = True) -> None:
+                 fused: bool = True, masters: bool = False) -> None:
         self.blocks = blocks
+        self.masters = masters
         self.config = config or OptimizerConfig()
         self.config.validate("optimizer")
         self.fused = fused
@@ -37,10 +42,14 @@ class TieredAdamW:
         store = self.blocks.store
         beta1, beta2 = self.config.betas
         for i in range(len(self.blocks.blocks)):
-            grads = self.blocks.gradients(i)
+            grads = {n: g.float() for n, g in self.blocks.gradients(i).items()}
             stored = store.read_layer(i)
             names = sorted(grads)
-            params = [stored[n] for n in names]
+            if self.masters:
+                saved = store.read_layer(i, "master")
+                params = [saved[f"{n}.master"] for n in names]
+            else:
+                params = [stored[n] for n in names]
             if self.steps == 1:
                 moments = {kind: [torch.zeros_like(p) for p in params] for kind in MOMENTS}
             else:
@@ -55,6 +64,10 @@ class TieredAdamW:
                         amsgrad=False, beta1=beta1, beta2=beta2, lr=self.config.lr,
                         weight_decay=self.config.weight_decay, eps=self.config.eps,
                         maximize=False)
+            if self.masters:
+                store.write_back(i, {f"{n}.master": p for n, p in zip(names, params)}, kind="master")
+                for n, p in zip(names, params):
+                    stored[n].copy_(p)  # rounded to the layer's dtype
             store.write_back(i, stored)  # parameters: all of the layer's tensors
             for kind in MOMENTS:
                 store.write_back(i, {f"{n}.{kind}": t for n, t in zip(names, moments[kind])},

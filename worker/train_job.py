@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierstack.config import MiB, TierManagerConfig, load_config, parse_size
-from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.engine import OffloadEngine
@@ -42,14 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="use this running tier manager instead of starting one")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=["fp32", "bf16"],
+                        help="default: the config's train.precision (fp32)")
 
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    if config.train.precision != "fp32":
-        raise ConfigError(
-            f"train.precision {config.train.precision!r} (DeepSpeed bf16/fp16.enabled) is not "
-            f"implemented yet: the engine trains in fp32; set it to fp32")
+    if args.precision:
+        config.train.precision = args.precision
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpt = GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads)
@@ -84,7 +83,8 @@ def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatche
     store = LayerStore(f"train-{uuid.uuid4().hex[:8]}", device=device, device_budget=budget,
                        address=address, durable=False)
     try:
-        engine = OffloadEngine(model, store, config.train.optimizer)
+        engine = OffloadEngine(model, store, config.train.optimizer,
+                               precision=config.train.precision)
         tokens_per_step = args.batch_size * args.seq_len
         first, losses, start = store.client.stats(), [], time.perf_counter()
         last = (first, start)
