@@ -9,11 +9,13 @@ With `masters`, AdamW updates the fp32 master weights (kind "master") from the
 low-precision gradients, and the layer's parameters are written back as the masters
 rounded to the layer's dtype.
 
-Not yet here (see the issue): running the step inside the tier manager, and overlapping
-the next block's reads with this block's update and the previous block's writes.
+Reading block i+1, updating block i and writing block i-1 overlap. Not yet here (see
+the issue): running the step inside the tier manager itself.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.optim import adamw
@@ -37,38 +39,64 @@ class TieredAdamW:
         self.steps = 0
 
     def step(self) -> None:
-        """One AdamW step for every block, from the gradients of the last backward."""
+        """One AdamW step for every block, from the gradients of the last backward.
+
+        Three legs overlap: block i+1's state is read while block i is updated, and
+        block i's results are written while block i+1 is updated.
+        """
         self.steps += 1
+        count = len(self.blocks.blocks)
+        if count == 0:
+            return
+        writes = []
+        with ThreadPoolExecutor(2, thread_name_prefix="tierstack-adam-io") as io:
+            pending = io.submit(self._read, 0)
+            for i in range(count):
+                state = pending.result()
+                if i + 1 < count:
+                    pending = io.submit(self._read, i + 1)
+                self._update(state)
+                writes.append(io.submit(self._write, i, state))
+            for w in writes:
+                w.result()  # surface a failed write
+
+    def _read(self, i: int) -> dict:
         store = self.blocks.store
-        beta1, beta2 = self.config.betas
-        for i in range(len(self.blocks.blocks)):
-            grads = {n: g.float() for n, g in self.blocks.gradients(i).items()}
-            stored = store.read_layer(i)
-            names = sorted(grads)
-            if self.masters:
-                saved = store.read_layer(i, "master")
-                params = [saved[f"{n}.master"] for n in names]
-            else:
-                params = [stored[n] for n in names]
-            if self.steps == 1:
-                moments = {kind: [torch.zeros_like(p) for p in params] for kind in MOMENTS}
-            else:
-                moments = {}
-                for kind in MOMENTS:
-                    saved = store.read_layer(i, kind)
-                    moments[kind] = [saved[f"{n}.{kind}"] for n in names]
-            # AdamW increments each step counter itself: hand it the count before this step.
-            counters = [torch.tensor(float(self.steps - 1)) for _ in names]
-            adamw.adamw(params, [grads[n] for n in names], moments["exp_avg"],
-                        moments["exp_avg_sq"], [], counters, foreach=False, fused=self.fused,
-                        amsgrad=False, beta1=beta1, beta2=beta2, lr=self.config.lr,
-                        weight_decay=self.config.weight_decay, eps=self.config.eps,
-                        maximize=False)
-            if self.masters:
-                store.write_back(i, {f"{n}.master": p for n, p in zip(names, params)}, kind="master")
-                for n, p in zip(names, params):
-                    stored[n].copy_(p)  # rounded to the layer's dtype
-            store.write_back(i, stored)  # parameters: all of the layer's tensors
+        grads = {n: g.float() for n, g in self.blocks.gradients(i).items()}
+        stored = store.read_layer(i)
+        names = sorted(grads)
+        if self.masters:
+            saved = store.read_layer(i, "master")
+            params = [saved[f"{n}.master"] for n in names]
+        else:
+            params = [stored[n] for n in names]
+        if self.steps == 1:
+            moments = {kind: [torch.zeros_like(p) for p in params] for kind in MOMENTS}
+        else:
+            moments = {}
             for kind in MOMENTS:
-                store.write_back(i, {f"{n}.{kind}": t for n, t in zip(names, moments[kind])},
-                                 kind=kind)
+                saved = store.read_layer(i, kind)
+                moments[kind] = [saved[f"{n}.{kind}"] for n in names]
+        return {"names": names, "grads": [grads[n] for n in names], "stored": stored,
+                "params": params, "moments": moments}
+
+    def _update(self, state: dict) -> None:
+        beta1, beta2 = self.config.betas
+        # AdamW increments each step counter itself: hand it the count before this step.
+        counters = [torch.tensor(float(self.steps - 1)) for _ in state["names"]]
+        adamw.adamw(state["params"], state["grads"], state["moments"]["exp_avg"],
+                    state["moments"]["exp_avg_sq"], [], counters, foreach=False, fused=self.fused,
+                    amsgrad=False, beta1=beta1, beta2=beta2, lr=self.config.lr,
+                    weight_decay=self.config.weight_decay, eps=self.config.eps, maximize=False)
+
+    def _write(self, i: int, state: dict) -> None:
+        store = self.blocks.store
+        names, params, stored = state["names"], state["params"], state["stored"]
+        if self.masters:
+            store.write_back(i, {f"{n}.master": p for n, p in zip(names, params)}, kind="master")
+            for n, p in zip(names, params):
+                stored[n].copy_(p)  # rounded to the layer's dtype
+        store.write_back(i, stored)  # parameters: all of the layer's tensors
+        for kind in MOMENTS:
+            store.write_back(i, {f"{n}.{kind}": t for n, t in zip(names, state["moments"][kind])},
+                             kind=kind)
