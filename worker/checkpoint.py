@@ -71,6 +71,8 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
             store.write_back(i, {k: v for k, v in saved.items() if k.endswith(f".{kind}")}, kind=kind)
     engine.model.load_state_dict(meta["persistent"])
     engine.persistent_optimizer.load_state_dict(meta["persistent_optimizer"])
+    if meta["steps"]:
+        optimizer._has_moments.update(range(meta["blocks"]))
     with torch.no_grad():
         for m, saved_master in zip(engine.persistent_masters, meta["persistent_masters"]):
             m.copy_(saved_master)
@@ -78,8 +80,9 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
     return meta["extra"]
 
 
-def export_safetensors(engine: OffloadEngine, directory: str | Path, blocks_attr: str = "blocks") -> Path:
+def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
     """Export the model's weights for `from_pretrained`; returns the index file's path."""
+    blocks_attr = engine.blocks_attr
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}

@@ -37,12 +37,17 @@ class OffloadEngine:
         self.model = model
         self.store = store
         self.precision = precision
+        self.blocks_attr = blocks_attr
         dtype = PRECISIONS[precision]
         block_list = model.get_submodule(blocks_attr)
-        masters = None
+        masters = persistent_fp32 = None
         if dtype != torch.float32:
+            # fp32 masters come from the fp32 weights, before the model is cast.
             masters = [{n: p.detach().float().clone() for n, p in b.named_parameters()}
                        for b in block_list]
+            in_blocks = {id(p) for b in block_list for p in b.parameters()}
+            persistent_fp32 = [p.detach().float().clone() for p in model.parameters()
+                               if id(p) not in in_blocks and p.requires_grad]
             model.to(dtype)
         self.blocks = OffloadedBlocks(block_list, store, prefetch_depth)
         if masters is not None:
@@ -51,18 +56,20 @@ class OffloadEngine:
         model.to(store.device)  # what is left in the model stays on the device
         self.persistent = [p for p in model.parameters() if p.requires_grad]
         # fp32 masters of the persistent parameters (the parameters themselves in fp32).
-        self.persistent_masters = (self.persistent if masters is None else
-                                   [p.detach().float().clone().requires_grad_() for p in self.persistent])
+        self.persistent_masters = (self.persistent if persistent_fp32 is None else
+                                   [m.to(store.device).requires_grad_() for m in persistent_fp32])
         hyper = dict(lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
                      weight_decay=optimizer.weight_decay)
         self.persistent_optimizer = torch.optim.AdamW(self.persistent_masters, fused=True, **hyper)
         self.block_optimizer = TieredAdamW(self.blocks, optimizer, masters=masters is not None)
 
     def zero_grad(self) -> None:
+        """Clear gradients: the next backward starts a new accumulation window."""
         for p in self.persistent:
             p.grad = None
         for m in self.persistent_masters:
             m.grad = None
+        self.blocks.new_gradients()
 
     def step(self) -> None:
         """The optimizer step after a backward: persistent parameters, then every block."""

@@ -178,6 +178,8 @@ class LayerStore:
         any other kind is stored beside it under its own key and layout.
         """
         layout = self.layouts[index] if kind == "params" else LayerLayout.of(tensors)
+        if kind == "params" and index in self._resident:
+            self.release_layer(index)  # a device copy of the old version must not be reused
         if kind != "params":
             self._write_block(self.key(index, f"{kind}.layout"),
                               torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8))

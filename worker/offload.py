@@ -13,8 +13,13 @@ soon as the block is done. Outside a block's use window none of its bytes stay o
 device, and the layer store keeps the device budget.
 
 The recompute costs one extra forward per block (as activation checkpointing does) and
-in exchange never holds a parameter across the forward/backward gap. Blocks must be
-deterministic for the recompute (no dropout, or seeded identically).
+in exchange never holds a parameter across the forward/backward gap. Like
+torch.utils.checkpoint, the recompute replays the forward's RNG state (dropout) and
+autocast setting. Gradients accumulate over several backward passes (and several calls
+of a block) until `new_gradients()`, which the engine's zero_grad calls.
+
+Not supported, refused by name: weights tied inside a block, buffers a block updates in
+place (BatchNorm running statistics), and a key/value cache passed to a block.
 """
 
 from __future__ import annotations
@@ -43,8 +48,12 @@ class _Block(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, engine: "OffloadedBlocks", index: int, x: torch.Tensor, extra: tuple):
+    def forward(ctx, engine: "OffloadedBlocks", index: int, x: torch.Tensor, extra: tuple,
+                anchor: torch.Tensor):
+        # `anchor` needs gradients, so this node is in the graph even when `x` does not
+        # (a frozen embedding): the block's parameters still get theirs.
         ctx.engine, ctx.index, ctx.extra = engine, index, extra
+        ctx.replay = _ReplayState.capture(x.device)
         ctx.save_for_backward(x)
         with torch.no_grad():
             return engine._forward_block(index, x, extra)
@@ -52,8 +61,40 @@ class _Block(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
-        grad_in = ctx.engine._backward_block(ctx.index, x, ctx.extra, grad_out)
-        return None, None, grad_in, None
+        grad_in = ctx.engine._backward_block(ctx.index, x, ctx.extra, grad_out, ctx.replay)
+        return None, None, grad_in, None, None
+
+
+class _ReplayState:
+    """RNG and autocast state of a block's forward, replayed for its recompute."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.autocast = torch.is_autocast_enabled(device.type)
+        self.autocast_dtype = torch.get_autocast_dtype(device.type)
+
+    @classmethod
+    def capture(cls, device: torch.device) -> "_ReplayState":
+        return cls(device)
+
+    def replaying(self):
+        """A context manager: inside it, RNG and autocast are as they were in the forward."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            devices = [self.device] if self.cuda_rng is not None else []
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(self.cpu_rng)
+                if self.cuda_rng is not None:
+                    torch.cuda.set_rng_state(self.cuda_rng, self.device)
+                with torch.autocast(self.device.type, dtype=self.autocast_dtype,
+                                    enabled=self.autocast):
+                    yield
+
+        return ctx()
 
 
 def _needs_grad(value) -> bool:
@@ -79,7 +120,13 @@ class _BlockProxy(torch.nn.Module):
             raise InvalidArgumentError(
                 f"block {self.index} was given an extra input that needs gradients; offloaded "
                 f"blocks pass gradients only through their first input")
-        return _Block.apply(self._engine[0], self.index, x, (args, kwargs))
+        if torch.is_grad_enabled() and (kwargs.get("use_cache") or any(
+                hasattr(v, "get_seq_length") for v in list(args) + list(kwargs.values()))):
+            raise InvalidArgumentError(
+                f"block {self.index} was given a key/value cache while training: the backward "
+                f"recompute would extend it a second time; call the model with use_cache=False")
+        engine = self._engine[0]
+        return _Block.apply(engine, self.index, x, (args, kwargs), engine._anchor)
 
 
 class OffloadedBlocks(torch.nn.Module):
@@ -91,6 +138,11 @@ class OffloadedBlocks(torch.nn.Module):
         self.blocks = list(module_list)  # plain list: these are not the model's modules any more
         self.store = store
         self.prefetch_depth = prefetch_depth
+        for i, block in enumerate(self.blocks):
+            _check_supported(i, block)
+        self._anchor = torch.empty(0, requires_grad=True)
+        self._generation = 0  # gradients of the current accumulation window
+        self._grad_generation = [-1] * len(self.blocks)
         store.register_layers(self.blocks)
         self._names = [list(block.state_dict().keys()) for block in self.blocks]
         for i in range(len(self.blocks)):
@@ -115,27 +167,43 @@ class OffloadedBlocks(torch.nn.Module):
             _set_tensor(block, name, torch.empty(0, dtype=current.dtype, device=self.store.device))
 
     def _forward_block(self, index: int, x: torch.Tensor, extra: tuple) -> torch.Tensor:
+        # This layer first: prefetches must never take the budget it needs.
+        self._materialize(index)
         for ahead in range(1, self.prefetch_depth + 1):
             if index + ahead < len(self.blocks):
                 self.store.prefetch(index + ahead)
-        self._materialize(index)
         args, kwargs = extra
         try:
             return self.blocks[index](x, *args, **kwargs)
+        except BaseException:
+            self._release_all()
+            raise
         finally:
             self._dematerialize(index)
             self.store.release_layer(index)
 
+    def _release_all(self) -> None:
+        """After an error: no layer, prefetched or not, stays on the device."""
+        for i in self.store.resident_layers():
+            self.store.release_layer(i)
+
+    def new_gradients(self) -> None:
+        """Start a new accumulation window: the next backward overwrites, later ones add."""
+        self._generation += 1
+
+    def has_gradients(self, index: int) -> bool:
+        return self._grad_generation[index] == self._generation
+
     def _backward_block(self, index: int, x: torch.Tensor, extra: tuple,
-                        grad_out: torch.Tensor) -> torch.Tensor | None:
+                        grad_out: torch.Tensor, replay: "_ReplayState") -> torch.Tensor | None:
+        block = self.blocks[index]
+        self._materialize(index)
         for behind in range(1, self.prefetch_depth + 1):
             if index - behind >= 0:
                 self.store.prefetch(index - behind)
-        block = self.blocks[index]
-        self._materialize(index)
         args, kwargs = extra
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), replay.replaying():
                 x_in = x.detach().requires_grad_(x.requires_grad)
                 out = block(x_in, *args, **kwargs)
                 named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
@@ -143,18 +211,47 @@ class OffloadedBlocks(torch.nn.Module):
                 grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
             grad_in = grads[0] if x.requires_grad else None
             param_grads = grads[1:] if x.requires_grad else grads
-            self.store.write_back(index, {
-                f"{n}.grad": (g if g is not None else torch.zeros_like(p))
-                for (n, p), g in zip(named, param_grads)}, kind="grad", durable=False)
+            new = {f"{n}.grad": (g if g is not None else torch.zeros_like(p))
+                   for (n, p), g in zip(named, param_grads)}
+            if self.has_gradients(index):  # accumulate within the window
+                for key, old in self.store.read_layer(index, "grad").items():
+                    new[key] = new[key] + old.to(new[key].device)
+            self.store.write_back(index, new, kind="grad", durable=False)
+            self._grad_generation[index] = self._generation
             return grad_in
+        except BaseException:
+            self._release_all()
+            raise
         finally:
             self._dematerialize(index)
             self.store.release_layer(index)
 
     def gradients(self, index: int) -> dict[str, torch.Tensor]:
-        """Block `index`'s parameter gradients from the last backward (CPU copies)."""
+        """Block `index`'s parameter gradients of the current window (CPU copies)."""
+        if not self.has_gradients(index):
+            raise InvalidArgumentError(
+                f"block {index} has no gradients since the last zero_grad: run a backward "
+                f"through it before the optimizer step")
         return {k[:-len(".grad")]: v for k, v in self.store.read_layer(index, "grad").items()}
 
     def parameters_of(self, index: int) -> dict[str, torch.Tensor]:
         """Block `index`'s stored tensors (CPU copies)."""
         return self.store.read_layer(index)
+
+
+def _check_supported(index: int, block: torch.nn.Module) -> None:
+    """Refuse blocks whose offloaded copy would silently train differently."""
+    seen: dict[int, str] = {}
+    for name, tensor in block.state_dict(keep_vars=True).items():
+        if tensor.numel() and tensor.data_ptr() in seen:
+            raise InvalidArgumentError(
+                f"block {index}: {name!r} shares its storage with {seen[tensor.data_ptr()]!r}; "
+                f"weights tied inside a block are not supported yet (tie across blocks or "
+                f"keep the tied module out of the offloaded list)")
+        seen[tensor.data_ptr()] = name
+    for name, module in block.named_modules():
+        if getattr(module, "track_running_stats", False) and getattr(module, "running_mean", None) is not None:
+            raise InvalidArgumentError(
+                f"block {index}: {name or type(module).__name__} updates running statistics in "
+                f"place, which an offloaded block would lose; use LayerNorm/RMSNorm, or "
+                f"track_running_stats=False")

@@ -21,6 +21,7 @@ import torch
 from torch.optim import adamw
 
 from tierstack.config import OptimizerConfig
+from tierstack.errors import InvalidArgumentError
 from tierstack.worker.offload import OffloadedBlocks
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -37,6 +38,7 @@ class TieredAdamW:
         self.config.validate("optimizer")
         self.fused = fused
         self.steps = 0
+        self._has_moments: set[int] = set()  # blocks whose moments the tier manager holds
 
     def step(self) -> None:
         """One AdamW step for every block, from the gradients of the last backward.
@@ -44,21 +46,26 @@ class TieredAdamW:
         Three legs overlap: block i+1's state is read while block i is updated, and
         block i's results are written while block i+1 is updated.
         """
-        self.steps += 1
         count = len(self.blocks.blocks)
-        if count == 0:
-            return
+        missing = [i for i in range(count) if not self.blocks.has_gradients(i)]
+        if missing:  # check first: a step must update every block or none
+            raise InvalidArgumentError(
+                f"blocks {missing} have no gradients since the last zero_grad: run a backward "
+                f"through every offloaded block before the optimizer step")
+        step = self.steps + 1
         writes = []
         with ThreadPoolExecutor(2, thread_name_prefix="tierstack-adam-io") as io:
-            pending = io.submit(self._read, 0)
+            pending = io.submit(self._read, 0) if count else None
             for i in range(count):
                 state = pending.result()
                 if i + 1 < count:
                     pending = io.submit(self._read, i + 1)
-                self._update(state)
+                self._update(state, step)
                 writes.append(io.submit(self._write, i, state))
             for w in writes:
                 w.result()  # surface a failed write
+        self._has_moments.update(range(count))
+        self.steps = step  # counted only once every block's update is stored
 
     def _read(self, i: int) -> dict:
         store = self.blocks.store
@@ -70,7 +77,7 @@ class TieredAdamW:
             params = [saved[f"{n}.master"] for n in names]
         else:
             params = [stored[n] for n in names]
-        if self.steps == 1:
+        if i not in self._has_moments:
             moments = {kind: [torch.zeros_like(p) for p in params] for kind in MOMENTS}
         else:
             moments = {}
@@ -80,10 +87,10 @@ class TieredAdamW:
         return {"names": names, "grads": [grads[n] for n in names], "stored": stored,
                 "params": params, "moments": moments}
 
-    def _update(self, state: dict) -> None:
+    def _update(self, state: dict, step: int) -> None:
         beta1, beta2 = self.config.betas
         # AdamW increments each step counter itself: hand it the count before this step.
-        counters = [torch.tensor(float(self.steps - 1)) for _ in state["names"]]
+        counters = [torch.tensor(float(step - 1)) for _ in state["names"]]
         adamw.adamw(state["params"], state["grads"], state["moments"]["exp_avg"],
                     state["moments"]["exp_avg_sq"], [], counters, foreach=False, fused=self.fused,
                     amsgrad=False, beta1=beta1, beta2=beta2, lr=self.config.lr,

@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     gpt = GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads)
     model = GPT(gpt)
     block_params = sum(p.numel() for p in model.blocks.parameters())
-    layer_bytes = block_params * 4 // gpt.layers
+    from tierstack.worker.layers import layer_tensors
+    from tierstack.worker.layout import LayerLayout
+    layer_bytes = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes  # with slot padding
     state_bytes = block_params * 16  # fp32 parameters, gradients, exp_avg, exp_avg_sq
     budget = parse_size(args.device_budget, "--device-budget") if args.device_budget else 3 * layer_bytes
     tm: TierManagerConfig = config.tier_manager

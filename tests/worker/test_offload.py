@@ -76,6 +76,7 @@ def test_twenty_steps_with_state_on_nvme_match_plain_adamw(daemon):
             ref_opt.step()
             loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
             opt.zero_grad()
+            blocks.new_gradients()  # the blocks' zero_grad: this backward starts a new window
             loss.backward()
             opt.step()
             tiered.step()
@@ -187,7 +188,7 @@ def test_export_loads_with_hugging_face_from_pretrained(daemon, tmp_path):
             engine.step()
         with torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits
-        export_safetensors(engine, tmp_path / "hf", blocks_attr="model.layers")
+        export_safetensors(engine, tmp_path / "hf")
         loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
         with torch.no_grad():
             torch.testing.assert_close(loaded(input_ids=ids, use_cache=False).logits, logits)
@@ -233,5 +234,100 @@ def test_bf16_with_fp32_masters_matches_the_same_recipe_in_plain_pytorch(daemon)
             assert abs(loss - ref_loss.item()) <= 1e-3 * abs(ref_loss.item()), step
         saved = store.read_layer(0, "master")  # the masters stay fp32
         assert saved["qkv.weight.master"].dtype == torch.float32
+    finally:
+        store.close()
+
+
+def _engine_pair(daemon, job, factory, **engine_kwargs):
+    from tierstack.config import OptimizerConfig
+    from tierstack.worker.engine import OffloadEngine
+    torch.manual_seed(0)
+    reference = factory()
+    model = copy.deepcopy(reference)
+    store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    return reference, model, store, OffloadEngine(model, store, OptimizerConfig(), **engine_kwargs)
+
+
+def test_gradients_accumulate_over_micro_batches_and_repeated_blocks(daemon):
+    reference, model, store, engine = _engine_pair(daemon, "accum", lambda: TinyGPT(dim=64, layers=3))
+    try:
+        batches = [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+        engine.zero_grad()
+        for idx in batches:  # two micro-batches, one window
+            reference_loss = torch.nn.functional.cross_entropy(reference(idx).flatten(0, 1), idx.flatten())
+            reference_loss.backward()
+            torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        for i, block in enumerate(reference.blocks):
+            grads = engine.blocks.gradients(i)
+            for name, p in block.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+    finally:
+        store.close()
+
+
+def test_frozen_embedding_still_trains_the_blocks_and_dropout_is_replayed(daemon):
+    def factory():
+        m = TinyGPT(dim=64, layers=2)
+        m.embed.weight.requires_grad_(False)
+        m.pos.weight.requires_grad_(False)
+        for b in m.blocks:  # dropout inside the blocks: the recompute must draw the same mask
+            b.fc = torch.nn.Sequential(b.fc, torch.nn.Dropout(0.3))
+        return m
+    reference, model, store, engine = _engine_pair(daemon, "frozen", factory)
+    try:
+        idx = torch.randint(0, 256, (2, 32))
+        torch.manual_seed(7)
+        torch.nn.functional.cross_entropy(reference(idx).flatten(0, 1), idx.flatten()).backward()
+        engine.zero_grad()
+        torch.manual_seed(7)
+        torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        for i, block in enumerate(reference.blocks):
+            grads = engine.blocks.gradients(i)
+            for name, p in block.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+    finally:
+        store.close()
+
+
+def test_a_step_without_gradients_is_refused_and_counts_nothing(daemon):
+    _, _, store, engine = _engine_pair(daemon, "nograd", lambda: TinyGPT(dim=64, layers=2))
+    try:
+        engine.zero_grad()
+        import pytest
+        from tierstack.errors import InvalidArgumentError
+        with pytest.raises(InvalidArgumentError, match="no gradients since the last zero_grad"):
+            engine.block_optimizer.step()
+        assert engine.block_optimizer.steps == 0
+    finally:
+        store.close()
+
+
+def test_unsupported_blocks_are_refused_by_name(daemon):
+    import pytest
+    from tierstack.errors import InvalidArgumentError
+    store = LayerStore("refuse", device="cpu", device_budget=64 << 20, address=daemon.address)
+    try:
+        tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        tied[1].weight = tied[0].weight
+        with pytest.raises(InvalidArgumentError, match="tied inside a block"):
+            OffloadedBlocks(torch.nn.ModuleList([tied]), store)
+        with pytest.raises(InvalidArgumentError, match="running statistics"):
+            OffloadedBlocks(torch.nn.ModuleList([torch.nn.BatchNorm1d(4)]), store)
+    finally:
+        store.close()
+
+
+def test_a_budget_of_two_layers_is_enough_whatever_the_prefetch_depth(daemon):
+    torch.manual_seed(0)
+    model = TinyGPT(dim=64, layers=4)
+    from tierstack.worker.layers import layer_tensors
+    from tierstack.worker.layout import LayerLayout
+    layer = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes
+    store = LayerStore("tight", device="cpu", device_budget=2 * layer, address=daemon.address)
+    try:
+        blocks = OffloadedBlocks(model.blocks, store, prefetch_depth=3)
+        idx = torch.randint(0, 256, (2, 32))
+        torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        assert store.budget.peak <= 2 * layer and store.resident_layers() == []
     finally:
         store.close()
