@@ -24,6 +24,8 @@ place (BatchNorm running statistics), and a key/value cache passed to a block.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tierstack.errors import InvalidArgumentError
@@ -79,22 +81,16 @@ class _ReplayState:
     def capture(cls, device: torch.device) -> "_ReplayState":
         return cls(device)
 
+    @contextlib.contextmanager
     def replaying(self):
-        """A context manager: inside it, RNG and autocast are as they were in the forward."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def ctx():
-            devices = [self.device] if self.cuda_rng is not None else []
-            with torch.random.fork_rng(devices=devices):
-                torch.set_rng_state(self.cpu_rng)
-                if self.cuda_rng is not None:
-                    torch.cuda.set_rng_state(self.cuda_rng, self.device)
-                with torch.autocast(self.device.type, dtype=self.autocast_dtype,
-                                    enabled=self.autocast):
-                    yield
-
-        return ctx()
+        """Inside: RNG and autocast are as they were in the forward."""
+        devices = [self.device] if self.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast):
+                yield
 
 
 def _needs_grad(value) -> bool:
@@ -166,26 +162,31 @@ class OffloadedBlocks(torch.nn.Module):
                 current = owner._buffers[leaf]
             _set_tensor(block, name, torch.empty(0, dtype=current.dtype, device=self.store.device))
 
-    def _forward_block(self, index: int, x: torch.Tensor, extra: tuple) -> torch.Tensor:
-        # This layer first: prefetches must never take the budget it needs.
+    @contextlib.contextmanager
+    def _using(self, index: int, then: range):
+        """Block `index` on the device for the body, prefetching `then` behind it.
+
+        The block comes first: prefetches must never take the budget it needs. After an
+        error no layer, prefetched or not, stays on the device.
+        """
         self._materialize(index)
-        for ahead in range(1, self.prefetch_depth + 1):
-            if index + ahead < len(self.blocks):
-                self.store.prefetch(index + ahead)
-        args, kwargs = extra
+        for other in then:
+            if 0 <= other < len(self.blocks):
+                self.store.prefetch(other)
         try:
-            return self.blocks[index](x, *args, **kwargs)
+            yield self.blocks[index]
         except BaseException:
-            self._release_all()
+            for i in self.store.resident_layers():
+                self.store.release_layer(i)
             raise
         finally:
             self._dematerialize(index)
             self.store.release_layer(index)
 
-    def _release_all(self) -> None:
-        """After an error: no layer, prefetched or not, stays on the device."""
-        for i in self.store.resident_layers():
-            self.store.release_layer(i)
+    def _forward_block(self, index: int, x: torch.Tensor, extra: tuple) -> torch.Tensor:
+        args, kwargs = extra
+        with self._using(index, range(index + 1, index + 1 + self.prefetch_depth)) as block:
+            return block(x, *args, **kwargs)
 
     def new_gradients(self) -> None:
         """Start a new accumulation window: the next backward overwrites, later ones add."""
@@ -196,13 +197,8 @@ class OffloadedBlocks(torch.nn.Module):
 
     def _backward_block(self, index: int, x: torch.Tensor, extra: tuple,
                         grad_out: torch.Tensor, replay: "_ReplayState") -> torch.Tensor | None:
-        block = self.blocks[index]
-        self._materialize(index)
-        for behind in range(1, self.prefetch_depth + 1):
-            if index - behind >= 0:
-                self.store.prefetch(index - behind)
         args, kwargs = extra
-        try:
+        with self._using(index, range(index - 1, index - 1 - self.prefetch_depth, -1)) as block:
             with torch.enable_grad(), replay.replaying():
                 x_in = x.detach().requires_grad_(x.requires_grad)
                 out = block(x_in, *args, **kwargs)
@@ -219,12 +215,6 @@ class OffloadedBlocks(torch.nn.Module):
             self.store.write_back(index, new, kind="grad", durable=False)
             self._grad_generation[index] = self._generation
             return grad_in
-        except BaseException:
-            self._release_all()
-            raise
-        finally:
-            self._dematerialize(index)
-            self.store.release_layer(index)
 
     def gradients(self, index: int) -> dict[str, torch.Tensor]:
         """Block `index`'s parameter gradients of the current window (CPU copies)."""

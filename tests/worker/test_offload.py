@@ -238,6 +238,13 @@ def test_bf16_with_fp32_masters_matches_the_same_recipe_in_plain_pytorch(daemon)
         store.close()
 
 
+def assert_block_grads_match(blocks, reference):
+    for i, block in enumerate(reference.blocks):
+        grads = blocks.gradients(i)
+        for name, p in block.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+
+
 def _engine_pair(daemon, job, factory, **engine_kwargs):
     from tierstack.config import OptimizerConfig
     from tierstack.worker.engine import OffloadEngine
@@ -257,10 +264,7 @@ def test_gradients_accumulate_over_micro_batches_and_repeated_blocks(daemon):
             reference_loss = torch.nn.functional.cross_entropy(reference(idx).flatten(0, 1), idx.flatten())
             reference_loss.backward()
             torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
-        for i, block in enumerate(reference.blocks):
-            grads = engine.blocks.gradients(i)
-            for name, p in block.named_parameters():
-                torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+        assert_block_grads_match(engine.blocks, reference)
     finally:
         store.close()
 
@@ -281,10 +285,7 @@ def test_frozen_embedding_still_trains_the_blocks_and_dropout_is_replayed(daemon
         engine.zero_grad()
         torch.manual_seed(7)
         torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
-        for i, block in enumerate(reference.blocks):
-            grads = engine.blocks.gradients(i)
-            for name, p in block.named_parameters():
-                torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7)
+        assert_block_grads_match(engine.blocks, reference)
     finally:
         store.close()
 
