@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench-io bench-ensure-layer proto clean
+.PHONY: run test bench-io bench-ensure-layer bench-train proto clean
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ bench-io: $(STAMP)
 
 bench-ensure-layer: $(STAMP)
 	$(PY) bench/ensure_layer.py
+
+bench-train: $(STAMP)
+	$(PY) bench/train.py
 
 # Regenerate proto/*_pb2*.py from proto/*.proto (a test fails when they are out of date).
 proto: $(STAMP)
