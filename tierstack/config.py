@@ -141,8 +141,13 @@ class TierManagerConfig:
     socket, $TIERSTACK_TIER_MANAGER or /tmp/tierstack-<uid>/tier-manager.sock."""
     shutdown_grace_seconds: int = 30
     """On SIGTERM, how long in-flight requests (writes) may take to finish."""
+    lease_timeout_seconds: float = 600.0
+    """A buffer granted by AllocateBuffer and neither committed nor cancelled within this
+    time is freed (its worker is presumed dead)."""
 
     def validate(self, prefix: str = "tier_manager") -> None:
+        if self.lease_timeout_seconds <= 0:
+            raise ConfigError(f"{prefix}.lease_timeout_seconds must be positive")
         self.cpu_pool.validate(f"{prefix}.cpu_pool")
         self.nvme_pool.validate(f"{prefix}.nvme_pool")
 

@@ -83,7 +83,8 @@ class TierManagerDaemon:
             socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             _clear_stale_socket(socket_path)
         self.registry = TierRegistry(config)
-        self.servicer = TierManagerServicer(self.registry)
+        self.servicer = TierManagerServicer(self.registry,
+                                            lease_timeout=config.lease_timeout_seconds)
         self.health = health.HealthServicer()
         self.server = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix="tierstack-rpc"),
                                   options=[("grpc.so_reuseport", 0)])
@@ -104,6 +105,8 @@ class TierManagerDaemon:
 
     def start(self) -> None:
         self.server.start()
+        threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
+                         daemon=True).start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("tier manager %s serving on %s", self.registry.cpu_pool.instance_id, self.target)

@@ -60,9 +60,15 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     # disk's whole queue depth. Several threads interleaved the blocks of several layers,
     # so the first needed layer finished last and the disk idled while the worker caught
     # up (measured 0.78 of the raw disk with 4 threads on the H200 machine).
-    def __init__(self, registry: TierRegistry, prefetch_threads: int = 1) -> None:
+    def __init__(self, registry: TierRegistry, prefetch_threads: int = 1,
+                 lease_timeout: float = 600.0) -> None:
         self.registry = registry
         self._leases: dict[int, CpuBuffer | None] = {}
+        # A worker that dies between AllocateBuffer and Commit would hold its buffer
+        # forever: leases not committed or cancelled within `lease_timeout` are freed.
+        self.lease_timeout = lease_timeout
+        self._lease_deadlines: dict[int, float] = {}
+        self._expired: set[int] = set()
         self._lease_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._prefetcher = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="tierstack-prefetch")
@@ -87,6 +93,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         with self._lock:
             lease_id = next(self._lease_ids)
             self._leases[lease_id] = buffer
+            self._lease_deadlines[lease_id] = time.monotonic() + self.lease_timeout
         instance = self.registry.cpu_pool.instance_id
         if buffer is None:
             return pb.BufferLease(lease_id=lease_id, nbytes=0, instance_id=instance)
@@ -95,10 +102,15 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     def _take_lease(self, lease_id: int) -> CpuBuffer | None:
         with self._lock:
+            if lease_id in self._expired:
+                raise InvalidArgumentError(
+                    f"buffer lease {lease_id} expired: it was not committed within "
+                    f"{self.lease_timeout:.0f} s and its buffer was freed; allocate a new one")
             if lease_id not in self._leases:
                 raise InvalidArgumentError(
                     f"buffer lease {lease_id} is unknown: it was committed or cancelled "
                     f"already, or granted by a previous daemon instance; allocate a new buffer")
+            self._lease_deadlines.pop(lease_id, None)
             return self._leases.pop(lease_id)
 
     @_rpc
@@ -116,6 +128,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             if context.is_active():
                 with self._lock:  # the client may fix the request and commit again
                     self._leases[request.lease_id] = buffer
+                    self._lease_deadlines[request.lease_id] = time.monotonic() + self.lease_timeout
             else:
                 self.registry.free_buffer(buffer)
             raise
@@ -202,6 +215,28 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         while context.is_active() and not self._stopping.is_set():
             yield self._stats()
             self._stopping.wait(interval)
+
+    def expire_leases(self) -> int:
+        """Free the buffers of leases past their deadline; returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [i for i, deadline in self._lease_deadlines.items() if deadline <= now]
+            buffers = [self._leases.pop(i) for i in expired]
+            for i in expired:
+                del self._lease_deadlines[i]
+                self._expired.add(i)
+        for buffer in buffers:
+            self.registry.free_buffer(buffer)
+        if expired:
+            log.warning("freed %d buffer leases not committed within %.0f s (a worker died?)",
+                        len(expired), self.lease_timeout)
+        return len(expired)
+
+    def run_lease_reaper(self) -> None:
+        """Expire leases periodically until `stop` (run on a daemon thread)."""
+        period = max(0.05, min(30.0, self.lease_timeout / 4))
+        while not self._stopping.wait(period):
+            self.expire_leases()
 
     def stop(self) -> None:
         """Stop streams and background prefetches (in-flight ones finish)."""

@@ -179,3 +179,28 @@ def test_sigterm_lets_an_in_flight_durable_write_finish(tmp_path, shm_dir):
         assert torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes), data)
     finally:
         daemon.kill()
+
+
+def test_a_lease_never_committed_is_freed_after_its_timeout(tmp_path, shm_dir):
+    import json
+    import time
+    from tests.conftest import DaemonProcess
+    config = tmp_path / "lease.json"
+    config.write_text(json.dumps({"tier_manager": {
+        "cpu_pool": {"size": "8MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
+        "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "64MiB"},
+        "manifest_path": str(tmp_path / "m.sqlite"), "lease_timeout_seconds": 0.5}}))
+    daemon = DaemonProcess(config, tmp_path / "lease.sock").start()
+    try:
+        client = TierManagerClient(daemon.address)
+        lease = client.allocate(4 << 20)  # a worker that then dies
+        assert client.stats().cpu_used == 4 << 20
+        deadline = time.time() + 10
+        while client.stats().leases and time.time() < deadline:
+            time.sleep(0.1)
+        stats = client.stats()
+        assert stats.leases == 0 and stats.cpu_used == 0
+        with pytest.raises(InvalidArgumentError, match="expired"):
+            client.commit("late", lease.lease_id, "uint8", (4 << 20,), True)
+    finally:
+        daemon.kill()
