@@ -69,6 +69,10 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         self.lease_timeout = lease_timeout
         self._lease_deadlines: dict[int, float] = {}
         self._expired: set[int] = set()
+        # Fetch pins held for clients, oldest first per (key, version): a pin a dead worker
+        # never released expires after `lease_timeout` too (the SDK holds one for the
+        # length of one copy).
+        self._pins: dict[tuple[str, int], list[float]] = {}
         self._lease_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._prefetcher = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="tierstack-prefetch")
@@ -152,6 +156,10 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             for key, version in fetched:  # all or nothing: no pin outlives a failed call
                 self.registry.release(key, version)
             raise
+        deadline = time.monotonic() + self.lease_timeout
+        with self._lock:
+            for pin in fetched:
+                self._pins.setdefault(pin, []).append(deadline)
         return pb.FetchResponse(tensors=out, instance_id=self.registry.cpu_pool.instance_id)
 
     def _prefetch_one(self, key: str) -> None:
@@ -171,7 +179,17 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     @_rpc
     def Release(self, request, context):
-        self.registry.release(request.key, request.version or None)
+        version = request.version or self.registry.info(request.key).version
+        with self._lock:
+            deadlines = self._pins.get((request.key, version))
+            if not deadlines:
+                raise InvalidArgumentError(
+                    f"tensor {request.key!r} version {version} is not fetched (or its pin "
+                    f"expired after {self.lease_timeout:.0f} s); nothing to release")
+            deadlines.pop(0)
+            if not deadlines:
+                del self._pins[(request.key, version)]
+        self.registry.release(request.key, version)
         return pb.ReleaseResponse()
 
     @_rpc
@@ -225,12 +243,21 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             for i in expired:
                 del self._lease_deadlines[i]
                 self._expired.add(i)
+            stale_pins = []
+            for pin, deadlines in list(self._pins.items()):
+                while deadlines and deadlines[0] <= now:
+                    deadlines.pop(0)
+                    stale_pins.append(pin)
+                if not deadlines:
+                    del self._pins[pin]
         for buffer in buffers:
             self.registry.free_buffer(buffer)
-        if expired:
-            log.warning("freed %d buffer leases not committed within %.0f s (a worker died?)",
-                        len(expired), self.lease_timeout)
-        return len(expired)
+        for key, version in stale_pins:
+            self.registry.release(key, version)
+        if expired or stale_pins:
+            log.warning("freed %d buffer leases and %d pins not given back within %.0f s "
+                        "(a worker died?)", len(expired), len(stale_pins), self.lease_timeout)
+        return len(expired) + len(stale_pins)
 
     def run_lease_reaper(self) -> None:
         """Expire leases periodically until `stop` (run on a daemon thread)."""

@@ -202,5 +202,16 @@ def test_a_lease_never_committed_is_freed_after_its_timeout(tmp_path, shm_dir):
         assert stats.leases == 0 and stats.cpu_used == 0
         with pytest.raises(InvalidArgumentError, match="expired"):
             client.commit("late", lease.lease_id, "uint8", (4 << 20,), True)
+        # A pin a dead worker never released expires the same way.
+        arenas = ArenaMap(client.node(), pin_for_cuda=False)
+        write(client, arenas, "pinned", torch.zeros(1 << 20, dtype=torch.uint8))
+        (res,) = client.fetch(["pinned"]).tensors
+        assert client.stats().pinned == 1
+        deadline = time.time() + 10
+        while client.stats().pinned and time.time() < deadline:
+            time.sleep(0.1)
+        assert client.stats().pinned == 0
+        with pytest.raises(InvalidArgumentError, match="not fetched"):
+            client.release("pinned", res.info.version)
     finally:
         daemon.kill()
