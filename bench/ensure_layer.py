@@ -16,39 +16,29 @@ Run: python bench/ensure_layer.py [--layers 16] [--layer-mib 64] [--nvme-dir DIR
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from tierstack.config import GiB, MiB, AioConfig
+from tierstack.config import GiB, MiB, AioConfig, TierManagerConfig
+from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.services.tier_manager.io_engine import BlockRequest, DirectFile, IoEngine, StagingBuffer
-from tierstack.worker.client import TierManagerClient
 from tierstack.worker.layers import LayerStore
 
 
-def start_daemon(workdir: Path, cpu_pool: int, nvme: int, nvme_dir: Path) -> tuple[subprocess.Popen, str]:
-    config = workdir / "tm.json"
-    config.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": cpu_pool, "arena_size": min(cpu_pool, 1 * GiB)},
-        "nvme_pool": {"paths": [str(nvme_dir)], "size": nvme,
-                      "aio": {"block_size": "1MiB", "queue_depth": 8}},
-        "manifest_path": str(nvme_dir / "manifest.sqlite")}}))
-    address = f"unix:{workdir / 'tm.sock'}"
-    log = open(workdir / "daemon.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tierstack.cli", "tier-manager", "--config",
-                             str(config), "--listen", address], stdout=log, stderr=subprocess.STDOUT)
-    client = TierManagerClient(address, reconnect_timeout=120)
-    client.node()  # waits until it serves
-    client.close()
-    return proc, address
+def tier_manager_config(cpu_pool: int, nvme: int, nvme_dir: Path) -> TierManagerConfig:
+    config = TierManagerConfig()
+    config.cpu_pool.size, config.cpu_pool.arena_size = cpu_pool, min(cpu_pool, 1 * GiB)
+    config.nvme_pool.paths, config.nvme_pool.size = [str(nvme_dir)], nvme
+    config.nvme_pool.aio = AioConfig(block_size=1 * MiB, queue_depth=8)
+    config.manifest_path = str(nvme_dir / "manifest.sqlite")
+    return config
 
 
 def sync(device: torch.device) -> None:
@@ -142,11 +132,12 @@ def main() -> None:
     stream_layers = args.stream_layers or 3 * args.layers
     cpu_pool = (args.layers + 2 * args.depth + 4) * layer_bytes  # holds the h2d job, not the stream job
     nvme = (args.layers + stream_layers + 8) * layer_bytes
-    workdir = Path(tempfile.mkdtemp(prefix="tierstack-bench-"))
     nvme_dir = Path(args.nvme_dir)
     shutil.rmtree(nvme_dir, ignore_errors=True)
     nvme_dir.mkdir(parents=True)
-    proc, address = start_daemon(workdir, cpu_pool, nvme, nvme_dir)
+    daemons = contextlib.ExitStack()
+    address = daemons.enter_context(
+        EmbeddedTierManager(tier_manager_config(cpu_pool, nvme, nvme_dir))).address
     budget = (args.depth + 2) * layer_bytes
     try:
         store = LayerStore("h2d", device=device, device_budget=budget, address=address, durable=False)
@@ -194,9 +185,7 @@ def main() -> None:
         store.close()
         stream.close()
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        shutil.rmtree(workdir, ignore_errors=True)
+        daemons.close()
         shutil.rmtree(nvme_dir, ignore_errors=True)
     med = statistics.median
     h2d_gbps, pinned_gbps, stream_gbps, disk_gbps = med(h2d), med(pinned), med(streamed), med(disk)

@@ -145,3 +145,9 @@ def test_tierstack_own_train_section():
     assert config.train.device_budget == 2 << 30 and config.train.params.device == "cpu"
     with pytest.raises(ConfigError, match="unknown config key train.precison"):
         load_config({"train": {"precison": "fp32"}})
+
+
+def test_config_dict_round_trips_through_the_loader():
+    from tierstack.config import config_dict
+    config = load_config(DEEPSPEED_NVME)
+    assert load_config(config_dict(config)) == config

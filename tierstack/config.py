@@ -338,6 +338,11 @@ def load_config(source: dict | str | os.PathLike | None = None) -> TierstackConf
     return config
 
 
+def config_dict(config: Any) -> dict:
+    """A config dataclass as the plain dict `load_config` reads back (every field)."""
+    return dataclasses.asdict(config)
+
+
 def section(config_cls: type, data: dict | None, prefix: str) -> Any:
     """Build and validate one config section (e.g. a pool's) from a dict."""
     obj = _build(config_cls, data or {}, prefix)

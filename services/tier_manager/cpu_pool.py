@@ -19,7 +19,6 @@ import fcntl
 import logging
 import mmap
 import os
-import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +72,6 @@ class CpuPool:
             )
         reclaim_stale_arenas(shm_dir)
         self.page_size = huge_page_size(shm_dir)
-        self._lock = threading.Lock()
         self._arenas: list[ArenaInfo] = []
         self._fds: list[int] = []
         self._maps: list[mmap.mmap] = []
@@ -105,7 +103,7 @@ class CpuPool:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                hint = (f"reserve more huge pages (sysctl vm.nr_hugepages)" if self.page_size > 4096
+                hint = ("reserve more huge pages (sysctl vm.nr_hugepages)" if self.page_size > 4096
                         else f"free space in {shm_dir}")
                 raise CpuPoolFullError(
                     f"cannot reserve {size} bytes for a CPU pool arena in {shm_dir}: it is "

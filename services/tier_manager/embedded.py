@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tierstack.config import TierManagerConfig
+from tierstack.config import TierManagerConfig, config_dict
 from tierstack.worker.client import TierManagerClient
 
 
@@ -25,17 +25,10 @@ class EmbeddedTierManager:
 
     def __enter__(self) -> "EmbeddedTierManager":
         self.workdir = Path(tempfile.mkdtemp(prefix="tierstack-embedded-"))
-        c = self.config
         config_path = self.workdir / "tier-manager.json"
-        config_path.write_text(json.dumps({"tier_manager": {
-            "cpu_pool": {"size": c.cpu_pool.size, "arena_size": c.cpu_pool.arena_size,
-                         "shm_dir": c.cpu_pool.shm_dir},
-            "nvme_pool": {"paths": c.nvme_pool.paths, "size": c.nvme_pool.size,
-                          "aio": {"block_size": c.nvme_pool.aio.block_size,
-                                  "queue_depth": c.nvme_pool.aio.queue_depth,
-                                  "thread_count": c.nvme_pool.aio.thread_count,
-                                  "engine": c.nvme_pool.aio.engine}},
-            "manifest_path": str(c.resolved_manifest_path())}}))
+        tier_manager = config_dict(self.config)
+        tier_manager["manifest_path"] = str(self.config.resolved_manifest_path())
+        config_path.write_text(json.dumps({"tier_manager": tier_manager}))
         self.address = f"unix:{self.workdir / 'tier-manager.sock'}"
         self.log_path = self.workdir / "tier-manager.log"
         log = open(self.log_path, "w")

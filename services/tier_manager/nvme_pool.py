@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass

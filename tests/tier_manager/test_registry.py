@@ -123,12 +123,8 @@ def test_killed_writer_loses_nothing_that_was_acknowledged(tier_config, tmp_path
     """A process killed mid-stream leaves every acknowledged tensor readable, bit-exact."""
     import json
     cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": tier_config.cpu_pool.size, "arena_size": tier_config.cpu_pool.arena_size,
-                     "shm_dir": tier_config.cpu_pool.shm_dir},
-        "nvme_pool": {"paths": tier_config.nvme_pool.paths, "size": tier_config.nvme_pool.size,
-                      "aio": {"block_size": tier_config.nvme_pool.aio.block_size}},
-        "manifest_path": tier_config.manifest_path}}))
+    from tierstack.config import config_dict
+    cfg.write_text(json.dumps({"tier_manager": config_dict(tier_config)}))  # the same node
     acked = tmp_path / "acked.txt"
     code = f"""
 import torch, sys

@@ -326,7 +326,7 @@ def test_a_budget_of_two_layers_is_enough_whatever_the_prefetch_depth(daemon):
     layer = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes
     store = LayerStore("tight", device="cpu", device_budget=2 * layer, address=daemon.address)
     try:
-        blocks = OffloadedBlocks(model.blocks, store, prefetch_depth=3)
+        OffloadedBlocks(model.blocks, store, prefetch_depth=3)  # puts its proxies in model.blocks
         idx = torch.randint(0, 256, (2, 32))
         torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
         assert store.budget.peak <= 2 * layer and store.resident_layers() == []
