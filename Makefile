@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench-io bench-ensure-layer bench-train proto clean
+.PHONY: run test bench-io bench-ensure-layer bench-train proto clean system-packages
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	$(PYTHON) -m venv $(VENV)
@@ -15,12 +15,32 @@ $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	# an unpinned requirement can pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(MAKE) --no-print-directory system-packages
 	touch $@
+
+# Debian packages the tests drive: chromium (the dashboard test, through the playwright
+# package with executable_path=/usr/bin/chromium) and promtool (from `prometheus`).
+# Installed only when the binary is missing; without root or apt-get, those tests skip
+# and say why.
+SYSTEM_PACKAGES := /usr/bin/chromium:chromium /usr/bin/promtool:prometheus
+system-packages:
+	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
+	  [ -x "$${pair%%:*}" ] || missing="$$missing $${pair##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $$missing >/dev/null; \
+	  else \
+	    echo "warning: cannot install$$missing (needs root and apt-get); the dashboard" \
+	         "and promtool tests will skip"; \
+	  fi; \
+	fi
 
 run: $(STAMP)
 	$(VENV)/bin/tierstack train
 
-test: $(STAMP)
+test: $(STAMP) system-packages
 	$(PY) -m pytest
 
 bench-io: $(STAMP)

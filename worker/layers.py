@@ -31,6 +31,7 @@ from tierstack.worker.arenas import ArenaMap
 from tierstack.worker.client import TierManagerClient
 from tierstack.worker.device_budget import DeviceBudget
 from tierstack.worker.layout import LayerLayout
+from tierstack.worker.metrics import WorkerMetrics, WorkerReporter, new_worker_id
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class LayerStore:
 
     def __init__(self, job: str, device: str | torch.device | None = None,
                  device_budget: int = DEFAULT_DEVICE_BUDGET, address: str | None = None,
-                 reconnect_timeout: float = 60.0, durable: bool = True) -> None:
+                 reconnect_timeout: float = 60.0, durable: bool = True,
+                 metrics: bool = True) -> None:
         if not job or "/" in job:
             raise InvalidArgumentError(f"job name {job!r} must be non-empty and contain no '/'")
         self.job = job
@@ -91,6 +93,11 @@ class LayerStore:
         # and a future-style call far more (it starts a thread per call).
         self._hinter = ThreadPoolExecutor(1, thread_name_prefix="tierstack-hint")
         self.stall_seconds = 0.0  # time ensure_layer spent waiting for a load
+        # Bytes moved and waits, reported to the node's tier manager (worker/metrics.py).
+        self.metrics = WorkerMetrics() if metrics else None
+        self.worker_id = new_worker_id(job)
+        self._reporter = (WorkerReporter(self.client.target, self._metrics_report)
+                          if metrics else None)
 
     # ---- keys and connection -----------------------------------------------------------
 
@@ -200,6 +207,9 @@ class LayerStore:
                 layout.pack_into(block, tensors)
 
         self._write(key, layout.nbytes, fill, self.durable if durable is None else durable)
+        if self.metrics is not None and any(t.device.type == self.device.type
+                                            for t in tensors.values()):
+            self.metrics.copied_from_device(layout.nbytes)
 
     def _write_block(self, key: str, data: torch.Tensor) -> None:
         flat = data.contiguous().view(-1).view(torch.uint8)
@@ -253,7 +263,12 @@ class LayerStore:
         if not resident.ready.is_set():
             start = time.perf_counter()
             resident.ready.wait()
-            self.stall_seconds += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self.stall_seconds += waited
+            if self.metrics is not None:
+                self.metrics.waited(waited)
+        elif self.metrics is not None:
+            self.metrics.ready()
         if resident.error is not None:
             self._drop(index, resident)
             raise resident.error
@@ -342,6 +357,8 @@ class LayerStore:
                 else:
                     resident.buffer.copy_(src)
                     copied = None
+                if self.metrics is not None:
+                    self.metrics.copied_to_device(resident.nbytes)
             except BaseException:
                 if self.cuda:
                     torch.cuda.current_stream(self.device).synchronize()
@@ -368,7 +385,19 @@ class LayerStore:
         except Exception as e:  # noqa: BLE001 - a restarted daemon forgot the pin anyway
             log.debug("release of %s v%d: %s", key, version, e)
 
+    def _metrics_report(self):
+        with self._lock:
+            loading = sum(not r.ready.is_set() for r in self._resident.values())
+        return self.metrics.report(self.worker_id, self.job, str(self.device),
+                                   self.budget.used, self.budget.capacity, loading)
+
+    def dashboard_url(self) -> str:
+        """The node's dashboard and HTTP API URL, or '' when it serves none."""
+        return self._reporter.endpoint() if self._reporter is not None else ""
+
     def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.close()  # a last report, so that the node has the final figures
         self._hinter.shutdown(wait=True)
         self._loader.shutdown(wait=True)
         self._releaser.shutdown(wait=True)

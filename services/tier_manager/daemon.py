@@ -25,6 +25,7 @@ from tierstack.errors import InvalidArgumentError
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.server import TierManagerServicer
+from tierstack.services.tier_manager.telemetry import NodeTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,11 @@ class TierManagerDaemon:
         self.servicer = TierManagerServicer(self.registry,
                                             lease_timeout=config.lease_timeout_seconds)
         self.health = health.HealthServicer()
+        self.telemetry = NodeTelemetry(config, self.servicer)
         self.server = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix="tierstack-rpc"),
-                                  options=[("grpc.so_reuseport", 0)])
+                                  options=[("grpc.so_reuseport", 0)],
+                                  interceptors=self.telemetry.interceptors())
+        self.telemetry.add_to_server(self.server)
         pb_grpc.add_TierManagerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
@@ -104,6 +108,7 @@ class TierManagerDaemon:
         self._stopped = threading.Event()
 
     def start(self) -> None:
+        self.telemetry.start()  # before gRPC serves: GetHttpEndpoint answers the URL at once
         self.server.start()
         threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
                          daemon=True).start()
@@ -119,6 +124,7 @@ class TierManagerDaemon:
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.servicer.stop()
+        self.telemetry.stop()
         self.server.stop(grace=self.config.shutdown_grace_seconds).wait()
         self.registry.close()
         socket_path = unix_socket_path(self.target)
@@ -143,5 +149,7 @@ def serve(config: TierManagerConfig) -> None:
     signal.signal(signal.SIGINT, on_signal)
     daemon.start()
     print(f"tier manager listening on {daemon.target}", flush=True)
+    if daemon.telemetry.url:
+        print(f"metrics and dashboard on {daemon.telemetry.url}/dashboard/", flush=True)
     stop_requested.wait()
     daemon.stop()

@@ -22,6 +22,7 @@ block, and the block is not copied out.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import importlib.util
@@ -144,6 +145,7 @@ class IoStats:
     bytes_written: int = 0
     blocks: int = 0
     checksum_failures: int = 0
+    in_flight: int = 0  # block requests submitted and not yet finished (a queue depth)
 
 
 class DirectFile:
@@ -233,15 +235,27 @@ class IoEngine:
 
     def write(self, requests: list[BlockRequest]) -> list[int]:
         """Write every block; returns each payload's crc32c. Raises after all have ended."""
-        if self._native is not None:
-            return self._run_native(True, requests)
-        return self._run_threads(self._write_one, requests)
+        with self._in_flight(requests):
+            if self._native is not None:
+                return self._run_native(True, requests)
+            return self._run_threads(self._write_one, requests)
 
     def read(self, requests: list[BlockRequest]) -> list[int]:
         """Read every block into its `data`, verifying `expected_crc` where given."""
-        if self._native is not None:
-            return self._run_native(False, requests)
-        return self._run_threads(self._read_one, requests)
+        with self._in_flight(requests):
+            if self._native is not None:
+                return self._run_native(False, requests)
+            return self._run_threads(self._read_one, requests)
+
+    @contextlib.contextmanager
+    def _in_flight(self, requests: list[BlockRequest]):
+        with self._stats_lock:
+            self.stats.in_flight += len(requests)
+        try:
+            yield
+        finally:
+            with self._stats_lock:
+                self.stats.in_flight -= len(requests)
 
     def _run_native(self, write: bool, requests: list[BlockRequest]) -> list[int]:
         if not requests:
