@@ -101,7 +101,10 @@ function render(cluster, histories) {
   const snap = nodeView ? cluster.nodes.find((n) => n.node === state.view) : cluster;
   const history = nodeView ? histories.nodes.find((h) => h.node === state.view) || histories.total
                            : histories.total;
-  const now = Date.now() / 1000, t0 = now - Number($("window").value);
+  // The x axis spans the window, or only the history there is (a run that just began).
+  const now = Date.now() / 1000;
+  const first = history.samples.length ? history.samples[0].timestamp : now - 60;
+  const t0 = Math.max(now - Number($("window").value), Math.min(first, now - 30));
 
   for (const link of LINKS) {
     const card = $(linkId(link));

@@ -31,6 +31,14 @@ from tierstack.services.tier_manager.worker_reports import WorkerReports
 
 log = logging.getLogger(__name__)
 
+WORKER_LINKS = ("cpu->device", "device->cpu")
+# A worker reports every second; one silent for longer no longer adds to current rates.
+REPORT_FRESH_SECONDS = 3.0
+
+
+def _worker_bytes(report, link: str) -> int:
+    return report.cpu_to_device_bytes if link == "cpu->device" else report.device_to_cpu_bytes
+
 
 class _Counters:
     """One reading of every cumulative figure the rates come from."""
@@ -59,6 +67,8 @@ class NodeMetrics:
         self._rates = {link: 0.0 for link in mc.LINKS}
         self._stall_rate = 0.0
         self._last: _Counters | None = None
+        self._worker_prev: dict[str, object] = {}  # worker id -> its previous report
+        self._worker_rate: dict[str, tuple[dict[str, float], float]] = {}
         self._stop = threading.Event()
 
     # ---- readings ---------------------------------------------------------------------
@@ -80,18 +90,50 @@ class NodeMetrics:
                 "io_requests": engine.stats.in_flight, "rpc": self.rpc.in_flight,
                 "loads": totals.loads_in_flight}
 
+    def _worker_rates(self, live) -> tuple[dict[str, float], float]:
+        """The workers' device-link rates and stall rate, summed (lock held).
+
+        A worker's counters come once per report, not once per sample: its rate is taken
+        between its own last two reports (by their timestamps), so that a sample falling
+        between two reports neither drops to zero nor doubles.
+        """
+        rates, stall = {link: 0.0 for link in WORKER_LINKS}, 0.0
+        seen = set()
+        for report, age in live:
+            seen.add(report.worker_id)
+            prev = self._worker_prev.get(report.worker_id)
+            if prev is None or report.timestamp > prev.timestamp:
+                if prev is not None:
+                    dt = report.timestamp - prev.timestamp
+                    self._worker_rate[report.worker_id] = (
+                        {link: max(0, _worker_bytes(report, link) - _worker_bytes(prev, link)) / dt
+                         for link in WORKER_LINKS},
+                        max(0.0, report.stall_seconds - prev.stall_seconds) / dt)
+                self._worker_prev[report.worker_id] = report
+            if age <= REPORT_FRESH_SECONDS and report.worker_id in self._worker_rate:
+                worker_rates, worker_stall = self._worker_rate[report.worker_id]
+                for link in WORKER_LINKS:
+                    rates[link] += worker_rates[link]
+                stall += worker_stall
+        for gone in set(self._worker_prev) - seen:
+            self._worker_prev.pop(gone)
+            self._worker_rate.pop(gone, None)
+        return rates, stall
+
     def sample(self) -> HistorySample:
         """Take one sample: rates since the previous one, occupancy now."""
         stats, totals, now = self._read()
+        live = self.workers.live()
         with self._lock:
             last, self._last = self._last, now
             if last is not None and now.at > last.at:
                 dt = now.at - last.at
                 self._rates = {link: max(0, now.links[link] - last.links[link]) / dt
                                for link in mc.LINKS}
-                self._stall_rate = max(0.0, now.stall - last.stall) / dt
-                for link, rate in self._rates.items():
-                    self._peaks[link] = max(self._peaks[link], rate)
+            worker_rates, self._stall_rate = self._worker_rates(live)
+            self._rates.update(worker_rates)
+            for link, rate in self._rates.items():
+                self._peaks[link] = max(self._peaks[link], rate)
             sample = HistorySample(
                 timestamp=time.time(), links=dict(self._rates),
                 tiers_used={"device": totals.device_used_bytes, "cpu": stats.cpu_used,
