@@ -101,7 +101,7 @@ WORKER_WAIT = _spec("tierstack_worker_ensure_layer_wait_seconds", "histogram",
                     "Per ensure_layer call, the time it waited for the layer (0 when it was "
                     "already there).", ("worker",), buckets=WAIT_BUCKETS)
 NODE = _spec("tierstack_node", "info", "The node and its tier-manager instance.",
-             ("node", "instance"))
+             ("node", "instance_id"))
 
 NODE_METRICS = (LINK_BYTES, LINK_BANDWIDTH, LINK_PEAK, TIER_CAPACITY, TIER_USED, TENSORS,
                 QUEUE_DEPTH, RPC_DURATION, RPC_FAILURES, CHECKSUM_FAILURES, EVICTIONS,
