@@ -98,8 +98,9 @@ WORKER_STALL = _spec("tierstack_worker_stall_seconds_total", "counter",
                      "Time a worker spent waiting in ensure_layer for a layer to arrive.",
                      ("worker",))
 WORKER_WAIT = _spec("tierstack_worker_ensure_layer_wait_seconds", "histogram",
-                    "Per ensure_layer call, the time it waited for the layer (0 when it was "
-                    "already there).", ("worker",), buckets=WAIT_BUCKETS)
+                    "Per layer load a worker used, the time ensure_layer waited for it (0 when "
+                    "prefetching had it on the device in time).", ("worker",),
+                    buckets=WAIT_BUCKETS)
 NODE = _spec("tierstack_node", "info", "The node and its tier-manager instance.",
              ("node", "instance_id"))
 

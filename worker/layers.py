@@ -52,6 +52,7 @@ class _Resident:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
     copied: object | None = None  # torch.cuda.Event once the copy is queued
+    wait_seconds: float = 0.0  # how long ensure_layer waited for this load
     error: BaseException | None = None
 
 
@@ -265,10 +266,7 @@ class LayerStore:
             resident.ready.wait()
             waited = time.perf_counter() - start
             self.stall_seconds += waited
-            if self.metrics is not None:
-                self.metrics.waited(waited)
-        elif self.metrics is not None:
-            self.metrics.ready()
+            resident.wait_seconds += waited
         if resident.error is not None:
             self._drop(index, resident)
             raise resident.error
@@ -285,6 +283,8 @@ class LayerStore:
         if resident is not None:
             resident.ready.wait()
             self.budget.free(resident.nbytes)
+            if self.metrics is not None:  # once per load, off ensure_layer's path
+                self.metrics.load_used(resident.wait_seconds)
 
     def resident_layers(self) -> list[int]:
         with self._lock:
@@ -388,7 +388,7 @@ class LayerStore:
     def _metrics_report(self):
         with self._lock:
             loading = sum(not r.ready.is_set() for r in self._resident.values())
-        return self.metrics.report(self.worker_id, self.job, str(self.device),
+        return self.metrics.report(self.worker_id, self.job, str(self.device), self.stall_seconds,
                                    self.budget.used, self.budget.capacity, loading)
 
     def dashboard_url(self) -> str:

@@ -86,7 +86,7 @@ def _device_counters(store: LayerStore) -> tuple[int, int, float]:
     m = store.metrics
     if m is None:
         return 0, 0, store.stall_seconds
-    return m.cpu_to_device_bytes, m.device_to_cpu_bytes, m.stall_seconds
+    return m.cpu_to_device_bytes, m.device_to_cpu_bytes, store.stall_seconds
 
 
 def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatches, config) -> int:

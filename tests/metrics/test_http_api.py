@@ -115,7 +115,7 @@ def test_metrics_pass_promtool_and_agree_with_the_snapshot(metrics_daemon, traff
         assert values[("tierstack_link_bytes_total", (("link", link),))] == \
             node["links"][link]["bytes_total"]
     worker = traffic.store.worker_id
-    # Each ensure_layer call is one observation of its wait.
+    # Each layer load used (and released) is one observation of the wait for it.
     assert values[("tierstack_worker_ensure_layer_wait_seconds_count", (("worker", worker),))] == 2 * LAYERS
     assert values[("tierstack_rpc_duration_seconds_count", (("method", "Fetch"),))] >= 2 * LAYERS
     assert values[("tierstack_plan_version", ())] == 1
