@@ -19,12 +19,13 @@ import importlib.resources
 import logging
 import socket
 import threading
+import time
 from typing import Callable
 
 from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.scheduler.cluster_view import ClusterView
@@ -42,35 +43,31 @@ def dashboard_dir() -> str:
     return str(importlib.resources.files("tierstack.dashboards") / "web")
 
 
-def create_app(node: NodeMetrics, cluster: ClusterView, serving: Callable[[], bool]) -> FastAPI:
-    """The FastAPI app of one node: its metrics, its snapshot, the cluster's, the dashboard."""
-    app = FastAPI(title="tierstack node", version="1",
-                  description="Tier metrics of one tierstack node and of its cluster.")
+def create_app(cluster: ClusterView, serving: Callable[[], bool], node: NodeMetrics | None = None,
+               registry: CollectorRegistry | None = None, name: str = "") -> FastAPI:
+    """The FastAPI app of one process: its /metrics, the cluster view, the dashboard.
+
+    A tier manager passes its `node` (whose collector /metrics serves) and gets the
+    /api/v1/node routes too. The scheduler passes no node, its own Prometheus `registry`,
+    and a ClusterView over its node list: the same dashboard then shows its cluster.
+    """
+    app = FastAPI(title="tierstack node" if node is not None else "tierstack cluster",
+                  version="1", description="Tier metrics of tierstack nodes and their cluster.")
     window = Query(300.0, gt=0, le=MAX_WINDOW_SECONDS, description="seconds of history")
+    registry = registry if registry is not None else node.prometheus if node is not None else None
+    name = name or (node.node if node is not None else "cluster")
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     def metrics() -> Response:
-        return Response(node.exposition(), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(registry) if registry is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz", summary="Liveness of the node's tier manager")
+    @app.get("/healthz", summary="Liveness of the service")
     def healthz() -> JSONResponse:
         ok = serving()
-        return JSONResponse({"status": "serving" if ok else "stopping", "node": node.node},
+        return JSONResponse({"status": "serving" if ok else "stopping", "node": name},
                             status_code=200 if ok else 503)
-
-    @app.get("/api/v1/node", response_model=NodeSnapshot, summary="This node's figures now")
-    def node_snapshot() -> NodeSnapshot:
-        return node.snapshot()
-
-    @app.get("/api/v1/node/history", response_model=History,
-             summary="This node's bandwidth and occupancy over a window")
-    def node_history(window_seconds: float = window) -> History:
-        return node.history(window_seconds)
-
-    @app.get("/api/v1/plan", response_model=PlanFigures, summary="The plan this node runs")
-    def plan() -> PlanFigures:
-        return node.plan()
 
     @app.get("/api/v1/cluster", response_model=ClusterSnapshot,
              summary="Every node's figures and the cluster totals")
@@ -87,7 +84,26 @@ def create_app(node: NodeMetrics, cluster: ClusterView, serving: Callable[[], bo
         return RedirectResponse("/dashboard/")
 
     app.mount("/dashboard", StaticFiles(directory=dashboard_dir(), html=True), name="dashboard")
+    if node is not None:
+        add_node_routes(app, node, window)
     return app
+
+
+def add_node_routes(app: FastAPI, node: NodeMetrics, window) -> None:
+    """/api/v1/node, its history and /api/v1/plan: one tier manager's own figures."""
+
+    @app.get("/api/v1/node", response_model=NodeSnapshot, summary="This node's figures now")
+    def node_snapshot() -> NodeSnapshot:
+        return node.snapshot()
+
+    @app.get("/api/v1/node/history", response_model=History,
+             summary="This node's bandwidth and occupancy over a window")
+    def node_history(window_seconds: float = window) -> History:
+        return node.history(window_seconds)
+
+    @app.get("/api/v1/plan", response_model=PlanFigures, summary="The plan this node runs")
+    def plan() -> PlanFigures:
+        return node.plan()
 
 
 def bind_listener(listen: str) -> socket.socket:
@@ -139,7 +155,7 @@ class HttpServer:
         for _ in range(int(timeout / 0.01)):
             if self._server.started or not self._thread.is_alive():
                 break
-            threading.Event().wait(0.01)
+            time.sleep(0.01)
         if not self._server.started:
             raise RuntimeError(f"the HTTP server on {self.url} did not start")
 

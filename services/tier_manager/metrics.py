@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily, InfoMetricFamily)
 
@@ -199,10 +199,6 @@ class NodeMetrics:
             samples = [s for s in self._samples if s.timestamp >= cutoff]
             peaks = dict(self._peaks)
         return History(self.node, self.config.sample_interval_seconds, peaks, samples)
-
-    def exposition(self) -> bytes:
-        """The Prometheus text format of every metric of this node."""
-        return generate_latest(self.prometheus)
 
     # ---- the Prometheus collector ------------------------------------------------------
 

@@ -60,7 +60,7 @@ class NodeTelemetry:
         peers = [RemoteNode(url) for url in self.config.cluster_nodes]
         # The seam for the scheduler: it will hand ClusterView its own node list.
         cluster = ClusterView(lambda: [local, *peers])
-        self.http = HttpServer(create_app(self.metrics, cluster, self._serving.is_set),
+        self.http = HttpServer(create_app(cluster, self._serving.is_set, node=self.metrics),
                                self.config.http_listen)
         self.http.start()
         self.metrics.url = self.http.url

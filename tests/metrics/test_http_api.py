@@ -210,3 +210,30 @@ def test_with_metrics_disabled_the_daemon_serves_and_workers_still_train(tmp_pat
         traffic.stop()
     finally:
         daemon.kill()
+
+
+def test_a_cluster_only_app_as_the_scheduler_will_serve_it(metrics_daemon, traffic):
+    """The seam for the scheduler: its own app over a ClusterView of its node list."""
+    from prometheus_client import CollectorRegistry, Gauge
+
+    from tierstack.metric_catalog import SCHEDULER_NODES
+    from tierstack.services.scheduler.cluster_view import ClusterView, RemoteNode
+    from tierstack.services.tier_manager.http_api import HttpServer, create_app
+
+    traffic.one_pass()
+    traffic.store._reporter.send()
+    registry = CollectorRegistry()
+    Gauge(SCHEDULER_NODES.name, SCHEDULER_NODES.help, registry=registry).set(1)
+    nodes = [RemoteNode(metrics_daemon.url)]
+    server = HttpServer(create_app(ClusterView(lambda: nodes), lambda: True, registry=registry),
+                        "127.0.0.1:0")
+    server.start()
+    try:
+        cluster = get(server.url, "/api/v1/cluster")
+        assert [n["node"] for n in cluster["nodes"]] == ["test-node"]
+        assert cluster["links"]["cpu->device"]["bytes_total"] == LAYERS * traffic.store.layouts[0].nbytes
+        assert "tierstack_scheduler_nodes 1.0" in get(server.url, "/metrics", parse=False)
+        assert "/api/v1/node" not in get(server.url, "/openapi.json")["paths"]
+        assert "tierstack" in get(server.url, "/dashboard/", parse=False)
+    finally:
+        server.stop()
