@@ -273,7 +273,7 @@ class AdamWBlock(_message.Message):
     def __init__(self, params: _Optional[str] = ..., grads: _Optional[str] = ..., master: _Optional[str] = ..., exp_avg: _Optional[str] = ..., exp_avg_sq: _Optional[str] = ..., param_dtype: _Optional[str] = ..., grad_dtype: _Optional[str] = ..., state_nbytes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[AdamWSegment, _Mapping]]] = ..., state_placement: _Optional[_Union[Placement, str]] = ...) -> None: ...
 
 class AdamWStepRequest(_message.Message):
-    __slots__ = ("blocks", "step", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale", "durable")
+    __slots__ = ("blocks", "step", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale", "durable", "release_gradients")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +283,7 @@ class AdamWStepRequest(_message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[AdamWBlock]
     step: int
     lr: float
@@ -292,7 +293,8 @@ class AdamWStepRequest(_message.Message):
     weight_decay: float
     grad_scale: float
     durable: bool
-    def __init__(self, blocks: _Optional[_Iterable[_Union[AdamWBlock, _Mapping]]] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_scale: _Optional[float] = ..., durable: _Optional[bool] = ...) -> None: ...
+    release_gradients: bool
+    def __init__(self, blocks: _Optional[_Iterable[_Union[AdamWBlock, _Mapping]]] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_scale: _Optional[float] = ..., durable: _Optional[bool] = ..., release_gradients: _Optional[bool] = ...) -> None: ...
 
 class AdamWStepResponse(_message.Message):
     __slots__ = ("updated", "update_seconds", "wait_seconds")

@@ -47,6 +47,19 @@ def block_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[str]:
     return [overrides.tier_for(f"{blocks_attr}.{i}") or default for i in range(count)]
 
 
+def materialize(module: torch.nn.Module, device) -> None:
+    """Give a module built on the meta device real tensors on `device`, initialised by each
+    submodule's own `reset_parameters` (a model too large for host memory is built with
+    `torch.device("meta")` and materialised one block at a time)."""
+    if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        return
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for sub in module.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+
+
 class OffloadEngine:
     """Trains `model` with `model.<blocks_attr>` offloaded through `store`."""
 
@@ -74,21 +87,25 @@ class OffloadEngine:
         positions = [i for i, t in enumerate(tiers) if t != "gpu"]
         for layer, position in enumerate(positions):
             store.place(layer, tiers[position], tiers[position])
-        offloaded = [block_list[p] for p in positions]
-        masters = persistent_fp32 = None
+        in_blocks = {id(p) for p in
+                     (q for position in positions for q in block_list[position].parameters())}
+
+        def prepare(i: int, block: torch.nn.Module) -> None:
+            materialize(block, "cpu")
+            if dtype != torch.float32:  # fp32 masters come from the fp32 weights
+                store.write_back(i, {f"{n}.master": p.detach().float() for n, p in
+                                     block.named_parameters() if p.requires_grad}, kind="master")
+                block.to(dtype)
+
+        self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions, prepare)
+        # What is left in the model stays on the device (persistent): created there.
+        materialize(model, store.device)
+        persistent_fp32 = None
         if dtype != torch.float32:
-            # fp32 masters come from the fp32 weights, before the model is cast.
-            masters = [{n: p.detach().float().clone() for n, p in b.named_parameters()
-                        if p.requires_grad} for b in offloaded]
-            in_blocks = {id(p) for b in offloaded for p in b.parameters()}
             persistent_fp32 = [p.detach().float().clone() for p in model.parameters()
                                if id(p) not in in_blocks and p.requires_grad]
             model.to(dtype)
-        self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions)
-        if masters is not None:
-            for i, tensors in enumerate(masters):
-                store.write_back(i, {f"{n}.master": t for n, t in tensors.items()}, kind="master")
-        model.to(store.device)  # what is left in the model stays on the device
+        model.to(store.device)
         self.persistent = [p for p in model.parameters() if p.requires_grad]
         # fp32 masters of the persistent parameters (the parameters themselves in fp32).
         self.persistent_masters = (self.persistent if persistent_fp32 is None else
@@ -96,7 +113,7 @@ class OffloadEngine:
         hyper = dict(lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
                      weight_decay=optimizer.weight_decay)
         self.persistent_optimizer = torch.optim.AdamW(self.persistent_masters, fused=True, **hyper)
-        self.block_optimizer = TieredAdamW(self.blocks, optimizer, masters=masters is not None)
+        self.block_optimizer = TieredAdamW(self.blocks, optimizer, masters=dtype != torch.float32)
         self.blocks.track_grad_norms = gradient_clipping > 0
 
     @classmethod

@@ -168,19 +168,28 @@ class LayerStore:
 
     # ---- writing layers ------------------------------------------------------------------
 
-    def register_layers(self, layers: Sequence[torch.nn.Module | Mapping[str, torch.Tensor]]) -> list[LayerLayout]:
+    def register_layers(self, layers: Sequence[torch.nn.Module | Mapping[str, torch.Tensor]],
+                        prepare: Callable[[int], None] | None = None,
+                        done: Callable[[int], None] | None = None) -> list[LayerLayout]:
         """Upload each layer's tensors as one contiguous block, with its layout.
 
         Afterwards the tier manager holds the only copy that matters: callers drop their
-        device copies and get them back with `ensure_layer`.
+        device copies and get them back with `ensure_layer`. `prepare(i)` runs just before
+        layer i is read and `done(i)` just after it is stored, so a caller can create each
+        layer's tensors just in time and drop them at once (host memory: one layer).
         """
         layouts = []
         for i, layer in enumerate(layers):
+            if prepare is not None:
+                prepare(i)
             tensors = layer_tensors(layer)
             layout = LayerLayout.of(tensors)
             self._write_block(self.key(i, "layout"), torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8))
             self._write_layer(self.key(i), layout, tensors, placement=self.placement(i))
             layouts.append(layout)
+            del tensors
+            if done is not None:
+                done(i)
         self.layouts = layouts
         self._write_block(f"{self.job}/meta", torch.tensor([len(layouts)], dtype=torch.int64))
         self.client.set_access_order([self.key(i) for i in range(len(layouts))])

@@ -131,9 +131,14 @@ class OffloadedBlocks(torch.nn.Module):
     """A sequence of blocks whose parameters live with the node's tier manager."""
 
     def __init__(self, module_list: torch.nn.ModuleList, store: LayerStore,
-                 prefetch_depth: int = 2, positions: list[int] | None = None) -> None:
+                 prefetch_depth: int = 2, positions: list[int] | None = None,
+                 prepare: Callable[[int, torch.nn.Module], None] | None = None) -> None:
         """Offload the blocks of `module_list` at `positions` (default: all of them);
-        block i here (layer i of the store) is `module_list[positions[i]]`."""
+        block i here (layer i of the store) is `module_list[positions[i]]`.
+
+        `prepare(i, block)` runs on each block just before it is stored (to create its
+        tensors from the meta device, cast it): only one block is materialised at a time.
+        """
         super().__init__()
         self.positions = list(range(len(module_list))) if positions is None else list(positions)
         # plain list: these are not the model's modules any more
@@ -152,12 +157,15 @@ class OffloadedBlocks(torch.nn.Module):
         # `track_grad_norms` is set, for global-norm clipping without reading them back.
         self.track_grad_norms = False
         self.grad_sq_norms: list[torch.Tensor | None] = [None] * len(self.blocks)
-        store.register_layers(self.blocks)
         self._names = [list(block.state_dict().keys()) for block in self.blocks]
-        for i in range(len(self.blocks)):
+
+        def registered(i: int) -> None:
             self._dematerialize(i)
             self.blocks[i].to(store.device)  # placeholders only: nothing of size moves
             module_list[self.positions[i]] = _BlockProxy(self, i)
+
+        store.register_layers(self.blocks, prepare=None if prepare is None else
+                              (lambda i: prepare(i, self.blocks[i])), done=registered)
 
     # ---- one block ---------------------------------------------------------------------
 
@@ -258,6 +266,8 @@ def _check_supported(index: int, block: torch.nn.Module) -> None:
     """Refuse blocks whose offloaded copy would silently train differently."""
     seen: dict[int, str] = {}
     for name, tensor in block.state_dict(keep_vars=True).items():
+        if tensor.is_meta:  # created later, one block at a time: nothing is shared yet
+            continue
         if tensor.numel() and tensor.data_ptr() in seen:
             raise InvalidArgumentError(
                 f"block {index}: {name!r} shares its storage with {seen[tensor.data_ptr()]!r}; "

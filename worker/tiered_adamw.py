@@ -98,7 +98,7 @@ class TieredAdamW:
         return pb.AdamWStepRequest(
             blocks=[self._requests[i] for i in indices], step=self.steps + 1, lr=self.config.lr,
             beta1=beta1, beta2=beta2, eps=self.config.eps, weight_decay=self.config.weight_decay,
-            grad_scale=grad_scale)
+            grad_scale=grad_scale, release_gradients=True)
 
     def _run(self, indices: list[int], grad_scale: float = 1.0) -> None:
         response = self.blocks.store.client.adamw_step(self._request(indices, grad_scale),
@@ -137,6 +137,8 @@ class TieredAdamW:
         if errors:
             raise errors[0]
         self.steps += 1  # counted only once every block's update is stored
+        # The daemon deleted the gradients it used: the next backward starts a new window.
+        self.blocks.new_gradients()
 
     def abandon_started(self) -> None:
         """After a failed backward: wait for the blocks already started, and forget them

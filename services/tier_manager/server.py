@@ -239,7 +239,8 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     def AdamWStep(self, request, context):
         hyper = AdamWHyper(step=request.step, lr=request.lr, beta1=request.beta1,
                            beta2=request.beta2, eps=request.eps, weight_decay=request.weight_decay,
-                           grad_scale=request.grad_scale or 1.0)
+                           grad_scale=request.grad_scale or 1.0,
+                           release_gradients=request.release_gradients)
         result = self.adamw.step([adamw_block(b) for b in request.blocks], hyper, request.durable)
         return pb.AdamWStepResponse(updated=[tensor_info_pb(i) for i in result.updated],
                                     update_seconds=result.update_seconds,
