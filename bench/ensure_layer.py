@@ -138,6 +138,9 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--metrics", choices=["on", "off", "compare"], default="on",
                         help="with metrics, without, or both interleaved to measure their cost")
+    parser.add_argument("--dashboard-poll", type=float, default=1.0,
+                        help="with --metrics compare: seconds between polls of the metrics "
+                             "side's HTTP API by a separate process (0: no polling)")
     args = parser.parse_args()
     if args.metrics == "compare":
         return compare_metrics(args)
@@ -244,6 +247,17 @@ def hit_latency_us(store: LayerStore, calls: int) -> list[float]:
     return out
 
 
+def rpc_latency_us(store: LayerStore, calls: int) -> list[float]:
+    """Round trips of a cheap RPC (Describe): what the daemon's RPC timer adds shows here."""
+    key = store.key(0)
+    out = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        store.client.describe(key)
+        out.append((time.perf_counter() - start) * 1e6)
+    return out
+
+
 # Polls a node's HTTP API once a second from its own process, as an open dashboard does.
 DASHBOARD_POLLER = """
 import sys, time, urllib.request
@@ -251,7 +265,7 @@ url = sys.argv[1]
 while True:
     for path in ("/api/v1/cluster", "/api/v1/cluster/history?window_seconds=300", "/metrics"):
         urllib.request.urlopen(url + path, timeout=10).read()
-    time.sleep(1.0)
+    time.sleep(float(sys.argv[2]))
 """
 
 
@@ -287,17 +301,18 @@ def compare_metrics(args) -> None:
             stack.callback(stream.close)
             stream.register_layers([layer] * stream_layers)
             sides[name] = (store, stream, [stream.key(i) for i in range(stream_layers)])
-        url = sides["on"][0].dashboard_url()
+        url = sides["on"][0].dashboard_url() if args.dashboard_poll > 0 else ""
         if url:
-            poller = subprocess.Popen([sys.executable, "-c", DASHBOARD_POLLER, url])
-        else:
+            poller = subprocess.Popen([sys.executable, "-c", DASHBOARD_POLLER, url,
+                                       str(args.dashboard_poll)])
+        elif args.dashboard_poll > 0:
             print("the metrics daemon serves no HTTP (fastapi/uvicorn missing?): measuring "
                   "collection without a dashboard polling it", file=sys.stderr)
         for store, stream, keys in sides.values():  # warm-up passes, not timed
             pass_gbps(store, args.layers, args.depth)
             stream.client.evict(keys)
             pass_gbps(stream, stream_layers, args.depth)
-        h2d, streamed, hits = ({"on": [], "off": []} for _ in range(3))
+        h2d, streamed, hits, rpcs = ({"on": [], "off": []} for _ in range(4))
         for rep in range(args.reps):
             for name in (("on", "off") if rep % 2 == 0 else ("off", "on")):
                 store, stream, keys = sides[name]
@@ -306,9 +321,10 @@ def compare_metrics(args) -> None:
                 stream.client.evict(keys)
                 streamed[name].append(pass_gbps(stream, stream_layers, args.depth))
                 hits[name].append(statistics.median(hit_latency_us(store, 2000)))
+                rpcs[name].append(statistics.median(rpc_latency_us(store, 300)))
             print(f"rep {rep + 1}: " + ", ".join(
                 f"{name}: h2d {h2d[name][-1]:.3f} GB/s stream {streamed[name][-1]:.3f} GB/s "
-                f"hit {hits[name][-1]:.2f} us" for name in ("on", "off")), file=sys.stderr, flush=True)
+                f"hit {hits[name][-1]:.2f} us rpc {rpcs[name][-1]:.0f} us" for name in ("on", "off")), file=sys.stderr, flush=True)
         on_store = sides["on"][0]
         worker_counted = on_store.metrics.cpu_to_device_bytes
     finally:
@@ -321,14 +337,16 @@ def compare_metrics(args) -> None:
     # Overhead: how much longer the same work took with metrics (time is 1 / bandwidth).
     overhead = {"h2d_pass": med(h2d["off"]) / med(h2d["on"]) - 1,
                 "nvme_stream_pass": med(streamed["off"]) / med(streamed["on"]) - 1,
-                "hit_latency": med(hits["on"]) / med(hits["off"]) - 1}
+                "hit_latency": med(hits["on"]) / med(hits["off"]) - 1,
+                "rpc_latency": med(rpcs["on"]) / med(rpcs["off"]) - 1}
     # The same from each rep's adjacent pair, which cancels slow drifts of a shared machine.
     paired = {"h2d_pass": med([b / a - 1 for a, b in zip(h2d["on"], h2d["off"])]),
               "nvme_stream_pass": med([b / a - 1 for a, b in zip(streamed["on"], streamed["off"])]),
-              "hit_latency": med([a / b - 1 for a, b in zip(hits["on"], hits["off"])])}
+              "hit_latency": med([a / b - 1 for a, b in zip(hits["on"], hits["off"])]),
+              "rpc_latency": med([a / b - 1 for a, b in zip(rpcs["on"], rpcs["off"])])}
     print(f"\ndevice {device}; {args.layers} + {stream_layers} layers of {args.layer_mib} MiB; "
           f"prefetch depth {args.depth}; medians of {args.reps}, on/off interleaved; "
-          f"dashboard polling: {'yes' if url else 'no'}")
+          f"dashboard polling: {f'every {args.dashboard_poll:g} s' if url else 'no'}")
     print(f"{'':28}{'with metrics':>14}{'without':>12}{'overhead':>10}{'paired':>9}")
     print(f"{'ensure_layer from CPU pool':28}{med(h2d['on']):>9.3f} GB/s{med(h2d['off']):>7.3f} GB/s"
           f"{100 * overhead['h2d_pass']:>9.2f}%{100 * paired['h2d_pass']:>8.2f}%")
@@ -336,6 +354,8 @@ def compare_metrics(args) -> None:
           f"{100 * overhead['nvme_stream_pass']:>9.2f}%{100 * paired['nvme_stream_pass']:>8.2f}%")
     print(f"{'hit latency (median)':28}{med(hits['on']):>12.2f} us{med(hits['off']):>9.2f} us"
           f"{100 * overhead['hit_latency']:>9.2f}%{100 * paired['hit_latency']:>8.2f}%")
+    print(f"{'RPC round trip (Describe)':28}{med(rpcs['on']):>12.1f} us{med(rpcs['off']):>9.1f} us"
+          f"{100 * overhead['rpc_latency']:>9.2f}%{100 * paired['rpc_latency']:>8.2f}%")
     print("overhead: of the medians; paired: median of each rep's on/off ratio")
     print(json.dumps({
         "metrics_overhead": {k: round(v, 4) for k, v in overhead.items()},
@@ -343,7 +363,9 @@ def compare_metrics(args) -> None:
         "h2d_gbps": {k: round(med(v), 3) for k, v in h2d.items()},
         "nvme_stream_gbps": {k: round(med(v), 3) for k, v in streamed.items()},
         "hit_latency_us": {k: round(med(v), 3) for k, v in hits.items()},
-        "runs": {"h2d_gbps": h2d, "nvme_stream_gbps": streamed, "hit_latency_us": hits},
+        "rpc_latency_us": {k: round(med(v), 2) for k, v in rpcs.items()},
+        "runs": {"h2d_gbps": h2d, "nvme_stream_gbps": streamed, "hit_latency_us": hits,
+                 "rpc_latency_us": rpcs},
         "dashboard_polled": bool(url), "worker_cpu_to_device_bytes": worker_counted,
         "device": str(device), "layer_bytes": layer_bytes, "layers": args.layers,
         "stream_layers": stream_layers, "depth": args.depth, "reps": args.reps,

@@ -57,7 +57,7 @@ class NodeMetrics:
         self.url = ""  # set once the HTTP server listens
         self.started = time.time()
         self.prometheus = CollectorRegistry(auto_describe=False)
-        self.rpc = RpcMetrics(self.prometheus)
+        self.rpc = RpcMetrics()
         self.workers = WorkerReports(config.worker_stale_seconds, lambda: self.url)
         self.prometheus.register(self)
         self._lock = threading.Lock()
@@ -183,9 +183,7 @@ class NodeMetrics:
     def plan(self, live=None) -> PlanFigures:
         """The plan this node runs: until the scheduler sends plans, the access order
         workers declare (SetAccessOrder) drives prefetch order and eviction."""
-        rpc = self.rpc
-        with rpc._lock:
-            version, keys, updated = rpc.plan_version, rpc.plan_keys, rpc.plan_updated_at
+        version, keys, updated = self.rpc.plan()
         live = self.workers.live() if live is None else live
         return PlanFigures(
             version=version, source="tier manager (access order from workers)",
@@ -219,6 +217,7 @@ class NodeMetrics:
             bandwidth.add_metric([link], rates[link])
             peak.add_metric([link], peaks[link])
         yield from (link_bytes, bandwidth, peak)
+        yield from self.rpc.families()
         capacity, used = family(mc.TIER_CAPACITY), family(mc.TIER_USED)
         for tier, (u, c) in {"device": (totals.device_used_bytes, totals.device_capacity_bytes),
                              "cpu": (stats.cpu_used, stats.cpu_capacity),
