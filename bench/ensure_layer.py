@@ -11,7 +11,8 @@ Figures are medians of --reps runs. The last line printed is one JSON object.
 On a machine without a GPU the device is `cpu` and the same path runs.
 
 `--metrics off` runs without metrics (daemon: no RPC timer, sampler, worker reports or
-HTTP; worker: no counters). `--metrics compare` measures the cost of metrics instead:
+HTTP; worker: no counters). `--metrics compare` measures the cost of metrics instead (`--metrics noise` runs the
+same with metrics on both sides, which shows the spread of the measurement itself):
 two daemons, one with metrics and its HTTP API polled once a second by another process
 (as an open dashboard does), one without, and the same passes and hit latencies on
 both, interleaved (on/off, then off/on) in one run; it prints the medians side by side.
@@ -136,13 +137,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-bench-nvme")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--metrics", choices=["on", "off", "compare"], default="on",
-                        help="with metrics, without, or both interleaved to measure their cost")
+    parser.add_argument("--metrics", choices=["on", "off", "compare", "noise"], default="on",
+                        help="with metrics, without, or both interleaved to measure their cost "
+                             "(noise: the same, but both sides with metrics: the bench's own spread)")
     parser.add_argument("--dashboard-poll", type=float, default=1.0,
                         help="with --metrics compare: seconds between polls of the metrics "
                              "side's HTTP API by a separate process (0: no polling)")
     args = parser.parse_args()
-    if args.metrics == "compare":
+    if args.metrics in ("compare", "noise"):
         return compare_metrics(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     layer_bytes = args.layer_mib * MiB
@@ -289,9 +291,9 @@ def compare_metrics(args) -> None:
         for name in ("on", "off"):
             nvme_dir = root / name
             nvme_dir.mkdir(parents=True)
+            on = name == "on" or args.metrics == "noise"
             daemon = stack.enter_context(EmbeddedTierManager(
-                tier_manager_config(cpu_pool, nvme, nvme_dir, metrics=name == "on")))
-            on = name == "on"
+                tier_manager_config(cpu_pool, nvme, nvme_dir, metrics=on)))
             store = LayerStore(f"h2d-{name}", device=device, device_budget=budget,
                                address=daemon.address, durable=False, metrics=on)
             stack.callback(store.close)
@@ -346,7 +348,8 @@ def compare_metrics(args) -> None:
               "rpc_latency": med([a / b - 1 for a, b in zip(rpcs["on"], rpcs["off"])])}
     print(f"\ndevice {device}; {args.layers} + {stream_layers} layers of {args.layer_mib} MiB; "
           f"prefetch depth {args.depth}; medians of {args.reps}, on/off interleaved; "
-          f"dashboard polling: {f'every {args.dashboard_poll:g} s' if url else 'no'}")
+          f"dashboard polling: {f'every {args.dashboard_poll:g} s' if url else 'no'}"
+          + ("; NOISE RUN: both sides have metrics" if args.metrics == "noise" else ""))
     print(f"{'':28}{'with metrics':>14}{'without':>12}{'overhead':>10}{'paired':>9}")
     print(f"{'ensure_layer from CPU pool':28}{med(h2d['on']):>9.3f} GB/s{med(h2d['off']):>7.3f} GB/s"
           f"{100 * overhead['h2d_pass']:>9.2f}%{100 * paired['h2d_pass']:>8.2f}%")

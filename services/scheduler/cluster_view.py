@@ -90,7 +90,8 @@ class ClusterView:
 
     def snapshot(self, window_seconds: float = 900.0) -> ClusterSnapshot:
         snapshots, errors = self._gather(lambda n: n.snapshot())
-        total_peaks = self.history(window_seconds).total.peaks if snapshots else {}
+        # A summed history is needed for the peaks only when there is more than one node.
+        total_peaks = self.history(window_seconds).total.peaks if len(snapshots) > 1 else {}
         links = {}
         for link in mc.LINKS:
             links[link] = LinkFigures(
