@@ -41,10 +41,10 @@ from tierstack.worker.layers import LayerStore
 
 
 def tier_manager_config(cpu_pool: int, nvme: int, nvme_dir: Path,
-                        metrics: bool = True) -> TierManagerConfig:
+                        metrics: bool = True, http: bool = True) -> TierManagerConfig:
     config = TierManagerConfig()
     config.metrics.enabled = metrics
-    config.metrics.http_listen = "127.0.0.1:0"
+    config.metrics.http_listen = "127.0.0.1:0" if http else ""
     config.cpu_pool.size, config.cpu_pool.arena_size = cpu_pool, min(cpu_pool, 1 * GiB)
     config.nvme_pool.paths, config.nvme_pool.size = [str(nvme_dir)], nvme
     config.nvme_pool.aio = AioConfig(block_size=1 * MiB, queue_depth=8)
@@ -143,6 +143,8 @@ def main() -> None:
     parser.add_argument("--dashboard-poll", type=float, default=1.0,
                         help="with --metrics compare: seconds between polls of the metrics "
                              "side's HTTP API by a separate process (0: no polling)")
+    parser.add_argument("--no-http", action="store_true",
+                        help="the daemon collects metrics but serves no HTTP API")
     args = parser.parse_args()
     if args.metrics in ("compare", "noise"):
         return compare_metrics(args)
@@ -157,7 +159,8 @@ def main() -> None:
     daemons = contextlib.ExitStack()
     metrics = args.metrics == "on"
     address = daemons.enter_context(
-        EmbeddedTierManager(tier_manager_config(cpu_pool, nvme, nvme_dir, metrics))).address
+        EmbeddedTierManager(tier_manager_config(cpu_pool, nvme, nvme_dir, metrics,
+                                                http=not args.no_http))).address
     budget = (args.depth + 2) * layer_bytes
     try:
         store = LayerStore("h2d", device=device, device_budget=budget, address=address,
@@ -293,7 +296,7 @@ def compare_metrics(args) -> None:
             nvme_dir.mkdir(parents=True)
             on = name == "on" or args.metrics == "noise"
             daemon = stack.enter_context(EmbeddedTierManager(
-                tier_manager_config(cpu_pool, nvme, nvme_dir, metrics=on)))
+                tier_manager_config(cpu_pool, nvme, nvme_dir, metrics=on, http=not args.no_http)))
             store = LayerStore(f"h2d-{name}", device=device, device_budget=budget,
                                address=daemon.address, durable=False, metrics=on)
             stack.callback(store.close)
