@@ -110,6 +110,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--precision", default=None, help="default: bf16 on a GPU, fp32 on CPU")
     parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-bench-train")
+    parser.add_argument("--max-params-result", default=None,
+                        help="a bench/max_params.py output (its last line is JSON) to report as "
+                             "max_params_trained; that run takes minutes, so it is run apart")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -180,6 +183,10 @@ def main() -> None:
               f"cuda max_memory_allocated {t['cuda_max_memory_allocated'] / GiB:.2f} GiB")
     print(f"links: pinned copy {pinned / 1e9:.2f} GB/s, disk read {disk / 1e9:.2f} GB/s; "
           f"nvme tier moved {disk_bytes / 1e9:.2f} GB/step through the disk")
+    max_params = None
+    if args.max_params_result:
+        line = Path(args.max_params_result).read_text().strip().splitlines()[-1]
+        max_params = json.loads(line).get("max_params_trained")
     print(json.dumps({
         "cpu_tier_ratio": round(cpu_step / ideal_cpu, 4), "nvme_tier_ratio": round(nvme_step / ideal_nvme, 4),
         "no_offload_ratio": round(cpu_step / compute, 4),
@@ -192,9 +199,7 @@ def main() -> None:
         "block_params": block_params, "device_budget": budget,
         "block_state_bytes": state, "block_bytes_on_device": layer_bytes * args.layers,
         "tiers": {tier: results[tier][1] for tier in results},
-        # The largest model trained on the GPU machine is found by running this bench with
-        # growing --layers/--dim there; it is not measured by this run.
-        "max_params_trained": None,
+        "max_params_trained": max_params,
     }))
 
 

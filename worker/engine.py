@@ -87,11 +87,9 @@ class OffloadEngine:
         positions = [i for i, t in enumerate(tiers) if t != "gpu"]
         for layer, position in enumerate(positions):
             store.place(layer, tiers[position], tiers[position])
-        in_blocks = {id(p) for p in
-                     (q for position in positions for q in block_list[position].parameters())}
 
         def prepare(i: int, block: torch.nn.Module) -> None:
-            materialize(block, "cpu")
+            materialize(block, store.device)  # initialised where it is fastest; stored at once
             if dtype != torch.float32:  # fp32 masters come from the fp32 weights
                 store.write_back(i, {f"{n}.master": p.detach().float() for n, p in
                                      block.named_parameters() if p.requires_grad}, kind="master")
@@ -103,7 +101,7 @@ class OffloadEngine:
         persistent_fp32 = None
         if dtype != torch.float32:
             persistent_fp32 = [p.detach().float().clone() for p in model.parameters()
-                               if id(p) not in in_blocks and p.requires_grad]
+                               if p.requires_grad]  # offloaded blocks are proxies by now
             model.to(dtype)
         model.to(store.device)
         self.persistent = [p for p in model.parameters() if p.requires_grad]

@@ -41,7 +41,7 @@ from tierstack.services.tier_manager.tensor_bytes import (
     tensor_from_buffer,
 )
 from tierstack.config import TierManagerConfig
-from tierstack.errors import InvalidArgumentError, KeyNotFoundError
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class _Record:
     loading: threading.Event | None = field(default=None, repr=False)
     placement: Placement = "auto"
     updating: threading.Event | None = field(default=None, repr=False)
+    durable: bool = False  # committed to NVMe by its writer (not only by an eviction)
 
     def info(self) -> TensorInfo:
         return TensorInfo(self.key, self.dtype, self.shape, self.nbytes, self.version,
@@ -170,7 +171,7 @@ class TierRegistry:
                 ) from None
             self._records[entry.key] = _Record(
                 entry.key, entry.dtype, entry.shape, entry.nbytes, entry.version,
-                nvme=entry.extent, checksums=entry.checksums)
+                nvme=entry.extent, checksums=entry.checksums, durable=True)
             self._last_version = max(self._last_version, entry.version)
         # Volatile (CPU-only) versions are not in the manifest; the reserved high-water
         # mark keeps a restarted daemon from handing any (key, version) out twice.
@@ -243,7 +244,12 @@ class TierRegistry:
         """Write bytes to a fresh NVMe extent and fdatasync; the caller commits or frees it."""
         if len(data) == 0:
             return NvmeExtent(0, self.nvme_pool.block_size, ()), ()
-        extent = self.nvme_pool.allocate(len(data))
+        try:
+            extent = self.nvme_pool.allocate(len(data))
+        except NvmePoolFullError:
+            if not self._drop_nvme_copies(len(data)):
+                raise
+            extent = self.nvme_pool.allocate(len(data))
         try:
             checksums = tuple(self.nvme_pool.write(extent, data, label=f"tensor {label!r}"))
             self.nvme_pool.sync([extent])
@@ -259,7 +265,8 @@ class TierRegistry:
         with self._lock:
             old = self._records.get(key)
             record = _Record(key, dtype, shape, nbytes, self._next_version(),
-                             cpu=cpu, nvme=nvme, checksums=checksums, placement=placement)
+                             cpu=cpu, nvme=nvme, checksums=checksums, placement=placement,
+                             durable=nvme is not None)
             try:
                 if nvme is not None:
                     self.manifest.commit(ManifestEntry(key, dtype, shape, nbytes, record.version,
@@ -432,6 +439,12 @@ class TierRegistry:
                 raise InvalidArgumentError(
                     f"tensor {key!r} is still read by {record.pins - 1} reader(s) after "
                     f"{timeout:.0f} s; it cannot be updated in place until they release it")
+            if record.nvme is not None and record.nvme.stripes and not record.durable:
+                # Its NVMe copy is about to go stale and nobody else reads it: give its room
+                # back now, not at end_update, so evictions during a step find space.
+                self.manifest.delete(key)
+                self.nvme_pool.free(record.nvme)
+                record.nvme, record.checksums = None, ()
         return info, buffer
 
     def end_update(self, info: TensorInfo, changed: bool, durable: bool = False) -> TensorInfo:
@@ -507,6 +520,29 @@ class TierRegistry:
             if record.pins == 1 and record.cpu is not None:
                 buffer, record.cpu = record.cpu, None
                 self._free_cpu(buffer)
+
+    def _drop_nvme_copies(self, nbytes: int) -> bool:
+        """NVMe pool full: free the NVMe copies of tensors that are also in the CPU pool and
+        were put there only by an eviction (not written durably), soonest needed first,
+        until `nbytes` more are free. They are written again if evicted again."""
+        freed = 0
+        with self._lock:
+            doubles = [r for r in self._records.values()
+                       if r.cpu is not None and r.nvme is not None and r.nvme.stripes
+                       and not r.durable and r.pins == 0 and r.updating is None]
+            n = max(1, len(self._order))
+            doubles.sort(key=lambda r: (r.key not in self._order,
+                                        (self._order.get(r.key, 0) - self._cursor - 1) % n))
+            for record in doubles:
+                self.manifest.delete(record.key)
+                self.nvme_pool.free(record.nvme)
+                freed += record.nbytes
+                record.nvme, record.checksums = None, ()
+                if freed >= 2 * nbytes:  # extents are not contiguous: leave some slack
+                    break
+        if freed:
+            log.info("NVMe pool full: dropped %d bytes of NVMe copies of CPU-resident tensors", freed)
+        return freed > 0
 
     def set_access_order(self, keys: list[str]) -> None:
         """Declare the cyclic order in which keys will be fetched (e.g. layer order)."""
