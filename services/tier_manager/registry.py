@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
@@ -41,7 +42,7 @@ from tierstack.services.tier_manager.tensor_bytes import (
     tensor_from_buffer,
 )
 from tierstack.config import TierManagerConfig
-from tierstack.errors import InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
+from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ PLACEMENTS: tuple[Placement, ...] = ("auto", "cpu", "nvme")
 _EVICTION_RANK = {"nvme": 0, "auto": 1}  # lower goes first; "cpu" is never evicted
 MAX_KEY_BYTES = 1024
 VERSION_RESERVATION = 100_000  # versions reserved per durable manifest write
+FULL_POOL_WAIT_SECONDS = 30.0  # how long an allocation waits for pinned tensors to be let go
 
 
 @dataclass(frozen=True)
@@ -652,7 +654,23 @@ class TierRegistry:
         record.nvme = None
 
     def _allocate_cpu(self, nbytes: int) -> CpuBuffer | None:
-        return self.cpu_pool.allocate(nbytes) if nbytes else None
+        """A CPU-pool buffer. When the pool is full while tensors are being updated in
+        place (an optimizer step holds their blocks: that ends soon), wait for them rather
+        than fail. Pins held by clients (fetches) are not waited for: a client may hold one
+        as long as it likes, so the error comes at once. Gives up after
+        FULL_POOL_WAIT_SECONDS."""
+        if not nbytes:
+            return None
+        deadline = time.monotonic() + FULL_POOL_WAIT_SECONDS
+        while True:
+            try:
+                return self.cpu_pool.allocate(nbytes)
+            except CpuPoolFullError:
+                with self._lock:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not any(r.updating is not None for r in self._records.values()):
+                        raise
+                    self._unpinned.wait(min(left, 1.0))
 
     def _free_cpu(self, buffer: CpuBuffer | None) -> None:
         if buffer is not None:
