@@ -166,13 +166,18 @@ class NodePlan:
     prefetch_depth: int
     """Layers in flight to the device ahead of the one in use (CPU -> device link)."""
     read_ahead: int
-    """Layers in flight from NVMe ahead of the one in use (NVMe -> CPU link), >= prefetch_depth."""
+    """How many steps ahead NVMe reads are requested (NVMe -> CPU link), >= prefetch_depth."""
     eviction_order: list[int]
     """Tensor indices of this node's CPU-pool residents, the first to evict first
     (the one whose next use is furthest away)."""
     assumed: Bandwidths
     predicted_step_seconds: float = 0.0
     lower_bound_seconds: float = 0.0
+    ordering: str = "deadline"
+    """How each link picks its next transfer: 'deadline' (the step that needs it first)
+    or 'fifo' (the order transfers became ready)."""
+    staging_buffers: int = 2
+    """CPU buffers for layers read from NVMe and not yet copied to the device."""
     device_hits: np.ndarray | None = None
     """Per step: True where the layer stays on the device from its previous use (spare
     device memory kept as a cache by next use); None when the plan keeps none that way."""

@@ -8,7 +8,8 @@ For each node the job runs on (each holds an even shard of every tensor):
    ahead, so `read_ahead x compute >= read + copy time`. Compute is the trace's
    shortest step (the one that leaves the least time to hide a transfer). Both are
    bounded by buffers: (prefetch_depth + 1) layers must fit the device budget, and
-   (read_ahead + 1) layers of staging the CPU pool.
+   `staging_buffers` CPU buffers (double buffering; more where the simulator finds it
+   pays) hold layers read from NVMe until their device copy ends.
 2. **Placement.** Overrides first (glob patterns on tensor keys). Then device memory
    left after the prefetch buffers goes to device state by uses per iteration, ties to
    the shortest reuse distance (the layers an ideal cache keeps); CPU memory left after
@@ -57,8 +58,22 @@ class _TraceArrays:
     next_use: np.ndarray     # position of first use in the iteration (for eviction)
     edge: np.ndarray         # steps between its uses and the nearer end of the iteration
     first: np.ndarray        # step of its first use (host state: its optimizer step)
+    spread: np.ndarray       # van der Corput rank of its layer in first-use order
     late: np.ndarray         # minus the step of its last use
     overridden: np.ndarray   # tier code forced by an override, or -1
+
+
+def _spread(first: np.ndarray) -> np.ndarray:
+    """A rank per layer such that any prefix of layers sorted by it is evenly spread over
+    the iteration (bit-reversed position in first-use order), so the layers that end up
+    streaming are interleaved with resident ones and the links work all along."""
+    position = np.empty(len(first), dtype=np.int64)
+    position[np.argsort(first, kind="stable")] = np.arange(len(first))
+    bits = max(1, int(len(first) - 1).bit_length())
+    rank = np.zeros(len(first), dtype=np.int64)
+    for b in range(bits):
+        rank |= ((position >> b) & 1) << (bits - 1 - b)
+    return rank
 
 
 def _trace_arrays(trace: JobTrace) -> _TraceArrays:
@@ -113,7 +128,8 @@ def _trace_arrays(trace: JobTrace) -> _TraceArrays:
                 f"({', '.join(DEVICE_KINDS)}) is used on the device; give it cpu or nvme")
     return _TraceArrays(layer, nbytes, device, grad, host, uses, disk_moves,
                         max_gap[layer], next_use, edge,
-                        np.where(device, first[layer], last[layer] + n), -last[layer], overridden)
+                        np.where(device, first[layer], last[layer] + n), _spread(first)[layer],
+                        -last[layer], overridden)
 
 
 def _step_times(trace: JobTrace, arrays: _TraceArrays, tiers: np.ndarray, bw: Bandwidths):
@@ -172,8 +188,8 @@ def _biggest_device_layer(arrays: _TraceArrays, n_layers: int) -> float:
 
 
 def _cap_depths(node: NodeSpec, budget: float, biggest: float, depth: int, ahead: int) -> tuple[int, int]:
-    """Bound the depths by buffers: (depth + 1) layers in the device budget, (ahead + 1)
-    layers of staging in half the CPU pool."""
+    """Bound the prefetch depth by buffers: (depth + 1) layers in the device budget.
+    The read-ahead is a distance, not memory: NVMe reads land in the staging buffers."""
     depth, ahead = min(depth, MAX_DEPTH), min(max(ahead, depth), MAX_DEPTH)
     if biggest <= 0:
         return depth, ahead
@@ -183,8 +199,7 @@ def _cap_depths(node: NodeSpec, budget: float, biggest: float, depth: int, ahead
             f"node {node.node_id}: the largest layer's device state ({biggest:.0f} bytes per "
             f"node) does not fit the device budget ({budget:.0f}); raise the budget or use more nodes")
     depth = max(0, min(depth, fits))
-    ahead = max(depth, min(ahead, int(0.5 * node.cpu_bytes // biggest) - 1))
-    return depth, ahead
+    return depth, max(ahead, depth)
 
 
 def _place(arrays: _TraceArrays, gpu_free: float, cpu_free: float, tie: str = "edge") -> np.ndarray:
@@ -215,7 +230,7 @@ def _place(arrays: _TraceArrays, gpu_free: float, cpu_free: float, tie: str = "e
 
 def _place_node(arrays: _TraceArrays, node: NodeSpec, budget: float, biggest: float,
                 depth: int, ahead: int, device_residency: bool = True,
-                tie: str = "edge") -> tuple[np.ndarray, bool, str]:
+                tie: str = "edge", staging: int = 2) -> tuple[np.ndarray, bool, str]:
     """Placement with buffers for these depths reserved; returns (tiers, fits, why not)."""
     forced = arrays.overridden
     gpu_forced = float(arrays.nbytes[forced == GPU].sum())
@@ -225,9 +240,10 @@ def _place_node(arrays: _TraceArrays, node: NodeSpec, budget: float, biggest: fl
     if not device_residency:
         gpu_free = min(gpu_free, 0.0)
     cpu_free = node.cpu_bytes - cpu_forced
-    # Staging is needed only when something streams from NVMe.
+    # Staging (layers read from NVMe ahead of their device copy) is needed only when
+    # something streams from NVMe.
     if total - gpu_forced - cpu_forced > max(gpu_free, 0.0) + cpu_free or (forced == NVME).any():
-        cpu_free -= (ahead + 1) * biggest
+        cpu_free -= staging * biggest
     fits, why = True, ""
     if gpu_free < 0 or cpu_free < 0:
         fits = False
@@ -245,9 +261,11 @@ def _place_node(arrays: _TraceArrays, node: NodeSpec, budget: float, biggest: fl
 
 # Ties in placement can be broken several ways; which is best depends on where the
 # trace's bottleneck sits, so small traces try each in the simulator (see plan_node).
-TIE_BREAKS = ("edge", "first", "late")
-DEPTH_FACTORS = (2, 4, 8)
-REFINE_STEPS = 20_000  # simulated steps per plan for refinement (~15 us each)
+TIE_BREAKS = ("edge", "spread", "first", "late")
+DEPTH_LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+REFINE_STEPS = 60_000  # simulated steps per plan for refinement (~15 us each)
+STAGING_LADDER = (1, 3, 4, 8)
+REFINE_CANDIDATES = len(TIE_BREAKS) + 1 + 10 * len(DEPTH_LADDER) + len(STAGING_LADDER)
 
 
 def _candidate(trace: JobTrace, arrays: _TraceArrays, node: NodeSpec, budget: float,
@@ -263,46 +281,85 @@ def _candidate(trace: JobTrace, arrays: _TraceArrays, node: NodeSpec, budget: fl
     return tiers, depth, ahead, fits, why
 
 
+@dataclass
+class _Choice:
+    tiers: np.ndarray
+    depth: int
+    ahead: int
+    hits: np.ndarray | None
+    ordering: str
+    step: float
+    staging: int = 2
+
+
+def _refine(trace: JobTrace, arrays: _TraceArrays, node: NodeSpec, budget: float,
+            biggest: float, start: _Choice) -> _Choice:
+    """Simulate variants of the analytic plan and keep the fastest (it wins ties):
+    the other placement tie-breaks, spare device memory as a furthest-next-use cache,
+    then prefetch depth and read-ahead pairs along a ladder with either stream ordering."""
+    bw = node.bandwidth
+    gpu_forced = float(arrays.nbytes[arrays.overridden == GPU].sum())
+
+    def build(tie: str, depth: int, ahead: int, cache: bool, ordering: str,
+              staging: int = 2) -> _Choice | None:
+        depth, ahead = _cap_depths(node, budget, biggest, depth, ahead)
+        tiers, fits, _ = _place_node(arrays, node, budget, biggest, depth, ahead,
+                                     device_residency=not cache, tie=tie, staging=staging)
+        if not fits:
+            return None
+        hits = None
+        if cache:
+            spare = max(budget - (depth + 1) * biggest - gpu_forced, 0.0)
+            hits = furthest_use_device_hits(trace, tiers, spare)
+        step = simulate(trace, tiers, bw, depth, ahead, ordering=ordering, device_hits=hits,
+                        staging_buffers=staging).step_seconds
+        return _Choice(tiers, depth, ahead, hits, ordering, step, staging)
+
+    best, shape = start, ("edge", False)
+
+    def consider(choice: _Choice | None, new_shape: tuple[str, bool]) -> None:
+        nonlocal best, shape
+        if choice is not None and choice.step < best.step * (1 - 1e-9):
+            best, shape = choice, new_shape
+
+    for tie in TIE_BREAKS[1:]:
+        consider(build(tie, start.depth, start.ahead, False, "deadline"), (tie, False))
+    consider(build("edge", start.depth, start.ahead, True, "deadline"), ("edge", True))
+    # Depth pairs: every rung of the ladder for the device copy, with the NVMe read-ahead
+    # at it, a little and a lot beyond it; each with both stream orderings.
+    analytic, shape_now = best, shape
+    for depth in DEPTH_LADDER:
+        for ahead in sorted({depth, depth + 1, 2 * depth + 1, 4 * depth + 4, max(depth, analytic.ahead)}):
+            for ordering in ("deadline", "fifo"):
+                consider(build(shape_now[0], depth, ahead, shape_now[1], ordering), shape_now)
+    final = best
+    for staging in STAGING_LADDER:
+        consider(build(shape[0], final.depth, final.ahead, shape[1], final.ordering, staging), shape)
+    return best
+
+
 def plan_node(trace: JobTrace, arrays: _TraceArrays, node: NodeSpec,
               refine: bool = True) -> tuple[NodePlan, bool, str]:
     """One node's plan; returns (plan, fits, why not).
 
     The analytic plan (pipeline depths, placement with the "edge" tie-break) is the
-    answer for large traces. With `refine`, a few variants (the other tie-breaks, twice
-    the depths where buffers allow) are simulated too and the fastest is kept; the
-    analytic plan wins ties.
+    answer for large traces; with `refine`, `_refine` improves it in the simulator.
     """
     budget = device_budget(trace, node)
     biggest = _biggest_device_layer(arrays, trace.num_layers)
     tiers, depth, ahead, fits, why = _candidate(trace, arrays, node, budget, biggest, "edge")
-    hits = None
+    choice = _Choice(tiers, depth, ahead, None, "deadline", math.inf)
     if refine and fits:
-        best = simulate(trace, tiers, node.bandwidth, depth, ahead).step_seconds
-        variants = [_candidate(trace, arrays, node, budget, biggest, tie) for tie in TIE_BREAKS[1:]]
-        for factor in DEPTH_FACTORS:
-            deeper = _cap_depths(node, budget, biggest, factor * max(depth, 1), factor * max(ahead, 1))
-            if deeper != (depth, ahead):
-                t, f, w = _place_node(arrays, node, budget, biggest, *deeper)
-                variants.append((t, *deeper, f, w))
-        variants = [(*v, None) for v in variants]
-        # Spare device memory as a cache keeping the layers used again soonest.
-        for factor in (1,) + DEPTH_FACTORS:
-            d, a = _cap_depths(node, budget, biggest, factor * max(depth, 1), factor * max(ahead, 1))
-            t, f, w = _place_node(arrays, node, budget, biggest, d, a, device_residency=False)
-            spare = budget - (d + 1) * biggest - float(arrays.nbytes[arrays.overridden == GPU].sum())
-            variants.append((t, d, a, f, w, furthest_use_device_hits(trace, t, max(spare, 0.0))))
-        for v_tiers, v_depth, v_ahead, v_fits, v_why, v_hits in variants:
-            if not v_fits:
-                continue
-            step = simulate(trace, v_tiers, node.bandwidth, v_depth, v_ahead,
-                            device_hits=v_hits).step_seconds
-            if step < best * (1 - 1e-9):
-                best, tiers, depth, ahead, hits = step, v_tiers, v_depth, v_ahead, v_hits
-    cpu_resident = np.flatnonzero(tiers == CPU)
+        choice.step = simulate(trace, tiers, node.bandwidth, depth, ahead,
+                               staging_buffers=choice.staging).step_seconds
+        choice = _refine(trace, arrays, node, budget, biggest, choice)
+    cpu_resident = np.flatnonzero(choice.tiers == CPU)
     eviction = cpu_resident[np.argsort(-arrays.next_use[cpu_resident], kind="stable")]
-    plan = NodePlan(node_id=node.node_id, tiers=tiers, prefetch_depth=depth, read_ahead=ahead,
-                    eviction_order=eviction.tolist(), assumed=node.bandwidth, device_hits=hits)
-    plan.lower_bound_seconds = lower_bound(trace, tiers, node.bandwidth, hits)
+    plan = NodePlan(node_id=node.node_id, tiers=choice.tiers, prefetch_depth=choice.depth,
+                    read_ahead=choice.ahead, eviction_order=eviction.tolist(), assumed=node.bandwidth,
+                    device_hits=choice.hits, ordering=choice.ordering,
+                    staging_buffers=choice.staging)
+    plan.lower_bound_seconds = lower_bound(trace, choice.tiers, node.bandwidth, choice.hits)
     return plan, fits, why
 
 
@@ -313,13 +370,15 @@ def device_budget(trace: JobTrace, node: NodeSpec) -> float:
     return float(node.gpu_bytes)
 
 
-def placement_without_device_residency(trace: JobTrace, node: NodeSpec, plan: NodePlan) -> np.ndarray:
-    """The plan's CPU / NVMe placement had nothing been kept on the device (for the
-    LRU baseline, whose device memory is a cache instead)."""
+def placement_for(trace: JobTrace, node: NodeSpec, prefetch_depth: int, read_ahead: int,
+                  device_residency: bool = True) -> np.ndarray:
+    """The planner's placement for given depths (their buffers reserved in the same
+    budgets): for baselines that prefetch differently. Without `device_residency` nothing
+    is kept on the device (the LRU baseline uses that memory as a cache instead)."""
     arrays = _trace_arrays(trace)
     biggest = _biggest_device_layer(arrays, trace.num_layers)
     tiers, _, _ = _place_node(arrays, node, device_budget(trace, node), biggest,
-                              plan.prefetch_depth, plan.read_ahead, device_residency=False)
+                              prefetch_depth, read_ahead, device_residency=device_residency)
     return tiers
 
 
@@ -352,7 +411,7 @@ def plan_job(trace: JobTrace, nodes: dict[str, NodeSpec], version: int = 1, reas
     shared: dict[tuple, tuple[NodePlan, bool, str]] = {}
     distinct = len({(nodes[n].gpu_bytes, nodes[n].cpu_bytes, nodes[n].nvme_bytes,
                      tuple(nodes[n].bandwidth.as_dict().values())) for n in trace.nodes})
-    refine = distinct * len(trace.step_layer) * (len(TIE_BREAKS) + len(DEPTH_FACTORS) + 1) <= REFINE_STEPS
+    refine = distinct * len(trace.step_layer) * REFINE_CANDIDATES <= REFINE_STEPS
     fits, why = True, []
     for node_id in trace.nodes:
         node = nodes[node_id]
@@ -364,7 +423,8 @@ def plan_job(trace: JobTrace, nodes: dict[str, NodeSpec], version: int = 1, reas
         node_plans[node_id] = NodePlan(node_id, base.tiers, base.prefetch_depth, base.read_ahead,
                                        base.eviction_order, node.bandwidth,
                                        lower_bound_seconds=base.lower_bound_seconds,
-                                       device_hits=base.device_hits)
+                                       device_hits=base.device_hits, ordering=base.ordering,
+                                       staging_buffers=base.staging_buffers)
         fits = fits and node_fits
         if node_why:
             why.append(node_why)
@@ -374,7 +434,8 @@ def plan_job(trace: JobTrace, nodes: dict[str, NodeSpec], version: int = 1, reas
         # The job's step is set by its slowest node: simulate that one with the plan's
         # own depths and ordering (one simulation, whatever the number of nodes).
         result = simulate(trace, slowest.tiers, slowest.assumed, slowest.prefetch_depth,
-                          slowest.read_ahead, device_hits=slowest.device_hits)
+                          slowest.read_ahead, ordering=slowest.ordering,
+                          device_hits=slowest.device_hits, staging_buffers=slowest.staging_buffers)
         slowest.predicted_step_seconds = predicted = result.step_seconds
     return Plan(job=trace.job, version=version, nodes=node_plans, predicted_step_seconds=predicted,
                 lower_bound_seconds=slowest.lower_bound_seconds, fits=fits,

@@ -130,11 +130,13 @@ class _Tasks:
 def simulate(trace: JobTrace, tiers: np.ndarray, bandwidth: Bandwidths, prefetch_depth: int,
              read_ahead: int | None = None, ordering: str = "deadline",
              device_hits: np.ndarray | None = None, shards: int = 0,
-             keep_timeline: bool = False) -> SimResult:
+             keep_timeline: bool = False, staging_buffers: int = 0) -> SimResult:
     """Simulate one iteration of `trace` on one node; see the module docstring.
 
     `device_hits[j]` (optional) marks steps whose layer is already on the device by a
-    cache (e.g. the LRU baseline), so nothing moves for them.
+    cache (e.g. the LRU baseline), so nothing moves for them. `staging_buffers` (0: as
+    many as the read-ahead needs) bounds the layers read from NVMe and not yet copied to
+    the device: a read takes a CPU buffer when it starts and frees it when its copy ends.
     """
     if ordering not in ("deadline", "fifo"):
         raise ValueError(f"ordering {ordering!r} is not 'deadline' or 'fifo'")
@@ -154,6 +156,7 @@ def simulate(trace: JobTrace, tiers: np.ndarray, bandwidth: Bandwidths, prefetch
     # Task creation follows step order, so every dependency already has an id, except
     # the buffer dependencies on a later compute; those are added once it exists.
     pending_issue: dict[int, list[int]] = {}  # compute step -> tasks issued when it ends
+    staged: list[tuple[int, int]] = []  # (read, copy) of each NVMe read so far
 
     for j in range(n):
         layer = int(trace.step_layer[j])
@@ -164,8 +167,14 @@ def simulate(trace: JobTrace, tiers: np.ndarray, bandwidth: Bandwidths, prefetch
             read_id = tasks.add(DISK, secs(lb.disk_read[layer], bw.disk_read), j, [], ("read", j))
             if j - read_ahead - 1 >= 0:
                 pending_issue.setdefault(j - read_ahead - 1, []).append(read_id)
+            if staging_buffers and len(staged) >= staging_buffers:
+                freed_by = staged[-staging_buffers][1]  # that read's copy frees its buffer
+                tasks.children[freed_by].append(read_id)
+                tasks.ndeps[read_id] += 1
         if not hit and lb.h2d[layer] > 0:
             h2d_id = tasks.add(H2D, secs(lb.h2d[layer], bw.h2d), j, [read_id], ("h2d", j))
+            if read_id >= 0:
+                staged.append((read_id, h2d_id))
             if j - prefetch_depth - 1 >= 0:
                 pending_issue.setdefault(j - prefetch_depth - 1, []).append(h2d_id)
         prev = compute_ids[-1] if compute_ids else -1

@@ -15,7 +15,8 @@ def transformer_trace(layers: int = 24, param_bytes: float = 50e6, forward_s: fl
                       kinds: tuple[str, ...] = ("params", "grad", "optimizer")) -> JobTrace:
     """Forward over the layers, then backward (2x the forward's compute) in reverse.
 
-    Per layer: params (bf16), grads (bf16), optimizer state (fp32 master + m + v = 6x).
+    Per layer: params (bf16), grads (bf16), optimizer state (fp32 master + m + v = 6x),
+    or an fp32 "master" copy alone (2x).
     `jitter` varies layer sizes and compute times by up to that fraction.
     """
     rng = np.random.default_rng(seed)
@@ -24,7 +25,7 @@ def transformer_trace(layers: int = 24, param_bytes: float = 50e6, forward_s: fl
     steps = list(range(layers)) + list(reversed(range(layers)))
     compute = list(fwd) + list(2 * fwd[::-1])
     backward = [False] * layers + [True] * layers
-    size = {"params": 1.0, "grad": 1.0, "optimizer": 6.0}
+    size = {"params": 1.0, "grad": 1.0, "optimizer": 6.0, "master": 2.0}
     tensors = [TensorSpec(f"{job}/layer{i}/{k}", i, k, int(param_bytes * scale[i] * size[k]))
                for i in range(layers) for k in kinds]
     return JobTrace(job=job, nodes=list(nodes), step_layer=steps, step_compute=compute,
