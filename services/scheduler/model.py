@@ -112,12 +112,20 @@ class JobTrace:
     """Glob pattern on tensor keys -> tier, applied before anything else."""
     device_budget: int = 0
     """Device bytes the job may use per node (0: the node's whole gpu_bytes)."""
+    step_gather: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per step: seconds of the collective that assembles the layer before its compute
+    (ZeRO-3 all-gather across data-parallel ranks; empty: none)."""
+    step_reduce: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per step: seconds of the collective after its compute (gradient reduce-scatter)."""
 
     def __post_init__(self) -> None:
         self.step_layer = np.asarray(self.step_layer, dtype=np.int64)
         self.step_compute = np.asarray(self.step_compute, dtype=np.float64)
         self.step_backward = np.asarray(self.step_backward, dtype=bool)
         self.optimizer_seconds = np.asarray(self.optimizer_seconds, dtype=np.float64)
+        n = len(self.step_layer)
+        self.step_gather = np.asarray(self.step_gather, dtype=np.float64) if len(self.step_gather) else np.zeros(n)
+        self.step_reduce = np.asarray(self.step_reduce, dtype=np.float64) if len(self.step_reduce) else np.zeros(n)
 
     @property
     def num_layers(self) -> int:
@@ -133,6 +141,10 @@ class JobTrace:
             raise InvalidArgumentError(f"trace of {self.job}: a node is listed twice: {self.nodes}")
         if n == 0:
             raise InvalidArgumentError(f"trace of {self.job} has no steps; report it after the first iteration")
+        if len(self.step_gather) != n or len(self.step_reduce) != n:
+            raise InvalidArgumentError(
+                f"trace of {self.job}: give one collective time per step (or none), got "
+                f"{len(self.step_gather)} gathers and {len(self.step_reduce)} reductions for {n} steps")
         if len(self.step_compute) != n or len(self.step_backward) != n:
             raise InvalidArgumentError(
                 f"trace of {self.job}: {n} step layers but {len(self.step_compute)} compute times "

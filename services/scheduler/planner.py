@@ -133,14 +133,16 @@ def _trace_arrays(trace: JobTrace) -> _TraceArrays:
 
 
 def _step_times(trace: JobTrace, arrays: _TraceArrays, tiers: np.ndarray, bw: Bandwidths):
-    """Per step: NVMe read seconds, CPU -> device seconds, compute seconds (this placement)."""
+    """Per step: NVMe read seconds, CPU -> device (+ gather) seconds, compute seconds."""
     n_layers = trace.num_layers
     moving = arrays.device & (tiers != GPU)
     h2d = np.bincount(arrays.layer[moving], weights=arrays.nbytes[moving], minlength=n_layers)
     on_disk = arrays.device & (tiers == NVME)
     read = np.bincount(arrays.layer[on_disk], weights=arrays.nbytes[on_disk], minlength=n_layers)
     steps = trace.step_layer
-    return read[steps] / bw.disk_read, h2d[steps] / bw.h2d, trace.step_compute
+    # A collective that assembles the layer is issued with its copy and gates its compute
+    # like the copy does: for sizing the prefetch depth the two count as one chain.
+    return read[steps] / bw.disk_read, h2d[steps] / bw.h2d + trace.step_gather, trace.step_compute
 
 
 def _pipeline_depths(r: np.ndarray, h: np.ndarray, c: np.ndarray) -> tuple[int, int]:
@@ -394,7 +396,8 @@ def lower_bound(trace: JobTrace, tiers: np.ndarray, bw: Bandwidths,
     h2d = ((lb.h2d * uses).sum() + lb.opt_h2d.sum()) / bw.h2d
     d2h = (lb.grad_d2h * backward).sum() / bw.d2h
     cpu = float(trace.optimizer_seconds.sum()) if len(trace.optimizer_seconds) else 0.0
-    return float(max(trace.step_compute.sum(), disk, h2d, d2h, cpu))
+    network = float(trace.step_gather.sum() + trace.step_reduce.sum())
+    return float(max(trace.step_compute.sum(), disk, h2d, d2h, cpu, network))
 
 
 def plan_job(trace: JobTrace, nodes: dict[str, NodeSpec], version: int = 1, reason: str = "trace",

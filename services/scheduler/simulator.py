@@ -9,6 +9,10 @@ the plan's stream ordering: by default the step at which the result is needed (r
 for the next layers before writes nobody waits for); `ordering="fifo"` serves tasks in
 the order they became ready, as a plain queue does.
 
+A sixth resource, the network, runs the collectives of data-parallel training when the
+trace has them (ZeRO-3: an all-gather before a layer's compute, issued with its device
+copy; a reduce-scatter of its gradients after a backward step).
+
 Per step j (using layer l):
   read(j)    NVMe -> CPU of l's NVMe-resident device state, issued when step j - read_ahead
              begins (its CPU staging buffer is free then);
@@ -34,8 +38,8 @@ import numpy as np
 from tierstack.services.scheduler.model import (
     CPU, DEVICE_KINDS, GPU, GRAD_KINDS, NVME, Bandwidths, JobTrace)
 
-DISK, H2D, D2H, DEVICE, HOST = range(5)
-RESOURCES = ("disk", "h2d", "d2h", "device", "cpu")
+DISK, H2D, D2H, DEVICE, HOST, NET = range(6)
+RESOURCES = ("disk", "h2d", "d2h", "device", "cpu", "network")
 
 
 @dataclass
@@ -177,12 +181,19 @@ def simulate(trace: JobTrace, tiers: np.ndarray, bandwidth: Bandwidths, prefetch
                 staged.append((read_id, h2d_id))
             if j - prefetch_depth - 1 >= 0:
                 pending_issue.setdefault(j - prefetch_depth - 1, []).append(h2d_id)
+        gather_id = -1
+        if trace.step_gather[j] > 0:  # the collective assembling the layer from all ranks
+            gather_id = tasks.add(NET, float(trace.step_gather[j]), j, [h2d_id], ("gather", j))
+            if j - prefetch_depth - 1 >= 0:
+                pending_issue.setdefault(j - prefetch_depth - 1, []).append(gather_id)
         prev = compute_ids[-1] if compute_ids else -1
-        cid = tasks.add(DEVICE, float(trace.step_compute[j]), j, [prev, h2d_id], ("compute", j))
+        cid = tasks.add(DEVICE, float(trace.step_compute[j]), j, [prev, h2d_id, gather_id], ("compute", j))
         compute_ids.append(cid)
         if trace.step_backward[j]:
             last_backward[layer] = j
             out = cid
+            if trace.step_reduce[j] > 0:
+                out = tasks.add(NET, float(trace.step_reduce[j]), n + j, [cid], ("reduce", j))
             if lb.grad_d2h[layer] > 0:
                 out = tasks.add(D2H, secs(lb.grad_d2h[layer], bw.d2h), n + j, [cid], ("d2h", j))
             if lb.grad_write[layer] > 0:
