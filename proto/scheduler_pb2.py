@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftierstack/proto/scheduler.proto\x12\x16tierstack.scheduler.v1\"M\n\nBandwidths\x12\x11\n\tdisk_read\x18\x01 \x01(\x01\x12\x12\n\ndisk_write\x18\x02 \x01(\x01\x12\x0b\n\x03h2d\x18\x03 \x01(\x01\x12\x0b\n\x03\x64\x32h\x18\x04 \x01(\x01\"\xab\x01\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tgpu_bytes\x18\x02 \x01(\x04\x12\x11\n\tcpu_bytes\x18\x03 \x01(\x04\x12\x12\n\nnvme_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04gpus\x18\x05 \x01(\r\x12\x35\n\tbandwidth\x18\x06 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\"7\n\x14RegisterNodeResponse\x12\x1f\n\x17report_interval_seconds\x18\x01 \x01(\x01\"k\n\x0f\x42\x61ndwidthReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x34\n\x08measured\x18\x02 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\"1\n\x17\x42\x61ndwidthReportResponse\x12\x16\n\x0ereplanned_jobs\x18\x01 \x03(\t\"F\n\nTensorSpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\xfb\x02\n\x08JobTrace\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x12\n\nstep_layer\x18\x03 \x03(\r\x12\x14\n\x0cstep_compute\x18\x04 \x03(\x01\x12\x15\n\rstep_backward\x18\x05 \x03(\x08\x12\x33\n\x07tensors\x18\x06 \x03(\x0b\x32\".tierstack.scheduler.v1.TensorSpec\x12\x19\n\x11optimizer_seconds\x18\x07 \x03(\x01\x12K\n\x0etier_overrides\x18\x08 \x03(\x0b\x32\x33.tierstack.scheduler.v1.JobTrace.TierOverridesEntry\x12\x15\n\rdevice_budget\x18\t \x01(\x04\x12\x13\n\x0bstep_gather\x18\n \x03(\x01\x12\x13\n\x0bstep_reduce\x18\x0b \x03(\x01\x1a\x34\n\x12TierOverridesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa0\x02\n\x08NodePlan\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x16\n\x0eprefetch_depth\x18\x03 \x01(\r\x12\x12\n\nread_ahead\x18\x04 \x01(\r\x12\x17\n\x0fstaging_buffers\x18\x05 \x01(\r\x12\x16\n\x0e\x65viction_order\x18\x06 \x03(\r\x12\x33\n\x07\x61ssumed\x18\x07 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x10\n\x08ordering\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65vice_hits\x18\t \x01(\x0c\x12\x1b\n\x13lower_bound_seconds\x18\n \x01(\x01\x12\x1e\n\x16predicted_step_seconds\x18\x0b \x01(\x01\"\xd6\x01\n\x04Plan\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12/\n\x05nodes\x18\x03 \x03(\x0b\x32 .tierstack.scheduler.v1.NodePlan\x12\x1e\n\x16predicted_step_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13lower_bound_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04\x66its\x18\x06 \x01(\x08\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0f\n\x07\x63reated\x18\x08 \x01(\x01\x12\x13\n\x0btensor_keys\x18\t \x03(\t\"J\n\x0eGetPlanRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nnewer_than\x18\x02 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"7\n\x11WatchPlansRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x04\"\x12\n\x10ListNodesRequest\"\xbc\x01\n\tNodeState\x12*\n\x04node\x18\x01 \x01(\x0b\x32\x1c.tierstack.scheduler.v1.Node\x12\x33\n\x07\x63urrent\x18\x02 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x39\n\rlast_measured\x18\x03 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x13\n\x0blast_report\x18\x04 \x01(\x01\"E\n\x11ListNodesResponse\x12\x30\n\x05nodes\x18\x01 \x03(\x0b\x32!.tierstack.scheduler.v1.NodeState\"\x1f\n\x10\x46orgetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x13\n\x11\x46orgetJobResponse2\x91\x05\n\tScheduler\x12Z\n\x0cRegisterNode\x12\x1c.tierstack.scheduler.v1.Node\x1a,.tierstack.scheduler.v1.RegisterNodeResponse\x12k\n\x0fReportBandwidth\x12\'.tierstack.scheduler.v1.BandwidthReport\x1a/.tierstack.scheduler.v1.BandwidthReportResponse\x12`\n\tListNodes\x12(.tierstack.scheduler.v1.ListNodesRequest\x1a).tierstack.scheduler.v1.ListNodesResponse\x12M\n\x0bReportTrace\x12 .tierstack.scheduler.v1.JobTrace\x1a\x1c.tierstack.scheduler.v1.Plan\x12O\n\x07GetPlan\x12&.tierstack.scheduler.v1.GetPlanRequest\x1a\x1c.tierstack.scheduler.v1.Plan\x12W\n\nWatchPlans\x12).tierstack.scheduler.v1.WatchPlansRequest\x1a\x1c.tierstack.scheduler.v1.Plan0\x01\x12`\n\tForgetJob\x12(.tierstack.scheduler.v1.ForgetJobRequest\x1a).tierstack.scheduler.v1.ForgetJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftierstack/proto/scheduler.proto\x12\x16tierstack.scheduler.v1\"M\n\nBandwidths\x12\x11\n\tdisk_read\x18\x01 \x01(\x01\x12\x12\n\ndisk_write\x18\x02 \x01(\x01\x12\x0b\n\x03h2d\x18\x03 \x01(\x01\x12\x0b\n\x03\x64\x32h\x18\x04 \x01(\x01\"\xab\x01\n\x04Node\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x11\n\tgpu_bytes\x18\x02 \x01(\x04\x12\x11\n\tcpu_bytes\x18\x03 \x01(\x04\x12\x12\n\nnvme_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04gpus\x18\x05 \x01(\r\x12\x35\n\tbandwidth\x18\x06 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\"7\n\x14RegisterNodeResponse\x12\x1f\n\x17report_interval_seconds\x18\x01 \x01(\x01\"k\n\x0f\x42\x61ndwidthReport\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x34\n\x08measured\x18\x02 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\"1\n\x17\x42\x61ndwidthReportResponse\x12\x16\n\x0ereplanned_jobs\x18\x01 \x03(\t\"F\n\nTensorSpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\x98\x03\n\x08JobTrace\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x03(\t\x12\x12\n\nstep_layer\x18\x03 \x03(\r\x12\x14\n\x0cstep_compute\x18\x04 \x03(\x01\x12\x15\n\rstep_backward\x18\x05 \x03(\x08\x12\x33\n\x07tensors\x18\x06 \x03(\x0b\x32\".tierstack.scheduler.v1.TensorSpec\x12\x19\n\x11optimizer_seconds\x18\x07 \x03(\x01\x12K\n\x0etier_overrides\x18\x08 \x03(\x0b\x32\x33.tierstack.scheduler.v1.JobTrace.TierOverridesEntry\x12\x15\n\rdevice_budget\x18\t \x01(\x04\x12\x13\n\x0bstep_gather\x18\n \x03(\x01\x12\x13\n\x0bstep_reduce\x18\x0b \x03(\x01\x12\x1b\n\x13no_device_residency\x18\x0c \x01(\x08\x1a\x34\n\x12TierOverridesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xa0\x02\n\x08NodePlan\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12\x16\n\x0eprefetch_depth\x18\x03 \x01(\r\x12\x12\n\nread_ahead\x18\x04 \x01(\r\x12\x17\n\x0fstaging_buffers\x18\x05 \x01(\r\x12\x16\n\x0e\x65viction_order\x18\x06 \x03(\r\x12\x33\n\x07\x61ssumed\x18\x07 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x10\n\x08ordering\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65vice_hits\x18\t \x01(\x0c\x12\x1b\n\x13lower_bound_seconds\x18\n \x01(\x01\x12\x1e\n\x16predicted_step_seconds\x18\x0b \x01(\x01\"\xd6\x01\n\x04Plan\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12/\n\x05nodes\x18\x03 \x03(\x0b\x32 .tierstack.scheduler.v1.NodePlan\x12\x1e\n\x16predicted_step_seconds\x18\x04 \x01(\x01\x12\x1b\n\x13lower_bound_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04\x66its\x18\x06 \x01(\x08\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0f\n\x07\x63reated\x18\x08 \x01(\x01\x12\x13\n\x0btensor_keys\x18\t \x03(\t\"J\n\x0eGetPlanRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nnewer_than\x18\x02 \x01(\x04\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\"7\n\x11WatchPlansRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x04\"\x12\n\x10ListNodesRequest\"\xbc\x01\n\tNodeState\x12*\n\x04node\x18\x01 \x01(\x0b\x32\x1c.tierstack.scheduler.v1.Node\x12\x33\n\x07\x63urrent\x18\x02 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x39\n\rlast_measured\x18\x03 \x01(\x0b\x32\".tierstack.scheduler.v1.Bandwidths\x12\x13\n\x0blast_report\x18\x04 \x01(\x01\"E\n\x11ListNodesResponse\x12\x30\n\x05nodes\x18\x01 \x03(\x0b\x32!.tierstack.scheduler.v1.NodeState\"\x1f\n\x10\x46orgetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"\x13\n\x11\x46orgetJobResponse2\x91\x05\n\tScheduler\x12Z\n\x0cRegisterNode\x12\x1c.tierstack.scheduler.v1.Node\x1a,.tierstack.scheduler.v1.RegisterNodeResponse\x12k\n\x0fReportBandwidth\x12\'.tierstack.scheduler.v1.BandwidthReport\x1a/.tierstack.scheduler.v1.BandwidthReportResponse\x12`\n\tListNodes\x12(.tierstack.scheduler.v1.ListNodesRequest\x1a).tierstack.scheduler.v1.ListNodesResponse\x12M\n\x0bReportTrace\x12 .tierstack.scheduler.v1.JobTrace\x1a\x1c.tierstack.scheduler.v1.Plan\x12O\n\x07GetPlan\x12&.tierstack.scheduler.v1.GetPlanRequest\x1a\x1c.tierstack.scheduler.v1.Plan\x12W\n\nWatchPlans\x12).tierstack.scheduler.v1.WatchPlansRequest\x1a\x1c.tierstack.scheduler.v1.Plan0\x01\x12`\n\tForgetJob\x12(.tierstack.scheduler.v1.ForgetJobRequest\x1a).tierstack.scheduler.v1.ForgetJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,27 +46,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORSPEC']._serialized_start=529
   _globals['_TENSORSPEC']._serialized_end=599
   _globals['_JOBTRACE']._serialized_start=602
-  _globals['_JOBTRACE']._serialized_end=981
-  _globals['_JOBTRACE_TIEROVERRIDESENTRY']._serialized_start=929
-  _globals['_JOBTRACE_TIEROVERRIDESENTRY']._serialized_end=981
-  _globals['_NODEPLAN']._serialized_start=984
-  _globals['_NODEPLAN']._serialized_end=1272
-  _globals['_PLAN']._serialized_start=1275
-  _globals['_PLAN']._serialized_end=1489
-  _globals['_GETPLANREQUEST']._serialized_start=1491
-  _globals['_GETPLANREQUEST']._serialized_end=1565
-  _globals['_WATCHPLANSREQUEST']._serialized_start=1567
-  _globals['_WATCHPLANSREQUEST']._serialized_end=1622
-  _globals['_LISTNODESREQUEST']._serialized_start=1624
-  _globals['_LISTNODESREQUEST']._serialized_end=1642
-  _globals['_NODESTATE']._serialized_start=1645
-  _globals['_NODESTATE']._serialized_end=1833
-  _globals['_LISTNODESRESPONSE']._serialized_start=1835
-  _globals['_LISTNODESRESPONSE']._serialized_end=1904
-  _globals['_FORGETJOBREQUEST']._serialized_start=1906
-  _globals['_FORGETJOBREQUEST']._serialized_end=1937
-  _globals['_FORGETJOBRESPONSE']._serialized_start=1939
-  _globals['_FORGETJOBRESPONSE']._serialized_end=1958
-  _globals['_SCHEDULER']._serialized_start=1961
-  _globals['_SCHEDULER']._serialized_end=2618
+  _globals['_JOBTRACE']._serialized_end=1010
+  _globals['_JOBTRACE_TIEROVERRIDESENTRY']._serialized_start=958
+  _globals['_JOBTRACE_TIEROVERRIDESENTRY']._serialized_end=1010
+  _globals['_NODEPLAN']._serialized_start=1013
+  _globals['_NODEPLAN']._serialized_end=1301
+  _globals['_PLAN']._serialized_start=1304
+  _globals['_PLAN']._serialized_end=1518
+  _globals['_GETPLANREQUEST']._serialized_start=1520
+  _globals['_GETPLANREQUEST']._serialized_end=1594
+  _globals['_WATCHPLANSREQUEST']._serialized_start=1596
+  _globals['_WATCHPLANSREQUEST']._serialized_end=1651
+  _globals['_LISTNODESREQUEST']._serialized_start=1653
+  _globals['_LISTNODESREQUEST']._serialized_end=1671
+  _globals['_NODESTATE']._serialized_start=1674
+  _globals['_NODESTATE']._serialized_end=1862
+  _globals['_LISTNODESRESPONSE']._serialized_start=1864
+  _globals['_LISTNODESRESPONSE']._serialized_end=1933
+  _globals['_FORGETJOBREQUEST']._serialized_start=1935
+  _globals['_FORGETJOBREQUEST']._serialized_end=1966
+  _globals['_FORGETJOBRESPONSE']._serialized_start=1968
+  _globals['_FORGETJOBRESPONSE']._serialized_end=1987
+  _globals['_SCHEDULER']._serialized_start=1990
+  _globals['_SCHEDULER']._serialized_end=2647
 # @@protoc_insertion_point(module_scope)

@@ -71,7 +71,7 @@ class TensorSpec(_message.Message):
     def __init__(self, key: _Optional[str] = ..., layer: _Optional[int] = ..., kind: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class JobTrace(_message.Message):
-    __slots__ = ("job", "nodes", "step_layer", "step_compute", "step_backward", "tensors", "optimizer_seconds", "tier_overrides", "device_budget", "step_gather", "step_reduce")
+    __slots__ = ("job", "nodes", "step_layer", "step_compute", "step_backward", "tensors", "optimizer_seconds", "tier_overrides", "device_budget", "step_gather", "step_reduce", "no_device_residency")
     class TierOverridesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class JobTrace(_message.Message):
     DEVICE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     STEP_GATHER_FIELD_NUMBER: _ClassVar[int]
     STEP_REDUCE_FIELD_NUMBER: _ClassVar[int]
+    NO_DEVICE_RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     job: str
     nodes: _containers.RepeatedScalarFieldContainer[str]
     step_layer: _containers.RepeatedScalarFieldContainer[int]
@@ -101,7 +102,8 @@ class JobTrace(_message.Message):
     device_budget: int
     step_gather: _containers.RepeatedScalarFieldContainer[float]
     step_reduce: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., step_layer: _Optional[_Iterable[int]] = ..., step_compute: _Optional[_Iterable[float]] = ..., step_backward: _Optional[_Iterable[bool]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., optimizer_seconds: _Optional[_Iterable[float]] = ..., tier_overrides: _Optional[_Mapping[str, str]] = ..., device_budget: _Optional[int] = ..., step_gather: _Optional[_Iterable[float]] = ..., step_reduce: _Optional[_Iterable[float]] = ...) -> None: ...
+    no_device_residency: bool
+    def __init__(self, job: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ..., step_layer: _Optional[_Iterable[int]] = ..., step_compute: _Optional[_Iterable[float]] = ..., step_backward: _Optional[_Iterable[bool]] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., optimizer_seconds: _Optional[_Iterable[float]] = ..., tier_overrides: _Optional[_Mapping[str, str]] = ..., device_budget: _Optional[int] = ..., step_gather: _Optional[_Iterable[float]] = ..., step_reduce: _Optional[_Iterable[float]] = ..., no_device_residency: _Optional[bool] = ...) -> None: ...
 
 class NodePlan(_message.Message):
     __slots__ = ("node_id", "tiers", "prefetch_depth", "read_ahead", "staging_buffers", "eviction_order", "assumed", "ordering", "device_hits", "lower_bound_seconds", "predicted_step_seconds")

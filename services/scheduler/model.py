@@ -117,6 +117,9 @@ class JobTrace:
     (ZeRO-3 all-gather across data-parallel ranks; empty: none)."""
     step_reduce: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per step: seconds of the collective after its compute (gradient reduce-scatter)."""
+    device_residency: bool = True
+    """Whether the job's workers keep layers on the device between uses when a plan
+    says so; when not, all of the device budget is prefetch buffers."""
 
     def __post_init__(self) -> None:
         self.step_layer = np.asarray(self.step_layer, dtype=np.int64)

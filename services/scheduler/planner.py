@@ -61,6 +61,7 @@ class _TraceArrays:
     spread: np.ndarray       # van der Corput rank of its layer in first-use order
     late: np.ndarray         # minus the step of its last use
     overridden: np.ndarray   # tier code forced by an override, or -1
+    device_residency: bool   # the workers can keep layers on the device between uses
 
 
 def _spread(first: np.ndarray) -> np.ndarray:
@@ -129,7 +130,7 @@ def _trace_arrays(trace: JobTrace) -> _TraceArrays:
     return _TraceArrays(layer, nbytes, device, grad, host, uses, disk_moves,
                         max_gap[layer], next_use, edge,
                         np.where(device, first[layer], last[layer] + n), _spread(first)[layer],
-                        -last[layer], overridden)
+                        -last[layer], overridden, trace.device_residency)
 
 
 def _step_times(trace: JobTrace, arrays: _TraceArrays, tiers: np.ndarray, bw: Bandwidths):
@@ -239,7 +240,7 @@ def _place_node(arrays: _TraceArrays, node: NodeSpec, budget: float, biggest: fl
     cpu_forced = float(arrays.nbytes[forced == CPU].sum())
     total = float(arrays.nbytes.sum())
     gpu_free = budget - (depth + 1) * biggest - gpu_forced
-    if not device_residency:
+    if not device_residency or not arrays.device_residency:
         gpu_free = min(gpu_free, 0.0)
     cpu_free = node.cpu_bytes - cpu_forced
     # Staging (layers read from NVMe ahead of their device copy) is needed only when
@@ -326,7 +327,8 @@ def _refine(trace: JobTrace, arrays: _TraceArrays, node: NodeSpec, budget: float
 
     for tie in TIE_BREAKS[1:]:
         consider(build(tie, start.depth, start.ahead, False, "deadline"), (tie, False))
-    consider(build("edge", start.depth, start.ahead, True, "deadline"), ("edge", True))
+    if arrays.device_residency:
+        consider(build("edge", start.depth, start.ahead, True, "deadline"), ("edge", True))
     # Depth pairs: every rung of the ladder for the device copy, with the NVMe read-ahead
     # at it, a little and a lot beyond it; each with both stream orderings.
     analytic, shape_now = best, shape

@@ -40,7 +40,7 @@ def trace_pb(trace: JobTrace) -> pb.JobTrace:
         tensors=[pb.TensorSpec(key=t.key, layer=t.layer, kind=t.kind, nbytes=t.nbytes) for t in trace.tensors],
         optimizer_seconds=trace.optimizer_seconds.tolist(), tier_overrides=dict(trace.tier_overrides),
         device_budget=int(trace.device_budget), step_gather=trace.step_gather.tolist(),
-        step_reduce=trace.step_reduce.tolist())
+        step_reduce=trace.step_reduce.tolist(), no_device_residency=not trace.device_residency)
 
 
 def trace_from(msg: pb.JobTrace) -> JobTrace:
@@ -52,7 +52,8 @@ def trace_from(msg: pb.JobTrace) -> JobTrace:
         optimizer_seconds=np.array(msg.optimizer_seconds, dtype=np.float64),
         tier_overrides=dict(msg.tier_overrides), device_budget=msg.device_budget,
         step_gather=np.array(msg.step_gather, dtype=np.float64),
-        step_reduce=np.array(msg.step_reduce, dtype=np.float64))
+        step_reduce=np.array(msg.step_reduce, dtype=np.float64),
+        device_residency=not msg.no_device_residency)
 
 
 def plan_pb(plan: Plan, tensor_keys: list[str]) -> pb.Plan:

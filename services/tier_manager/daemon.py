@@ -102,8 +102,13 @@ class TierManagerDaemon:
         if socket_path is not None:
             os.chmod(socket_path, 0o600)  # workers run as the daemon's user
         self._stopped = threading.Event()
+        self.node_link = None  # the scheduler link, when tier_manager.scheduler_address is set
 
     def start(self) -> None:
+        if self.config.scheduler_address:
+            from tierstack.services.scheduler.node_link import NodeLink
+            self.node_link = NodeLink(self.registry, self.config)
+            self.node_link.start()  # probes the links before serving, then registers
         self.server.start()
         threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
                          daemon=True).start()
@@ -118,6 +123,8 @@ class TierManagerDaemon:
         self._stopped.set()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.node_link is not None:
+            self.node_link.stop()
         self.servicer.stop()
         self.server.stop(grace=self.config.shutdown_grace_seconds).wait()
         self.registry.close()
