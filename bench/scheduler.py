@@ -1,0 +1,202 @@
+"""The scheduler's figures, side by side in one run. Prints one JSON object as its last line.
+
+1. plan_seconds_1e5: time to plan a job of 100,000 tensors on 64 nodes of 8 different
+   kinds (capacities and bandwidths), median of 5; the plan includes placement, depths,
+   eviction order per node and one simulation of the slowest node.
+2. sim_vs_measured: a real run on this machine. An embedded scheduler and tier manager
+   (CPU pool of a few layers, so every layer streams from the NVMe pool each use) and a
+   LayerStore worker on the CPU device run forward + backward over the layers with real
+   compute per layer (matmuls), prefetching by the plan the scheduler made from the
+   recorded first iteration. The same run measures the bandwidths: the daemon's start-up
+   probe (shm -> device) and its IO engine's busy-time disk bandwidth during the timed
+   iterations. The simulator predicts the step from those and the recorded compute
+   times; simulated / measured is reported (median step of the timed iterations).
+3. The estimator on the ZeRO-Infinity setups (predicted vs published).
+4. Planner vs baselines on simulated traces (stall seconds).
+
+Run: .venv/bin/python bench/scheduler.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.scheduler.traces import node, transformer_trace  # noqa: E402
+from tierstack.config import MiB, SchedulerConfig, load_config  # noqa: E402
+from tierstack.services.scheduler import estimator  # noqa: E402
+from tierstack.services.scheduler.baselines import all_policies  # noqa: E402
+from tierstack.services.scheduler.client import SchedulerClient  # noqa: E402
+from tierstack.services.scheduler.embedded import EmbeddedScheduler  # noqa: E402
+from tierstack.services.scheduler.model import NVME, Bandwidths  # noqa: E402
+from tierstack.services.scheduler.planner import plan_job  # noqa: E402
+from tierstack.services.scheduler.simulator import simulate  # noqa: E402
+from tierstack.services.tier_manager.embedded import EmbeddedTierManager  # noqa: E402
+from tierstack.worker.layers import LayerStore  # noqa: E402
+from tierstack.worker.plan_follower import PlanFollower  # noqa: E402
+
+
+def plan_100k_on_64_nodes(repeats: int = 5) -> dict:
+    trace = transformer_trace(layers=2500, param_bytes=2e6, forward_s=0.002,
+                              nodes=tuple(f"n{i}" for i in range(64)),
+                              kinds=("params", "grad", "optimizer", "master"))
+    trace.tensors = [dataclasses.replace(t, key=f"{t.key}/{k}") for k in range(10) for t in trace.tensors]
+    nodes = {f"n{i}": node(f"n{i}", gpu_gb=0.5, cpu_gb=4 + i % 8, disk_gbs=1 + (i % 8) / 4)
+             for i in range(64)}
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan = plan_job(trace, nodes)
+        times.append(time.perf_counter() - start)
+    return {"tensors": len(trace.tensors), "nodes": len(nodes), "steps": len(trace.step_layer),
+            "seconds": statistics.median(times), "all": [round(t, 3) for t in times], "fits": plan.fits}
+
+
+def _iteration(store: LayerStore, layers: int, weights: list[torch.Tensor], x: torch.Tensor) -> None:
+    """Forward then backward; each use multiplies by the layer's weight (backward twice)."""
+    order = list(range(layers)) + list(reversed(range(layers)))
+    for step, i in enumerate(order):
+        w = store.ensure_layer(i)["w"]
+        store.prefetch_ahead(i, 1 if step < layers else -1)
+        for _ in range(1 if step < layers else 2):
+            torch.mm(x, w, out=weights[0])
+        store.release_layer(i)
+
+
+def sim_vs_measured(layers: int = 16, layer_mib: int = 8, iterations: int = 5) -> dict:
+    side = int((layer_mib * MiB / 4) ** 0.5)
+    x = torch.randn(256, side)
+    out = [torch.empty(256, side)]
+    tmp = Path(tempfile.mkdtemp(prefix="tierstack-bench-"))
+    with EmbeddedScheduler(SchedulerConfig(report_interval_seconds=0.5, replan_after_seconds=3600)) as sched:
+        config = load_config({"tier_manager": {
+            # Room for two layers (one being read, one being copied): every use streams
+            # its layer from the NVMe pool, as the simulated plan says.
+            "cpu_pool": {"size": f"{2 * layer_mib + 1}MiB", "arena_size": f"{2 * layer_mib + 1}MiB"},
+            "nvme_pool": {"paths": [str(tmp / "nvme")], "size": f"{2 * layers * layer_mib + 512}MiB"},
+            "scheduler_address": sched.address, "node_id": "bench"}}).tier_manager
+        with EmbeddedTierManager(config) as tm:
+            client = SchedulerClient(sched.address)
+            store = LayerStore("bench", device="cpu", address=tm.address,
+                               device_budget=4 * layer_mib * MiB, durable=True)
+            store.register_layers([{"w": torch.randn(side, side)} for _ in range(layers)])
+            _iteration(store, layers, out, x)  # warm-up (first touches, thread start-up)
+            follower = PlanFollower(store, sched.address, node_id="bench")
+            _iteration(store, layers, out, x)  # recorded: the trace
+            trace = follower.trace()
+            plan = follower.report_trace()
+            mine = plan.nodes["bench"]
+            _iteration(store, layers, out, x)  # warm-up under the plan
+            stats0 = store.client.stats()
+            steps = []
+            for _ in range(iterations):
+                start = time.perf_counter()
+                _iteration(store, layers, out, x)
+                steps.append(time.perf_counter() - start)
+            stats1 = store.client.stats()
+            time.sleep(1.2)  # let the daemon report the timed iterations' disk bandwidth
+            state = client.list_nodes()[0]
+            probe, in_run = state.node.bandwidth, state.last_measured
+            follower.close()
+            store.close()
+            client.close()
+    measured = statistics.median(steps)
+    read_per_iteration = (stats1.nvme_bytes_read - stats0.nvme_bytes_read) / iterations
+    tiers = np.full(len(trace.tensors), NVME, dtype=np.int8)  # what the CPU pool's size forces
+    disk = in_run.disk_read or probe.disk_read
+    bandwidth = Bandwidths(disk_read=disk, disk_write=probe.disk_write, h2d=probe.h2d, d2h=probe.d2h)
+    staging = 2
+    sim = simulate(trace, tiers, bandwidth, store.prefetch_depth, store.read_ahead,
+                   staging_buffers=staging)
+    sim_probe = simulate(trace, tiers, probe, store.prefetch_depth, store.read_ahead, staging_buffers=staging)
+    return {"layers": layers, "layer_mib": layer_mib, "measured_step_s": measured,
+            "measured_steps": [round(s, 4) for s in steps], "simulated_step_s": sim.step_seconds,
+            "ratio": sim.step_seconds / measured, "ratio_with_probe_bandwidths": sim_probe.step_seconds / measured,
+            "compute_s_recorded": float(trace.step_compute.sum()),
+            "nvme_read_mb_per_iteration": read_per_iteration / 1e6,
+            "expected_read_mb_per_iteration": 2 * layers * layer_mib * MiB / 1e6,
+            "disk_read_gbs_in_run": in_run.disk_read / 1e9, "disk_read_gbs_probe": probe.disk_read / 1e9,
+            "h2d_gbs_probe": probe.h2d / 1e9, "plan_version": plan.version,
+            "prefetch_depth": store.prefetch_depth, "read_ahead": store.read_ahead,
+            "plan_predicted_step_s": mine.predicted_step_seconds}
+
+
+def paper() -> dict:
+    out = {}
+    for name, (model, cluster) in estimator.paper_setups().items():
+        est = estimator.estimate(model, cluster)
+        out[name] = {"fits": est.fits, "step_s": round(est.step_seconds, 1),
+                     "tflops_per_gpu": round(est.tflops_per_gpu, 1), "pflops": round(est.cluster_pflops, 2),
+                     "published": estimator.PUBLISHED.get(name)}
+    # How much the one free choice (micro-batch per GPU) moves the 512-GPU figure.
+    model, cluster = estimator.paper_setups()["1T on 512 GPUs (32 DGX-2)"]
+    out["512 GPUs, micro-batch sensitivity (PFLOP/s)"] = {
+        mb: round(estimator.estimate(dataclasses.replace(model, micro_batch=mb), cluster).cluster_pflops, 2)
+        for mb in (4, 8, 16)}
+    return out
+
+
+def baselines() -> dict:
+    scenarios = {
+        "compute-bound": (transformer_trace(forward_s=0.05), node(gpu_gb=0.3)),
+        "disk-bound": (transformer_trace(forward_s=0.004), node(gpu_gb=0.3, cpu_gb=0.8)),
+        "disk-bound + CPU optimizer": (transformer_trace(forward_s=0.005, optimizer_s=0.01),
+                                       node(cpu_gb=1, gpu_gb=0.3)),
+        "slow PCIe": (transformer_trace(forward_s=0.002), node(cpu_gb=100, h2d_gbs=3)),
+    }
+    out = {}
+    for name, (trace, nd) in scenarios.items():
+        plan = plan_job(trace, {nd.node_id: nd}).nodes[nd.node_id]
+        results = all_policies(trace, plan, nd)
+        out[name] = {k: round(r.stall_seconds, 4) for k, r in results.items()}
+        out[name]["bound_s"] = round(plan.lower_bound_seconds, 4)
+        out[name]["planned_step_s"] = round(results["planned"].step_seconds, 4)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    planning = plan_100k_on_64_nodes(3 if args.quick else 5)
+    print(f"plan 100k tensors on 64 nodes: {planning['seconds']:.3f} s (median of {planning['all']})")
+    runs = [sim_vs_measured(iterations=3 if args.quick else 5) for _ in range(1 if args.quick else 3)]
+    for r in runs:
+        print(f"real run: measured {r['measured_step_s']:.3f} s/step, simulated {r['simulated_step_s']:.3f} "
+              f"-> {r['ratio']:.3f} (with the probe's disk figure: {r['ratio_with_probe_bandwidths']:.3f}); "
+              f"disk {r['disk_read_gbs_in_run']:.2f} GB/s in run, {r['disk_read_gbs_probe']:.2f} probe; "
+              f"NVMe read {r['nvme_read_mb_per_iteration']:.0f} MB/iteration")
+    ratio = statistics.median(r["ratio"] for r in runs)
+    estimates = paper()
+    for name, e in estimates.items():
+        print(f"{name}: {e}")
+    base = baselines()
+    for name, b in base.items():
+        print(f"stall seconds, {name}: {b}")
+    print(json.dumps({
+        "plan_seconds_1e5": round(planning["seconds"], 4),
+        "sim_vs_measured": round(ratio, 3),
+        "sim_vs_measured_runs": [round(r["ratio"], 3) for r in runs],
+        "paper_1t_512gpu_pflops": estimates["1T on 512 GPUs (32 DGX-2)"]["pflops"],
+        "paper_1t_512gpu_tflops_per_gpu": estimates["1T on 512 GPUs (32 DGX-2)"]["tflops_per_gpu"],
+        "paper_1t_512gpu_published_pflops": 25.0,
+        "paper_1t_1node_fits": estimates["1T on 1 DGX-2 (16 GPUs)"]["fits"],
+        "paper_1t_1node_tflops_per_gpu": estimates["1T on 1 DGX-2 (16 GPUs)"]["tflops_per_gpu"],
+        "real_run": runs[len(runs) // 2],
+        "baselines_stall_s": base,
+    }))
+
+
+if __name__ == "__main__":
+    main()
