@@ -84,7 +84,7 @@ class PlanFollower:
             log.warning("plan v%d of %s has nothing for node %s", plan.version, plan.job, self.node_id)
             return
         self.plan = plan
-        self.store.set_plan(plan.version, mine.prefetch_depth, mine.read_ahead)
+        self.store.set_plan(plan.version, mine.prefetch_depth, mine.read_ahead, mine.staging_buffers)
         log.info("job %s: plan v%d (%s): prefetch depth %d, read-ahead %d", plan.job, plan.version,
                  plan.reason, mine.prefetch_depth, mine.read_ahead)
 

@@ -130,9 +130,22 @@ class JobTrace:
         self.step_gather = np.asarray(self.step_gather, dtype=np.float64) if len(self.step_gather) else np.zeros(n)
         self.step_reduce = np.asarray(self.step_reduce, dtype=np.float64) if len(self.step_reduce) else np.zeros(n)
 
+    def tensor_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(layer, nbytes, kind) of the tensors as arrays, computed once per tensor list."""
+        key = (id(self.tensors), len(self.tensors))
+        cached = self.__dict__.get("_tensor_arrays")
+        if cached is None or cached[0] != key:
+            count = len(self.tensors)
+            arrays = (np.fromiter((t.layer for t in self.tensors), dtype=np.int64, count=count),
+                      np.fromiter((t.nbytes for t in self.tensors), dtype=np.float64, count=count),
+                      np.array([t.kind for t in self.tensors], dtype=object))
+            cached = self.__dict__["_tensor_arrays"] = (key, arrays)
+        return cached[1]
+
     @property
     def num_layers(self) -> int:
-        return int(max(self.step_layer.max(initial=-1), max((t.layer for t in self.tensors), default=-1)) + 1)
+        layers = self.tensor_arrays()[0]
+        return int(max(self.step_layer.max(initial=-1), layers.max(initial=-1)) + 1)
 
     def validate(self) -> None:
         n = len(self.step_layer)
@@ -154,13 +167,15 @@ class JobTrace:
                 f"and {len(self.step_backward)} backward flags; give one of each per step")
         if (self.step_layer < 0).any() or (self.step_compute < 0).any():
             raise InvalidArgumentError(f"trace of {self.job}: layers and compute times must be >= 0")
-        keys = set()
-        for t in self.tensors:
-            if t.key in keys:
-                raise InvalidArgumentError(f"trace of {self.job}: tensor {t.key!r} is listed twice")
-            keys.add(t.key)
-            if t.nbytes < 0 or t.layer < 0:
-                raise InvalidArgumentError(f"trace of {self.job}: tensor {t.key!r} has a negative size or layer")
+        keys = [t.key for t in self.tensors]
+        if len(set(keys)) != len(keys):
+            seen: set[str] = set()
+            twice = next(k for k in keys if k in seen or seen.add(k))
+            raise InvalidArgumentError(f"trace of {self.job}: tensor {twice!r} is listed twice")
+        layers, nbytes, _ = self.tensor_arrays()
+        if (layers < 0).any() or (nbytes < 0).any():
+            bad = keys[int(np.flatnonzero((layers < 0) | (nbytes < 0))[0])]
+            raise InvalidArgumentError(f"trace of {self.job}: tensor {bad!r} has a negative size or layer")
         for pattern, tier in self.tier_overrides.items():
             if tier not in TIERS:
                 raise InvalidArgumentError(

@@ -80,9 +80,8 @@ def _spread(first: np.ndarray) -> np.ndarray:
 def _trace_arrays(trace: JobTrace) -> _TraceArrays:
     n_layers = trace.num_layers
     count = len(trace.tensors)
-    layer = np.fromiter((t.layer for t in trace.tensors), dtype=np.int64, count=count)
-    nbytes = np.fromiter((t.nbytes for t in trace.tensors), dtype=np.float64, count=count) / len(trace.nodes)
-    kinds = np.array([t.kind for t in trace.tensors], dtype=object)
+    layer, nbytes, kinds = trace.tensor_arrays()
+    nbytes = nbytes / len(trace.nodes)
     device, grad = np.isin(kinds, DEVICE_KINDS), np.isin(kinds, GRAD_KINDS)
     host = ~device & ~grad
     steps = trace.step_layer

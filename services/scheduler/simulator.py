@@ -62,10 +62,8 @@ def layer_bytes(trace: JobTrace, tiers: np.ndarray, shards: int = 0) -> LayerByt
     """
     shards = shards or len(trace.nodes)
     n_layers = trace.num_layers
-    layer = np.fromiter((t.layer for t in trace.tensors), dtype=np.int64, count=len(trace.tensors))
-    nbytes = np.fromiter((t.nbytes for t in trace.tensors), dtype=np.float64,
-                         count=len(trace.tensors)) / shards
-    kind = np.array([t.kind for t in trace.tensors], dtype=object)
+    layer, nbytes, kind = trace.tensor_arrays()
+    nbytes = nbytes / shards
     device = np.isin(kind, DEVICE_KINDS)
     grad = np.isin(kind, GRAD_KINDS)
     host = ~device & ~grad
