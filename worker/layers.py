@@ -257,16 +257,21 @@ class LayerStore:
         """Start bringing layer `index` to the device; False if it does not fit the budget now."""
         return self._start(index, required=False) is not None
 
-    def set_plan(self, version: int, prefetch_depth: int, read_ahead: int, staging_buffers: int = 0) -> None:
+    def set_plan(self, version: int, prefetch_depth: int, read_ahead: int, staging_buffers: int = 0,
+                 reset: bool = False) -> None:
         """Adopt a plan's depths at the next layer boundary (never under a transfer).
 
         NVMe read hints beyond the device window are capped at `staging_buffers - 1`
         (0: no cap): one staging buffer holds the layer being copied, and a hint the CPU
-        pool cannot hold would be read, evicted unused and read again.
+        pool cannot hold would be read, evicted unused and read again. `reset` forgets
+        the versions seen (the scheduler restarted and counts from 1 again).
         """
         if staging_buffers:
             read_ahead = min(read_ahead, prefetch_depth + max(staging_buffers - 1, 0))
         with self._lock:
+            if reset:
+                self.plan_version, self._pending_plan = 0, None
+                return
             if version > max(self.plan_version, self._pending_plan[0] if self._pending_plan else 0):
                 self._pending_plan = (version, prefetch_depth, max(read_ahead, prefetch_depth))
 

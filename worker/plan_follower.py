@@ -20,7 +20,7 @@ import logging
 import socket
 from typing import Mapping
 
-from tierstack.errors import InvalidArgumentError
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.model import JobTrace, Plan, TensorSpec
 from tierstack.services.scheduler.plan_watcher import PlanWatcher
@@ -39,6 +39,7 @@ class PlanFollower:
         self.client = SchedulerClient(scheduler_address, timeout=timeout)
         self.watcher: PlanWatcher | None = None
         self.plan: Plan | None = None
+        self._trace: JobTrace | None = None
         store.recording = True
         store.uses.clear()
 
@@ -70,13 +71,28 @@ class PlanFollower:
     def report_trace(self, nodes: list[str] | None = None,
                      tier_overrides: Mapping[str, str] | None = None) -> Plan:
         """Send the recorded trace; adopt the plan it returns and follow newer ones."""
-        plan = self.client.report_trace(self.trace(nodes, tier_overrides))
+        self._trace = self.trace(nodes, tier_overrides)
+        plan = self.client.report_trace(self._trace)
         self._adopt(plan)
         if self.watcher is None:
-            self.watcher = PlanWatcher(self.client, self.store.job, self._adopt)
+            self.watcher = PlanWatcher(self.client, self.store.job, self._adopt, self._reconnected)
             self.watcher.plan = plan
             self.watcher.start()
         return plan
+
+    def _reconnected(self) -> None:
+        """A scheduler that restarted has forgotten the job: report the trace again.
+
+        Its plan versions start over, so the watcher's count restarts with them."""
+        try:
+            self.client.plan(self.store.job)
+        except KeyNotFoundError:
+            plan = self.client.report_trace(self._trace)
+            log.warning("scheduler forgot job %s (restarted?): trace reported again, plan v%d",
+                        self.store.job, plan.version)
+            self.watcher.restart_versions(plan)
+            self.store.set_plan(plan.version, 0, 0, reset=True)  # versions restarted
+            self._adopt(plan)
 
     def _adopt(self, plan: Plan) -> None:
         mine = plan.nodes.get(self.node_id)

@@ -122,6 +122,10 @@ class ClusterState:
             self._replan(job, f"bandwidth drift on {node_id}: {why}")
         return jobs
 
+    def node_records(self) -> list[NodeRecord]:
+        with self._lock:
+            return list(self.nodes.values())
+
     def node_specs(self) -> dict[str, NodeSpec]:
         with self._lock:
             return {n: r.spec for n, r in self.nodes.items()}

@@ -2,7 +2,9 @@
 
 A WatchPlans stream is held open on a daemon thread; when it breaks (the scheduler
 restarted, the network blinked) the watcher reconnects and asks for plans newer than
-the last it saw, so no version is skipped and none is delivered twice.
+the last it saw, so no version is skipped and none is delivered twice. `on_reconnect`
+runs before each reconnection (the worker re-reports its trace to a scheduler that
+restarted and forgot the job).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ class PlanWatcher:
     """The latest plan of `job`, kept current by a background stream."""
 
     def __init__(self, client: SchedulerClient, job: str,
-                 on_plan: Callable[[Plan], None] | None = None) -> None:
+                 on_plan: Callable[[Plan], None] | None = None,
+                 on_reconnect: Callable[[], None] | None = None) -> None:
         self.client = client
         self.job = job
         self.on_plan = on_plan
+        self.on_reconnect = on_reconnect
         self.plan: Plan | None = None
         self._lock = threading.Lock()
         self._new = threading.Condition(self._lock)
@@ -44,6 +48,12 @@ class PlanWatcher:
         with self._lock:
             return self.plan.version if self.plan else 0
 
+    def restart_versions(self, plan: Plan) -> None:
+        """Take `plan` as current although its version is lower (a restarted scheduler)."""
+        with self._new:
+            self.plan = plan
+            self._new.notify_all()
+
     def wait_for_version(self, version: int, timeout: float) -> Plan | None:
         """The plan once its version is at least `version`; None on timeout."""
         with self._new:
@@ -51,7 +61,16 @@ class PlanWatcher:
             return self.plan if self.plan is not None and self.plan.version >= version else None
 
     def _run(self) -> None:
+        broken = False
         while not self._stop.is_set():
+            if broken and self.on_reconnect is not None:
+                try:
+                    self.on_reconnect()
+                except Exception as e:  # noqa: BLE001 - retried until it works or we stop
+                    log.debug("reconnect hook of %s failed (%s); retrying", self.job, e)
+                    self._stop.wait(1.0)
+                    continue
+            broken = False
             try:
                 self._call = self.client.watch_plans(self.job, self.version)
                 for msg in self._call:
@@ -70,6 +89,7 @@ class PlanWatcher:
                 if self._stop.is_set():
                     return
                 log.debug("plan stream of %s broke (%s); reconnecting", self.job, e.code())
+            broken = True
             self._stop.wait(0.5)
 
     def close(self) -> None:

@@ -61,8 +61,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     @_rpc
     def ListNodes(self, request, context):
-        with self.cluster._lock:
-            records = list(self.cluster.nodes.values())
+        records = self.cluster.node_records()
         return pb.ListNodesResponse(nodes=[
             pb.NodeState(node=node_pb(r.spec, r.instance_id), current=bandwidths_pb(r.spec.bandwidth),
                          last_measured=bandwidths_pb(r.last_measured), last_report=r.last_report)

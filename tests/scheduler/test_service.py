@@ -197,3 +197,46 @@ def test_worker_switches_plans_mid_run_without_losing_or_corrupting_a_layer(sche
     finally:
         client.close()
         daemon.kill()
+
+
+def test_worker_reports_its_trace_again_after_the_scheduler_restarts(daemon, tmp_path):
+    import subprocess
+    import sys
+
+    address = f"unix:{tmp_path / 'scheduler.sock'}"
+
+    def start():
+        proc = subprocess.Popen([sys.executable, "-m", "tierstack.cli", "scheduler", "--listen", address],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = SchedulerClient(address)
+        client.list_nodes()  # waits until it serves
+        client.register_node(node("node-a", gpu_gb=0.1, cpu_gb=0.1))  # as its tier manager would
+        return proc, client
+
+    proc, client = start()
+    layers, seed = 6, 5
+    with LayerStore("again", device="cpu", address=daemon.address, device_budget=32 << 20) as store:
+        store.register_layers([make_layer(seed, i) for i in range(layers)])
+        follower = PlanFollower(store, address, node_id="node-a")
+        errors: list = []
+        _iteration(store, layers, seed, errors, lambda: None)
+        assert follower.report_trace().version == 1
+        proc.kill()  # a crash: the scheduler forgets every node and job
+        proc.wait()
+        client.close()
+        proc, client = start()
+        try:
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                try:
+                    client.plan("again")
+                    break
+                except KeyNotFoundError:
+                    time.sleep(0.2)
+            assert client.plan("again").version == 1  # the worker reported its trace again
+            _iteration(store, layers, seed, errors, lambda: None)
+            assert store.plan_version == 1 and errors == []
+            follower.close()
+        finally:
+            client.close()
+            proc.kill()
