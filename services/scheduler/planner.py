@@ -249,8 +249,10 @@ def _place_node(arrays: _TraceArrays, node: NodeSpec, budget: float, biggest: fl
     fits, why = True, ""
     if gpu_free < 0 or cpu_free < 0:
         fits = False
-        why = (f"node {node.node_id}: overrides and buffers need more than the node has "
-               f"(device {budget:.3g} B, CPU {node.cpu_bytes:.3g} B)")
+        why = (f"node {node.node_id}: tensors forced by overrides plus prefetch and staging "
+               f"buffers ({(depth + 1) * biggest:.3g} B on the device, {staging * biggest:.3g} B "
+               f"in the CPU pool for NVMe reads) exceed its device budget ({budget:.3g} B) or "
+               f"CPU pool ({node.cpu_bytes:.3g} B); raise them or relax the overrides")
         gpu_free, cpu_free = max(gpu_free, 0.0), max(cpu_free, 0.0)
     tiers = _place(arrays, gpu_free, cpu_free, tie)
     on_nvme = float(arrays.nbytes[tiers == NVME].sum())
