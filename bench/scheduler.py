@@ -18,7 +18,7 @@
 3. The estimator on the ZeRO-Infinity setups (predicted vs published).
 4. Planner vs baselines on simulated traces (stall seconds).
 
-Run: .venv/bin/python bench/scheduler.py [--quick]
+Run: .venv/bin/python bench/scheduler.py [--quick] [--device cuda --rows 131072 64]
 """
 
 from __future__ import annotations
@@ -79,14 +79,17 @@ def _iteration(store: LayerStore, layers: int, weights: list[torch.Tensor], x: t
         for _ in range(1 if step < layers else 2):
             torch.mm(x, w, out=weights[0])
         store.release_layer(i)
+    if x.is_cuda:
+        torch.cuda.synchronize()  # the iteration ends when its last matmul does
 
 
-def sim_vs_measured(layers: int = 16, layer_mib: int = 8, iterations: int = 5, rows: int = 256) -> dict:
+def sim_vs_measured(layers: int = 16, layer_mib: int = 8, iterations: int = 5, rows: int = 256,
+                    device: str = "cpu") -> dict:
     """One real run; `rows` of activations per matmul set the compute per layer (256:
-    compute-bound on this machine, 16: bound by the disk)."""
+    compute-bound on the dev machine's CPU, 16: bound by the disk)."""
     side = int((layer_mib * MiB / 4) ** 0.5)
-    x = torch.randn(rows, side)
-    out = [torch.empty(rows, side)]
+    x = torch.randn(rows, side, device=device)
+    out = [torch.empty(rows, side, device=device)]
     tmp = Path(tempfile.mkdtemp(prefix="tierstack-bench-"))
     with EmbeddedScheduler(SchedulerConfig(report_interval_seconds=0.5, replan_after_seconds=3600)) as sched:
         config = load_config({"tier_manager": {
@@ -99,7 +102,7 @@ def sim_vs_measured(layers: int = 16, layer_mib: int = 8, iterations: int = 5, r
             "scheduler_address": sched.address, "node_id": "bench"}}).tier_manager
         with EmbeddedTierManager(config) as tm:
             client = SchedulerClient(sched.address)
-            store = LayerStore("bench", device="cpu", address=tm.address,
+            store = LayerStore("bench", device=device, address=tm.address,
                                device_budget=4 * layer_mib * MiB, durable=True)
             store.register_layers([{"w": torch.randn(side, side)} for _ in range(layers)])
             _iteration(store, layers, out, x)  # warm-up (first touches, thread start-up)
@@ -141,7 +144,8 @@ def sim_vs_measured(layers: int = 16, layer_mib: int = 8, iterations: int = 5, r
     ratios = [s_ / m for s_, m in zip(sims, steps)]
     probe_ratios = [simulated(t, probe) / m for t, m in zip(traces, steps)]
     measured = statistics.median(steps)
-    return {"layers": layers, "layer_mib": layer_mib, "rows": rows, "measured_step_s": measured,
+    return {"layers": layers, "layer_mib": layer_mib, "rows": rows, "device": device,
+            "measured_step_s": measured,
             "measured_steps": [round(v, 4) for v in steps], "simulated_steps": [round(v, 4) for v in sims],
             "ratio": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios],
             "ratio_with_probe_bandwidths": statistics.median(probe_ratios),
@@ -190,11 +194,15 @@ def baselines() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the worker's device for the real run")
+    parser.add_argument("--rows", type=int, nargs=2, default=(256, 16), metavar=("COMPUTE", "DISK"),
+                        help="activation rows per matmul of the compute-bound and disk-bound runs")
     args = parser.parse_args()
     planning = plan_100k_on_64_nodes(3 if args.quick else 5)
     print(f"plan 100k tensors on 64 nodes: {planning['seconds']:.3f} s (median of {planning['all']})")
-    regimes = {"compute-bound": 256, "disk-bound": 16}
-    runs = [sim_vs_measured(iterations=3 if args.quick else 5, rows=rows)
+    regimes = {"compute-bound": args.rows[0], "disk-bound": args.rows[1]}
+    runs = [sim_vs_measured(iterations=3 if args.quick else 5, rows=rows, device=args.device)
             for _ in range(1 if args.quick else 3) for rows in regimes.values()]
     for r in runs:
         print(f"real run ({r['rows']} rows, compute {statistics.median(r['compute_s_per_iteration']):.3f} s): measured {r['measured_steps']} s/step, simulated {r['simulated_steps']} -> "
