@@ -2,27 +2,32 @@
 
 For each node the job runs on (each holds an even shard of every tensor):
 
-1. **Prefetch depth per link.** A layer must arrive before it is needed: the CPU ->
-   device copy of layer j is issued `prefetch_depth` steps ahead, so
-   `prefetch_depth x compute >= copy time`; the NVMe read runs `read_ahead` steps
-   ahead, so `read_ahead x compute >= read + copy time`. Compute is the trace's
-   shortest step (the one that leaves the least time to hide a transfer). Both are
-   bounded by buffers: (prefetch_depth + 1) layers must fit the device budget, and
-   `staging_buffers` CPU buffers (double buffering; more where the simulator finds it
-   pays) hold layers read from NVMe until their device copy ends.
-2. **Placement.** Overrides first (glob patterns on tensor keys). Then device memory
-   left after the prefetch buffers goes to device state by uses per iteration, ties to
-   the shortest reuse distance (the layers an ideal cache keeps); CPU memory left after
-   staging goes to whatever would cross the disk most often per byte (parameters read
-   at every use before optimizer state read once); the rest lives on NVMe.
+1. **Prefetch depth per link** (`_pipeline_depths`). A layer must arrive before it is
+   needed: its CPU -> device copy is issued `prefetch_depth` steps ahead and its NVMe
+   read `read_ahead` steps ahead. Both come from two schedules of the trace: as soon as
+   possible (each link back to back) gives the compute schedule unlimited buffers would
+   allow; shifting every transfer as late as that schedule permits gives the latest
+   issue time of each, hence the least depths that lose nothing. They are bounded by
+   buffers: (prefetch_depth + 1) layers must fit the device budget, and
+   `staging_buffers` CPU buffers (two; more where the simulator finds it pays) hold
+   layers read from NVMe until their device copy ends.
+2. **Placement** (`_place`). Overrides first (glob patterns on tensor keys). Device
+   memory left after the prefetch buffers goes to device state by uses per iteration;
+   CPU memory left after staging to whatever would cross the disk most often per byte
+   (parameters, read at every use, before optimizer state, read once); the rest lives
+   on NVMe. Ties are spread over the iteration, so the layers that stream interleave
+   with resident ones and the disk works all along rather than in one burst.
 3. **Eviction order** of the CPU pool: the tensor whose next use is furthest away first.
 4. **Stream ordering**: transfers are served by the step that needs them (earliest
    deadline first), so writes nobody waits for yield to reads for the next layers and
    both links stay busy; the simulator runs plans with exactly this ordering.
+5. **Refinement** (`_refine`, small traces only): variants of the above (other
+   tie-breaks, spare device memory as a furthest-next-use cache, a ladder of depth
+   pairs, either ordering, more staging) are simulated and the fastest is kept.
 
-Everything is vectorised over tensors (numpy: sorts, cumulative sums, bincounts), and
-nodes with the same capacities and bandwidths share one computation: O(n log n) per
-distinct node.
+Everything else is vectorised over tensors (numpy: sorts, cumulative sums, bincounts,
+prefix maxima), and nodes with the same capacities and bandwidths share one
+computation: O(n log n) per distinct node.
 """
 
 from __future__ import annotations
