@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierstack.services.scheduler.model import (
-    CPU, DEVICE_KINDS, GPU, GRAD_KINDS, NVME, Bandwidths, JobTrace)
+    DEVICE_KINDS, GPU, GRAD_KINDS, NVME, Bandwidths, JobTrace)
 
 DISK, H2D, D2H, DEVICE, HOST, NET = range(6)
 RESOURCES = ("disk", "h2d", "d2h", "device", "cpu", "network")
