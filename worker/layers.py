@@ -203,8 +203,14 @@ class LayerStore:
                 done(i)
         self.layouts = layouts
         self._write_block(f"{self.job}/meta", torch.tensor([len(layouts)], dtype=torch.int64))
-        self.client.set_access_order([self.key(i) for i in range(len(layouts))])
+        self.set_access_order(range(len(layouts)))
         return layouts
+
+    def set_access_order(self, layers: Sequence[int]) -> None:
+        """Tell the daemon the cyclic order layers will be loaded in (a layer may come
+        back: a training step's forward then backward), so that it evicts the one needed
+        furthest in the future."""
+        self.client.set_access_order([self.key(i) for i in layers])
 
     def attach(self) -> list[LayerLayout]:
         """Load the layouts of a job another worker (or an earlier run) registered."""

@@ -166,6 +166,8 @@ class OffloadedBlocks(torch.nn.Module):
 
         store.register_layers(self.blocks, prepare=None if prepare is None else
                               (lambda i: prepare(i, self.blocks[i])), done=registered)
+        count = len(self.blocks)  # a step loads every block forward, then backward
+        store.set_access_order(list(range(count)) + list(range(count - 1, -1, -1)))
 
     # ---- one block ---------------------------------------------------------------------
 
