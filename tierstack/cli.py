@@ -89,6 +89,25 @@ def _tier_manager(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scheduler(args: argparse.Namespace) -> int:
+    """Run the cluster scheduler in the foreground."""
+    from tierstack.services.scheduler.daemon import serve
+
+    config = load_config(args.config).scheduler
+    if args.listen:
+        config.listen = args.listen
+    config.validate()
+    serve(config)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Estimate where a model's state lives and how fast it trains on a cluster."""
+    from tierstack.services.scheduler.estimator import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstack", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -114,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--nvme-size", help="NVMe pool bytes over all paths, e.g. 512GiB")
     tm.add_argument("--manifest", help="path of the manifest database")
     tm.set_defaults(func=_tier_manager)
+
+    sched = sub.add_parser("scheduler", help="run the cluster scheduler (gRPC): plans from traces and bandwidth")
+    sched.add_argument("--config", help="tierstack JSON config (its scheduler section)")
+    sched.add_argument("--listen", help="unix:/path/to.sock (default) or host:port")
+    sched.set_defaults(func=_scheduler)
+
+    plan = sub.add_parser("plan", help="estimate placement, step time and TFLOP/s of a model on a cluster")
+    from tierstack.services.scheduler.estimator import add_arguments as add_plan_arguments
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_plan)
     return parser
 
 

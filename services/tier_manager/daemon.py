@@ -55,7 +55,7 @@ def unix_socket_path(target: str) -> Path | None:
     return None
 
 
-def _clear_stale_socket(path: Path) -> None:
+def clear_stale_socket(path: Path, what: str = "a tier manager", env: str = ADDRESS_ENV) -> None:
     """Remove a socket file left by a crashed daemon; refuse if a daemon still answers."""
     if not path.exists():
         return
@@ -69,8 +69,8 @@ def _clear_stale_socket(path: Path) -> None:
     finally:
         probe.close()
     raise InvalidArgumentError(
-        f"a tier manager is already listening on {path}; stop it, or give this one another "
-        f"address (--listen or ${ADDRESS_ENV})")
+        f"{what} is already listening on {path}; stop it, or give this one another "
+        f"address (--listen or ${env})")
 
 
 class TierManagerDaemon:
@@ -82,7 +82,7 @@ class TierManagerDaemon:
         socket_path = unix_socket_path(self.target)
         if socket_path is not None:
             socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _clear_stale_socket(socket_path)
+            clear_stale_socket(socket_path)
         self.registry = TierRegistry(config)
         self.servicer = TierManagerServicer(self.registry,
                                             lease_timeout=config.lease_timeout_seconds)
@@ -106,9 +106,14 @@ class TierManagerDaemon:
         if socket_path is not None:
             os.chmod(socket_path, 0o600)  # workers run as the daemon's user
         self._stopped = threading.Event()
+        self.node_link = None  # the scheduler link, when tier_manager.scheduler_address is set
 
     def start(self) -> None:
         self.telemetry.start()  # before gRPC serves: GetHttpEndpoint answers the URL at once
+        if self.config.scheduler_address:
+            from tierstack.services.scheduler.node_link import NodeLink
+            self.node_link = NodeLink(self.registry, self.config)
+            self.node_link.start()  # probes the links before serving, then registers
         self.server.start()
         threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
                          daemon=True).start()
@@ -123,6 +128,8 @@ class TierManagerDaemon:
         self._stopped.set()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.node_link is not None:
+            self.node_link.stop()
         self.servicer.stop()
         self.telemetry.stop()
         self.server.stop(grace=self.config.shutdown_grace_seconds).wait()
