@@ -19,7 +19,7 @@ class Bandwidths(_message.Message):
     def __init__(self, disk_read: _Optional[float] = ..., disk_write: _Optional[float] = ..., h2d: _Optional[float] = ..., d2h: _Optional[float] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "gpu_bytes", "cpu_bytes", "nvme_bytes", "gpus", "bandwidth", "instance_id")
+    __slots__ = ("node_id", "gpu_bytes", "cpu_bytes", "nvme_bytes", "gpus", "bandwidth", "instance_id", "metrics_url")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
     CPU_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class Node(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gpu_bytes: int
     cpu_bytes: int
@@ -34,7 +35,8 @@ class Node(_message.Message):
     gpus: int
     bandwidth: Bandwidths
     instance_id: str
-    def __init__(self, node_id: _Optional[str] = ..., gpu_bytes: _Optional[int] = ..., cpu_bytes: _Optional[int] = ..., nvme_bytes: _Optional[int] = ..., gpus: _Optional[int] = ..., bandwidth: _Optional[_Union[Bandwidths, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    metrics_url: str
+    def __init__(self, node_id: _Optional[str] = ..., gpu_bytes: _Optional[int] = ..., cpu_bytes: _Optional[int] = ..., nvme_bytes: _Optional[int] = ..., gpus: _Optional[int] = ..., bandwidth: _Optional[_Union[Bandwidths, _Mapping]] = ..., instance_id: _Optional[str] = ..., metrics_url: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("report_interval_seconds",)

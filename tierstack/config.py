@@ -294,6 +294,9 @@ class SchedulerConfig:
     replan_after_seconds: float = 10.0
     """Re-plan once a link has drifted for this long without a report back in range."""
     shutdown_grace_seconds: int = 5
+    metrics_listen: str = "127.0.0.1:8471"
+    """host:port of the scheduler's HTTP API: its /metrics, the cluster view over every
+    registered node's API, and the dashboard ('' for none; a taken port: any free one)."""
 
     def validate(self, prefix: str = "scheduler") -> None:
         for name in ("report_interval_seconds", "replan_threshold", "replan_after_seconds"):

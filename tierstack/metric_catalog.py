@@ -108,13 +108,12 @@ NODE_METRICS = (LINK_BYTES, LINK_BANDWIDTH, LINK_PEAK, TIER_CAPACITY, TIER_USED,
                 QUEUE_DEPTH, RPC_DURATION, RPC_FAILURES, CHECKSUM_FAILURES, EVICTIONS,
                 PLAN_VERSION, LEASES, PINS, WORKERS, WORKER_STALL, WORKER_WAIT, NODE)
 
-# ---- the scheduler (issue 5): defined here so that its names follow the same rules; ----
-# ---- exported once the scheduler serves them.                                        ----
+# ---- the scheduler: its /metrics (services/scheduler/telemetry.py) ----
 SCHEDULER_PLAN_VERSION = _spec("tierstack_scheduler_plan_version", "gauge",
                                "Version of the newest plan the scheduler issued.", ("job",))
 SCHEDULER_REPLANS = _spec("tierstack_scheduler_replans_total", "counter",
                           "Plans issued again because measured bandwidth drifted or a node "
-                          "changed.", ("reason",))
+                          "changed.")
 SCHEDULER_NODES = _spec("tierstack_scheduler_nodes", "gauge",
                         "Nodes the scheduler knows and hears from.")
 SCHEDULER_METRICS = (SCHEDULER_PLAN_VERSION, SCHEDULER_REPLANS, SCHEDULER_NODES)

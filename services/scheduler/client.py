@@ -61,9 +61,9 @@ class SchedulerClient:
                 f"{e.details()}); is `tierstack scheduler` running there?")
         return ERRORS_BY_STATUS.get(code.name, TierstackError)(e.details())
 
-    def register_node(self, node: NodeSpec, instance_id: str = "") -> float:
+    def register_node(self, node: NodeSpec, instance_id: str = "", metrics_url: str = "") -> float:
         """Register (or re-register) a node; returns the report interval in seconds."""
-        return self.call("RegisterNode", node_pb(node, instance_id)).report_interval_seconds
+        return self.call("RegisterNode", node_pb(node, instance_id, metrics_url)).report_interval_seconds
 
     def report_bandwidth(self, node_id: str, measured: Bandwidths) -> list[str]:
         response = self.call("ReportBandwidth", pb.BandwidthReport(

@@ -40,6 +40,7 @@ class NodeRecord:
     """Capacities, and the bandwidths plans assume now."""
     probe: Bandwidths
     instance_id: str = ""
+    metrics_url: str = ""  # the node's HTTP API, for the cluster view
     last_measured: Bandwidths = field(default_factory=Bandwidths)
     last_report: float = 0.0
     drift: dict[str, _Drift] = field(default_factory=dict)
@@ -65,12 +66,13 @@ class ClusterState:
 
     # ---- nodes ------------------------------------------------------------------------
 
-    def register_node(self, spec: NodeSpec, instance_id: str = "") -> None:
+    def register_node(self, spec: NodeSpec, instance_id: str = "", metrics_url: str = "") -> None:
         spec.validate()
         spec.bandwidth.check_complete(f"node {spec.node_id} registration")
         with self._lock:
             old = self.nodes.get(spec.node_id)
-            self.nodes[spec.node_id] = NodeRecord(spec=spec, probe=spec.bandwidth, instance_id=instance_id)
+            self.nodes[spec.node_id] = NodeRecord(spec=spec, probe=spec.bandwidth, instance_id=instance_id,
+                                                  metrics_url=metrics_url)
             affected = [j for j, r in self.jobs.items() if spec.node_id in r.trace.nodes]
         log.info("node %s registered (%s): %s", spec.node_id, "again" if old else "new",
                  ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in spec.bandwidth.as_dict().items()))
@@ -125,6 +127,11 @@ class ClusterState:
     def node_records(self) -> list[NodeRecord]:
         with self._lock:
             return list(self.nodes.values())
+
+    def plan_versions(self) -> dict[str, int]:
+        """Each job's current plan version."""
+        with self._lock:
+            return {job: record.plan.version for job, record in self.jobs.items()}
 
     def node_specs(self) -> dict[str, NodeSpec]:
         with self._lock:

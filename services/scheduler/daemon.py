@@ -22,6 +22,7 @@ from tierstack.config import SchedulerConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
 from tierstack.services.scheduler.server import SchedulerServicer
+from tierstack.services.scheduler.telemetry import SchedulerTelemetry
 from tierstack.services.tier_manager.daemon import clear_stale_socket, grpc_target, unix_socket_path
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class SchedulerDaemon:
             socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             clear_stale_socket(socket_path, "a scheduler", ADDRESS_ENV)
         self.servicer = SchedulerServicer(config)
+        self.telemetry = SchedulerTelemetry(config, self.servicer.cluster)
         self.health = health.HealthServicer()
         # Every WatchPlans stream holds a thread: size the pool for many workers.
         self.server = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix="tierstack-sched"),
@@ -67,6 +69,7 @@ class SchedulerDaemon:
         self._stopped = threading.Event()
 
     def start(self) -> None:
+        self.telemetry.start()
         self.server.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -80,6 +83,7 @@ class SchedulerDaemon:
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.servicer.stop()
         self.server.stop(grace=self.config.shutdown_grace_seconds).wait()
+        self.telemetry.stop()
         socket_path = unix_socket_path(self.target)
         if socket_path is not None and socket_path.exists():
             socket_path.unlink()
@@ -99,5 +103,7 @@ def serve(config: SchedulerConfig) -> None:
     signal.signal(signal.SIGINT, on_signal)
     daemon.start()
     print(f"scheduler listening on {daemon.target}", flush=True)
+    if daemon.telemetry.url:
+        print(f"cluster metrics and dashboard on {daemon.telemetry.url}/dashboard/", flush=True)
     stop_requested.wait()
     daemon.stop()

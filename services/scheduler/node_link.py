@@ -104,9 +104,10 @@ def node_spec(registry: TierRegistry, config: TierManagerConfig, bandwidth: Band
 class NodeLink:
     """Registers this node with the scheduler and reports its measured disk bandwidth."""
 
-    def __init__(self, registry: TierRegistry, config: TierManagerConfig) -> None:
+    def __init__(self, registry: TierRegistry, config: TierManagerConfig, metrics_url: str = "") -> None:
         self.registry = registry
         self.config = config
+        self.metrics_url = metrics_url  # the node's HTTP API, for the scheduler's cluster view
         self.client = SchedulerClient(config.scheduler_address, timeout=10.0)
         self.node: NodeSpec | None = None
         self.interval = 2.0
@@ -125,7 +126,8 @@ class NodeLink:
     def _register(self) -> None:
         while not self._stop.is_set():
             try:
-                self.interval = self.client.register_node(self.node, self.registry.cpu_pool.instance_id)
+                self.interval = self.client.register_node(self.node, self.registry.cpu_pool.instance_id,
+                                                          self.metrics_url)
                 log.info("registered node %s with the scheduler at %s", self.node.node_id, self.client.target)
                 return
             except TierstackError as e:

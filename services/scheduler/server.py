@@ -51,7 +51,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     @_rpc
     def RegisterNode(self, request, context):
-        self.cluster.register_node(node_from(request), request.instance_id)
+        self.cluster.register_node(node_from(request), request.instance_id, request.metrics_url)
         return pb.RegisterNodeResponse(report_interval_seconds=self.config.report_interval_seconds)
 
     @_rpc
@@ -63,7 +63,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     def ListNodes(self, request, context):
         records = self.cluster.node_records()
         return pb.ListNodesResponse(nodes=[
-            pb.NodeState(node=node_pb(r.spec, r.instance_id), current=bandwidths_pb(r.spec.bandwidth),
+            pb.NodeState(node=node_pb(r.spec, r.instance_id, r.metrics_url), current=bandwidths_pb(r.spec.bandwidth),
                          last_measured=bandwidths_pb(r.last_measured), last_report=r.last_report)
             for r in records])
 

@@ -21,10 +21,11 @@ def bandwidths_from(msg: pb.Bandwidths) -> Bandwidths:
     return Bandwidths(disk_read=msg.disk_read, disk_write=msg.disk_write, h2d=msg.h2d, d2h=msg.d2h)
 
 
-def node_pb(node: NodeSpec, instance_id: str = "") -> pb.Node:
+def node_pb(node: NodeSpec, instance_id: str = "", metrics_url: str = "") -> pb.Node:
     return pb.Node(node_id=node.node_id, gpu_bytes=int(node.gpu_bytes), cpu_bytes=int(node.cpu_bytes),
                    nvme_bytes=int(node.nvme_bytes), gpus=node.gpus,
-                   bandwidth=bandwidths_pb(node.bandwidth), instance_id=instance_id)
+                   bandwidth=bandwidths_pb(node.bandwidth), instance_id=instance_id,
+                   metrics_url=metrics_url)
 
 
 def node_from(msg: pb.Node) -> NodeSpec:

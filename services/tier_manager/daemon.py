@@ -112,7 +112,7 @@ class TierManagerDaemon:
         self.telemetry.start()  # before gRPC serves: GetHttpEndpoint answers the URL at once
         if self.config.scheduler_address:
             from tierstack.services.scheduler.node_link import NodeLink
-            self.node_link = NodeLink(self.registry, self.config)
+            self.node_link = NodeLink(self.registry, self.config, self.telemetry.url)
             self.node_link.start()  # probes the links before serving, then registers
         self.server.start()
         threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
