@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--nvme-size", help="NVMe pool bytes over all paths, e.g. 512GiB")
     tm.add_argument("--manifest", help="path of the manifest database")
     tm.set_defaults(func=_tier_manager)
+
+    ray_node = sub.add_parser("ray-node", help="this Ray node's tierstack services (deploy/cluster.yaml)")
+    from tierstack.services.ray_node import add_arguments as add_ray_node, run as run_ray_node
+    add_ray_node(ray_node)
+    ray_node.set_defaults(func=run_ray_node)
     return parser
 
 
