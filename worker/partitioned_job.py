@@ -44,6 +44,7 @@ class PartitionedSpec:
     precision: str = "fp32"
     prefetch_depth: int = 2
     device_budget_layers: int = 3
+    device_budget: int = 0        # bytes; 0: device_budget_layers layers' worth
     device: str | None = None
     job: str = ""
     data: str = "stdlib"          # "stdlib" (the byte corpus) or "random" tokens
@@ -128,7 +129,8 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
     model = GPT(spec.gpt)
     layer_bytes = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes
     job = spec.job or f"train-{uuid.uuid4().hex[:8]}"
-    store = ShardedLayerStore(job, device=device, device_budget=spec.device_budget_layers * layer_bytes,
+    budget = spec.device_budget or spec.device_budget_layers * layer_bytes
+    store = ShardedLayerStore(job, device=device, device_budget=budget,
                               address=address, durable=False)
     try:
         engine = ShardedEngine(model, store, spec.optimizer, prefetch_depth=spec.prefetch_depth,
