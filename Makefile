@@ -15,6 +15,13 @@ $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	# an unpinned requirement can pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	# openssh-server + rsync: the `ray up` end-to-end test reaches its two loopback nodes
+	# through a local sshd, as Ray's cluster launcher reaches real ones (root only).
+	if [ "$$(id -u)" = 0 ] && ! { command -v sshd >/dev/null || [ -x /usr/sbin/sshd ]; } || ! command -v rsync >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends openssh-server rsync >/dev/null; \
+	  else echo "not root: skipping openssh-server/rsync (the ray up test will skip)"; fi; \
+	fi
 	touch $@
 
 run: $(STAMP)

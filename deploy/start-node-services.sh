@@ -10,10 +10,10 @@ set -euo pipefail
 role=${1:?usage: start-node-services.sh head|worker NODE_IP}
 node_ip=${2:?usage: start-node-services.sh head|worker NODE_IP}
 home=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-state="/tmp/tierstack-$(id -u)/node-$node_ip"
-mkdir -p "$state"
+logs="/tmp/tierstack-$(id -u)"
+mkdir -p "$logs"
 setsid "$home/.venv/bin/tierstack" ray-node --role "$role" --node-ip "$node_ip" \
     --config "${TIERSTACK_NODE_CONFIG:-$home/deploy/node.json}" \
-    </dev/null >"$state/ray-node.log" 2>&1 &
+    </dev/null >"$logs/ray-node-$role-$node_ip.log" 2>&1 &
 # Wait until the tier manager answers, so `ray up` reports a node that is really ready.
 "$home/.venv/bin/tierstack" ray-node --role "$role" --node-ip "$node_ip" --wait-ready 120 </dev/null

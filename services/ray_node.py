@@ -33,6 +33,19 @@ HEAD_SERVICES = ("scheduler", "dashboard")
 POLL_SECONDS = 1.0
 
 
+def ray_node_ip(address: str) -> str:
+    """The IP Ray gives the node reached at `address`.
+
+    `ray start --node-ip-address=127.0.0.1` (or localhost) registers the machine's own
+    address instead, so a loopback name is resolved the same way here.
+    """
+    if address in ("127.0.0.1", "localhost", "::1"):
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return address
+
+
 def node_dir(node_ip: str) -> Path:
     """This node's state directory: sockets, configs, logs, the supervisor's pid."""
     if not node_ip or "/" in node_ip or node_ip.startswith("."):
@@ -143,6 +156,7 @@ class NodeServices:
 
 def supervise(role: str, node_ip: str, config_path: str | None, raylet_timeout: float = 120.0) -> int:
     """Run the node's services until this node's raylet stops (or a service dies)."""
+    node_ip = ray_node_ip(node_ip)
     directory = node_dir(node_ip)
     directory.mkdir(parents=True, exist_ok=True)
     pid_file = directory / "ray-node.pid"
@@ -188,6 +202,7 @@ def wait_ready(node_ip: str, timeout: float) -> int:
     """Wait until the node's tier manager answers; 0 when it does."""
     from tierstack.worker.client import TierManagerClient
 
+    node_ip = ray_node_ip(node_ip)
     client = TierManagerClient(tier_manager_address(node_ip), reconnect_timeout=timeout)
     try:
         node = client.node()
