@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench-io bench-ensure-layer bench-train proto clean
+.PHONY: run test bench-io bench-ensure-layer bench-train bench-partitioned proto clean
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ bench-ensure-layer: $(STAMP)
 
 bench-train: $(STAMP)
 	$(PY) bench/train.py
+
+bench-partitioned: $(STAMP)
+	$(PY) bench/partitioned.py
 
 # Regenerate proto/*_pb2*.py from proto/*.proto (a test fails when they are out of date).
 proto: $(STAMP)

@@ -68,7 +68,10 @@ def init_process_group(env: RankEnv | None = None, device: torch.device | None =
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+    # env:// rather than tcp://: under torchrun the agent already hosts the rendezvous
+    # store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), and env:// joins it as a client.
+    os.environ.update(env.to_environ())
+    dist.init_process_group(backend, init_method="env://",
                             rank=env.rank, world_size=env.world_size, timeout=timeout,
                             **({"device_id": device} if device.type == "cuda" else {}))
     return env

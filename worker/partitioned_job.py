@@ -53,6 +53,7 @@ class PartitionedSpec:
     embedded: dict | None = None
     """tier_manager config (as config_dict gives) for the embedded daemons; paths get a per-rank suffix."""
     collect_state: bool = False   # gather the trained weights into the result (tests)
+    cpu_threads: int = 0          # torch intra-op threads per rank on the CPU; 0: torch's default
 
 
 @dataclass
@@ -104,6 +105,8 @@ def rank_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def run_rank(env: RankEnv, spec: PartitionedSpec) -> RankResult:
     """Train this rank's part of `spec`; see the module docstring."""
     device = rank_device(env, spec.device)
+    if spec.cpu_threads:
+        torch.set_num_threads(spec.cpu_threads)
     init_process_group(env, device)
     try:
         if spec.tier_manager is not None:
@@ -180,6 +183,32 @@ def small_embedded_node(size_mib: int = 64) -> dict:
     return config_dict(tm)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """One rank under torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_*).
+
+    torchrun --nproc-per-node 2 -m tierstack.worker.partitioned_job --spec '{"steps": 5}'
+    Each rank starts its own embedded tier manager unless the spec names one
+    ("tier_manager"); every rank prints one JSON line with its per-step figures.
+    """
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="one rank of a partitioned training run")
+    parser.add_argument("--spec", default="{}", help="PartitionedSpec fields as JSON")
+    args = parser.parse_args(argv)
+    spec = spec_from_dict(json.loads(args.spec))
+    if spec.tier_manager is None and spec.embedded is None:
+        spec.embedded = small_embedded_node()
+    result = run_rank(RankEnv.from_environ(), spec)
+    steps = result.steps[1:] or result.steps
+    median = lambda f: sorted(getattr(s, f) for s in steps)[len(steps) // 2]  # noqa: E731
+    print(json.dumps({"rank": result.rank, "world_size": result.world_size, "device": result.device,
+                      "losses": [round(s.loss, 5) for s in result.steps],
+                      "step_s": median("seconds"), "cpu_pool_read": median("cpu_pool_read"),
+                      "nvme_read": median("nvme_read"), "gathered": median("gathered")}), flush=True)
+    return 0
+
+
 def _run_rank_to_file(env: RankEnv, spec: PartitionedSpec, out_dir: str) -> None:
     torch.save(run_rank(env, spec), os.path.join(out_dir, f"rank{env.rank}.pt"))
 
@@ -195,3 +224,7 @@ def launch_partitioned(spec: PartitionedSpec, world: int) -> list[RankResult]:
                 for r in range(world)]
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

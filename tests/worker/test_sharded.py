@@ -126,3 +126,23 @@ def test_two_ranks_match_one_rank_and_plain_pytorch_and_each_reads_half():
         assert 0.4 * cpu_one <= cpu <= 0.6 * cpu_one, (cpu, cpu_one)
         assert 0.35 * nvme_one <= nvme <= 0.65 * nvme_one, (nvme, nvme_one)
     assert one[0].steps[-1].gathered == 0 and all(r.steps[-1].gathered > 0 for r in two)
+
+
+def test_ranks_run_under_torchrun_without_ray(tmp_path):
+    """The GPU machine has no Ray: torchrun's environment alone starts the same ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+    spec = {"steps": 2, "gpt": {"dim": 32, "heads": 2, "layers": 2, "seq_len": 16},
+            "global_batch": 4, "data": "random", "device": "cpu", "cpu_threads": 1,
+            "embedded": small_embedded_node(size_mib=1)}
+    spec["embedded"]["nvme_pool"]["paths"] = [str(tmp_path / "nvme")]
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "-m", "tierstack.worker.partitioned_job", "--spec", json.dumps(spec)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    assert ranks[0]["losses"] == ranks[1]["losses"] and all(r["gathered"] > 0 for r in ranks)
