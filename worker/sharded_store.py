@@ -366,6 +366,8 @@ class ShardedLayerStore:
 
         def op() -> torch.Tensor:
             self._comm_wait(before)
+            if self.cuda:  # made on the caller's stream, read here: not reused before that
+                full.record_stream(self._comm_stream)
             out = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
             _reduce_scatter(out, full, group=self.group)
             out.div_(self.world)
@@ -422,6 +424,9 @@ class ShardedLayerStore:
 
         def op() -> None:
             self._comm_wait(before)
+            if self.cuda:
+                for t in tensors:
+                    t.record_stream(self._comm_stream)
             flat = torch.cat([t.reshape(-1) for t in tensors])
             dist.all_reduce(flat, group=self.group)
             flat.div_(self.world)
