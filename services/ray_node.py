@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 # in here by adding their subcommand; each gets the head's tier-manager address through
 # $TIERSTACK_TIER_MANAGER.
 HEAD_SERVICES = ("scheduler", "dashboard")
+# The head's scheduler listens on this port of the head's address; every node's tier
+# manager registers there (tier_manager.scheduler_address, when this tierstack has it).
+SCHEDULER_PORT = 6390
 POLL_SECONDS = 1.0
 
 
@@ -86,9 +89,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def node_tier_manager_config(config_path: str | None, node_ip: str) -> dict:
-    """The node config's tier_manager section with per-node paths and this node's socket."""
+def scheduler_address(head_ip: str) -> str:
+    return f"{head_ip}:{SCHEDULER_PORT}"
+
+
+def node_tier_manager_config(config_path: str | None, node_ip: str, head_ip: str | None = None) -> dict:
+    """The node config's tier_manager section with per-node paths and this node's socket.
+
+    With a scheduler in this install, the daemon registers with the head's scheduler
+    under the node's IP (unique even for nodes sharing a host).
+    """
     tm = load_config(config_path).tier_manager
+    if head_ip and hasattr(tm, "scheduler_address") and "scheduler" in _head_services():
+        tm.scheduler_address = tm.scheduler_address or scheduler_address(head_ip)
+        if hasattr(tm, "node_id"):
+            tm.node_id = tm.node_id or node_ip
     tm.nvme_pool.paths = [str(Path(p) / f"node-{node_ip}") for p in tm.nvme_pool.paths]
     if not tm.manifest_path:
         tm.manifest_path = str(Path(tm.nvme_pool.paths[0]) / "manifest.sqlite")
@@ -108,23 +123,26 @@ def _head_services() -> list[str]:
 class NodeServices:
     """The node's daemons as child processes, stopped together."""
 
-    def __init__(self, role: str, node_ip: str, config_path: str | None) -> None:
+    def __init__(self, role: str, node_ip: str, config_path: str | None,
+                 head_ip: str | None = None) -> None:
         self.role, self.node_ip = role, node_ip
+        self.head_ip = head_ip or (node_ip if role == "head" else None)
         self.dir = node_dir(node_ip)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config_path = config_path
         self.children: dict[str, subprocess.Popen] = {}
 
     def start(self) -> None:
-        tm = node_tier_manager_config(self.config_path, self.node_ip)
+        if self.role == "head":  # the scheduler first: the tier managers register with it
+            for name in _head_services():
+                extra = ["--listen", scheduler_address(self.node_ip)] if name == "scheduler" else []
+                self._spawn(name, [name, *extra])
+        tm = node_tier_manager_config(self.config_path, self.node_ip, self.head_ip)
         for path in tm["nvme_pool"]["paths"]:
             Path(path).mkdir(parents=True, exist_ok=True)
         config_file = self.dir / "tier-manager.json"
         config_file.write_text(json.dumps({"tier_manager": tm}))
         self._spawn("tier-manager", ["tier-manager", "--config", str(config_file)])
-        if self.role == "head":
-            for name in _head_services():
-                self._spawn(name, [name])
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         env = dict(os.environ, TIERSTACK_TIER_MANAGER=tier_manager_address(self.node_ip))
@@ -154,9 +172,11 @@ class NodeServices:
                 proc.wait()
 
 
-def supervise(role: str, node_ip: str, config_path: str | None, raylet_timeout: float = 120.0) -> int:
+def supervise(role: str, node_ip: str, config_path: str | None, head_ip: str | None = None,
+              raylet_timeout: float = 120.0) -> int:
     """Run the node's services until this node's raylet stops (or a service dies)."""
     node_ip = ray_node_ip(node_ip)
+    head_ip = ray_node_ip(head_ip) if head_ip else None
     directory = node_dir(node_ip)
     directory.mkdir(parents=True, exist_ok=True)
     pid_file = directory / "ray-node.pid"
@@ -177,7 +197,7 @@ def supervise(role: str, node_ip: str, config_path: str | None, raylet_timeout: 
             return 1
         time.sleep(POLL_SECONDS)
     pid_file.write_text(str(os.getpid()))
-    services = NodeServices(role, node_ip, config_path)
+    services = NodeServices(role, node_ip, config_path, head_ip)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: stopping.append("SIGINT"))
@@ -220,6 +240,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=["head", "worker"], required=True)
     parser.add_argument("--node-ip", required=True, help="this node's Ray node IP")
     parser.add_argument("--config", help="node config JSON (its tier_manager section)")
+    parser.add_argument("--head-ip", help="the head node's IP (where the scheduler listens); "
+                                          "default: this node's on the head")
     parser.add_argument("--wait-ready", type=float, metavar="SECONDS",
                         help="only wait until the node's tier manager answers, then exit")
 
@@ -227,4 +249,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.wait_ready is not None:
         return wait_ready(args.node_ip, args.wait_ready)
-    return supervise(args.role, args.node_ip, args.config)
+    return supervise(args.role, args.node_ip, args.config, args.head_ip)

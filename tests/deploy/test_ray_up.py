@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tierstack.services.ray_node import node_dir, ray_node_ip, tier_manager_address
+from tierstack.services.ray_node import node_dir, ray_node_ip, scheduler_address, tier_manager_address
 from tierstack.worker.client import TierManagerClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,6 +86,7 @@ def _run(argv, env, timeout, log: Path) -> subprocess.CompletedProcess:
     return out
 
 
+@pytest.mark.timeout(1500)  # about a minute on an idle 2-core machine; far more when it is busy
 def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(local_sshd, tmp_path):
     config = yaml.safe_load((REPO / "deploy" / "cluster-local.yaml").read_text())
     assert config["provider"]["head_ip"] == NODES[0] and config["provider"]["worker_ips"] == [NODES[1]]
@@ -109,6 +110,7 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
             assert time.monotonic() < deadline, (
                 f"tier managers up: {[n for n in nodes if _answers(n)]} of {nodes}")
             time.sleep(3)
+        _check_registered_with_the_scheduler(nodes)
 
         train = _run([TIERSTACK, "train", "--address", f"{nodes[0]}:6379", "--ranks", "2",
                       "--placement", "STRICT_SPREAD", "--steps", "3", "--layers", "2", "--dim", "32",
@@ -139,3 +141,23 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
     while any(_answers(n, 1.0) or (node_dir(n) / "ray-node.pid").exists() for n in nodes):
         assert time.monotonic() < deadline, [n for n in nodes if _answers(n, 1.0)]
         time.sleep(2)
+
+
+def _check_registered_with_the_scheduler(nodes: list[str]) -> None:
+    """Each node's tier manager registered with the head's scheduler, under its node IP.
+
+    Only where this install has the scheduler (issue 5); before it lands, `tierstack
+    ray-node` has no scheduler to start and the tier managers none to register with.
+    """
+    try:
+        from tierstack.services.scheduler.client import SchedulerClient
+    except ImportError:
+        return
+    client = SchedulerClient(scheduler_address(nodes[0]))
+    try:
+        deadline = time.monotonic() + 60
+        while set(client.nodes()) != set(nodes):
+            assert time.monotonic() < deadline, f"registered: {sorted(client.nodes())}, nodes: {nodes}"
+            time.sleep(1)
+    finally:
+        client.close()
