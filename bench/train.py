@@ -76,16 +76,27 @@ def offloaded(model: GPT, tm: TierManagerConfig, device, budget: int, precision:
               warmup: int, job: str) -> tuple[list[float], dict]:
     with EmbeddedTierManager(tm) as daemon:
         store = LayerStore(job, device=device, device_budget=budget, address=daemon.address, durable=False)
+        engine = None
         try:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-4), precision=precision)
             before = store.client.stats()
             times = time_steps(engine.train_step, data, warmup, device)
             after = store.client.stats()
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         finally:
+            if engine is not None:
+                engine.close()
             store.close()
     steps = len(data)
+    opt = engine.block_optimizer
     return times, {"nvme_read_per_step": (after.nvme_bytes_read - before.nvme_bytes_read) / steps,
-                   "nvme_written_per_step": (after.nvme_bytes_written - before.nvme_bytes_written) / steps}
+                   "nvme_written_per_step": (after.nvme_bytes_written - before.nvme_bytes_written) / steps,
+                   "adamw_update_s_per_step": opt.update_seconds / steps,
+                   "adamw_wait_s_per_step": opt.wait_seconds / steps,
+                   "stall_s_per_step": store.stall_seconds / steps,
+                   "layer_bytes_peak": store.budget.peak, "cuda_max_memory_allocated": peak}
 
 
 def main() -> None:
@@ -99,6 +110,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--precision", default=None, help="default: bf16 on a GPU, fp32 on CPU")
     parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-bench-train")
+    parser.add_argument("--max-params-result", default=None,
+                        help="a bench/max_params.py output (its last line is JSON) to report as "
+                             "max_params_trained; that run takes minutes, so it is run apart")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -126,7 +140,9 @@ def main() -> None:
     results = {}
     # The nvme tier's CPU pool holds a few layers' worth of every kind of state, far less
     # than all of it, so most bytes go through the disk.
-    small_pool = min(max(8 * layer_bytes, state // 8), state // 2)
+    # The daemon's AdamW holds a block's whole state (16 B/parameter) while it updates it
+    # and reads the next block's ahead, so the pool gets three blocks' state and a few layers.
+    small_pool = min(3 * state // args.layers + 8 * layer_bytes, state // 2)
     for tier, cpu_pool in (("cpu", 2 * state + 256 * MiB), ("nvme", small_pool)):
         tm = TierManagerConfig()
         tm.cpu_pool.size = cpu_pool
@@ -158,8 +174,19 @@ def main() -> None:
                               ("nvme tier", nvme_step, ideal_nvme)):
         print(f"{name:10} {step:8.3f} s/step  ideal {ideal:8.3f}  ratio {step / ideal:6.2f}  "
               f"{tokens / step:10,.0f} tokens/s  {flops / step / 1e12:7.2f} TFLOP/s")
+    for tier in ("cpu", "nvme"):
+        t = results[tier][1]
+        print(f"{tier} tier: daemon AdamW {t['adamw_update_s_per_step']:.3f} s/step in the kernel, "
+              f"{t['adamw_wait_s_per_step']:.3f} s waiting for reads; ensure_layer stalls "
+              f"{t['stall_s_per_step']:.3f} s/step; layers on device peak "
+              f"{t['layer_bytes_peak'] / MiB:.0f} MiB (budget {budget / MiB:.0f}); "
+              f"cuda max_memory_allocated {t['cuda_max_memory_allocated'] / GiB:.2f} GiB")
     print(f"links: pinned copy {pinned / 1e9:.2f} GB/s, disk read {disk / 1e9:.2f} GB/s; "
           f"nvme tier moved {disk_bytes / 1e9:.2f} GB/step through the disk")
+    max_params = None
+    if args.max_params_result:
+        line = Path(args.max_params_result).read_text().strip().splitlines()[-1]
+        max_params = json.loads(line).get("max_params_trained")
     print(json.dumps({
         "cpu_tier_ratio": round(cpu_step / ideal_cpu, 4), "nvme_tier_ratio": round(nvme_step / ideal_nvme, 4),
         "no_offload_ratio": round(cpu_step / compute, 4),
@@ -170,9 +197,9 @@ def main() -> None:
         "pinned_gbps": round(pinned / 1e9, 3), "disk_read_gbps": round(disk / 1e9, 3),
         "nvme_bytes_per_step": int(disk_bytes), "device": str(device), "precision": precision,
         "block_params": block_params, "device_budget": budget,
-        # The largest model trained on the GPU machine is found by running this bench with
-        # growing --layers/--dim there; it is not measured by this run.
-        "max_params_trained": None,
+        "block_state_bytes": state, "block_bytes_on_device": layer_bytes * args.layers,
+        "tiers": {tier: results[tier][1] for tier in results},
+        "max_params_trained": max_params,
     }))
 
 

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tierstack/proto/tier_manager.proto\x12\x19tierstack.tier_manager.v1\"2\n\x05\x41rena\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\x10\n\x0eGetNodeRequest\"\xa5\x01\n\x08NodeInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x30\n\x06\x61renas\x18\x02 \x03(\x0b\x32 .tierstack.tier_manager.v1.Arena\x12\x14\n\x0c\x63pu_capacity\x18\x03 \x01(\x04\x12\x15\n\rnvme_capacity\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\talignment\x18\x06 \x01(\r\"\'\n\x15\x41llocateBufferRequest\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\"c\n\x0b\x42ufferLease\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\r\n\x05\x61rena\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\"\'\n\x13\x43\x61ncelBufferRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x16\n\x14\x43\x61ncelBufferResponse\"y\n\nTensorInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x0e\n\x06in_cpu\x18\x06 \x01(\x08\x12\x0f\n\x07on_nvme\x18\x07 \x01(\x08\"]\n\rCommitRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0f\n\x07\x64urable\x18\x05 \x01(\x08\"\x1c\n\x0c\x46\x65tchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"^\n\x08Resident\x12\x33\n\x04info\x18\x01 \x01(\x0b\x32%.tierstack.tier_manager.v1.TensorInfo\x12\r\n\x05\x61rena\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"Z\n\rFetchResponse\x12\x34\n\x07tensors\x18\x01 \x03(\x0b\x32#.tierstack.tier_manager.v1.Resident\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\x1f\n\x0fPrefetchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\"\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\".\n\x0eReleaseRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"\x1c\n\x0c\x45victRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"G\n\rEvictResponse\x12\x36\n\x07tensors\x18\x01 \x03(\x0b\x32%.tierstack.tier_manager.v1.TensorInfo\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x10\n\x0e\x44\x65leteResponse\"\x1e\n\x0f\x44\x65scribeRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"%\n\x15SetAccessOrderRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x18\n\x16SetAccessOrderResponse\"\x11\n\x0fGetStatsRequest\"-\n\x11WatchStatsRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x99\x02\n\tNodeStats\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x14\n\x0c\x63pu_capacity\x18\x03 \x01(\x04\x12\x10\n\x08\x63pu_used\x18\x04 \x01(\x04\x12\x15\n\rnvme_capacity\x18\x05 \x01(\x04\x12\x11\n\tnvme_used\x18\x06 \x01(\x04\x12\x0f\n\x07tensors\x18\x07 \x01(\x04\x12\x17\n\x0fnvme_bytes_read\x18\x08 \x01(\x04\x12\x1a\n\x12nvme_bytes_written\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x0b \x01(\x04\x12\x0e\n\x06leases\x18\x0c \x01(\x04\x12\x0e\n\x06pinned\x18\r \x01(\x04\x32\x96\n\n\x0bTierManager\x12Y\n\x07GetNode\x12).tierstack.tier_manager.v1.GetNodeRequest\x1a#.tierstack.tier_manager.v1.NodeInfo\x12j\n\x0e\x41llocateBuffer\x12\x30.tierstack.tier_manager.v1.AllocateBufferRequest\x1a&.tierstack.tier_manager.v1.BufferLease\x12o\n\x0c\x43\x61ncelBuffer\x12..tierstack.tier_manager.v1.CancelBufferRequest\x1a/.tierstack.tier_manager.v1.CancelBufferResponse\x12Y\n\x06\x43ommit\x12(.tierstack.tier_manager.v1.CommitRequest\x1a%.tierstack.tier_manager.v1.TensorInfo\x12Z\n\x05\x46\x65tch\x12\'.tierstack.tier_manager.v1.FetchRequest\x1a(.tierstack.tier_manager.v1.FetchResponse\x12\x63\n\x08Prefetch\x12*.tierstack.tier_manager.v1.PrefetchRequest\x1a+.tierstack.tier_manager.v1.PrefetchResponse\x12`\n\x07Release\x12).tierstack.tier_manager.v1.ReleaseRequest\x1a*.tierstack.tier_manager.v1.ReleaseResponse\x12Z\n\x05\x45vict\x12\'.tierstack.tier_manager.v1.EvictRequest\x1a(.tierstack.tier_manager.v1.EvictResponse\x12]\n\x06\x44\x65lete\x12(.tierstack.tier_manager.v1.DeleteRequest\x1a).tierstack.tier_manager.v1.DeleteResponse\x12]\n\x08\x44\x65scribe\x12*.tierstack.tier_manager.v1.DescribeRequest\x1a%.tierstack.tier_manager.v1.TensorInfo\x12u\n\x0eSetAccessOrder\x12\x30.tierstack.tier_manager.v1.SetAccessOrderRequest\x1a\x31.tierstack.tier_manager.v1.SetAccessOrderResponse\x12\\\n\x08GetStats\x12*.tierstack.tier_manager.v1.GetStatsRequest\x1a$.tierstack.tier_manager.v1.NodeStats\x12\x62\n\nWatchStats\x12,.tierstack.tier_manager.v1.WatchStatsRequest\x1a$.tierstack.tier_manager.v1.NodeStats0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tierstack/proto/tier_manager.proto\x12\x19tierstack.tier_manager.v1\"2\n\x05\x41rena\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\"\x10\n\x0eGetNodeRequest\"\xa5\x01\n\x08NodeInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x30\n\x06\x61renas\x18\x02 \x03(\x0b\x32 .tierstack.tier_manager.v1.Arena\x12\x14\n\x0c\x63pu_capacity\x18\x03 \x01(\x04\x12\x15\n\rnvme_capacity\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\talignment\x18\x06 \x01(\r\"\'\n\x15\x41llocateBufferRequest\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\"c\n\x0b\x42ufferLease\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\r\n\x05\x61rena\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x13\n\x0binstance_id\x18\x05 \x01(\t\"\'\n\x13\x43\x61ncelBufferRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\"\x16\n\x14\x43\x61ncelBufferResponse\"y\n\nTensorInfo\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x0e\n\x06in_cpu\x18\x06 \x01(\x08\x12\x0f\n\x07on_nvme\x18\x07 \x01(\x08\"\x96\x01\n\rCommitRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0f\n\x07\x64urable\x18\x05 \x01(\x08\x12\x37\n\tplacement\x18\x06 \x01(\x0e\x32$.tierstack.tier_manager.v1.Placement\"\x1c\n\x0c\x46\x65tchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"^\n\x08Resident\x12\x33\n\x04info\x18\x01 \x01(\x0b\x32%.tierstack.tier_manager.v1.TensorInfo\x12\r\n\x05\x61rena\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"Z\n\rFetchResponse\x12\x34\n\x07tensors\x18\x01 \x03(\x0b\x32#.tierstack.tier_manager.v1.Resident\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\x1f\n\x0fPrefetchRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\"\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\".\n\x0eReleaseRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"\x1c\n\x0c\x45victRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"G\n\rEvictResponse\x12\x36\n\x07tensors\x18\x01 \x03(\x0b\x32%.tierstack.tier_manager.v1.TensorInfo\"\x1d\n\rDeleteRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x10\n\x0e\x44\x65leteResponse\"\x1e\n\x0f\x44\x65scribeRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"%\n\x15SetAccessOrderRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x18\n\x16SetAccessOrderResponse\"\x11\n\x0fGetStatsRequest\"-\n\x11WatchStatsRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\"\x99\x02\n\tNodeStats\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\x12\x14\n\x0c\x63pu_capacity\x18\x03 \x01(\x04\x12\x10\n\x08\x63pu_used\x18\x04 \x01(\x04\x12\x15\n\rnvme_capacity\x18\x05 \x01(\x04\x12\x11\n\tnvme_used\x18\x06 \x01(\x04\x12\x0f\n\x07tensors\x18\x07 \x01(\x04\x12\x17\n\x0fnvme_bytes_read\x18\x08 \x01(\x04\x12\x1a\n\x12nvme_bytes_written\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x0b \x01(\x04\x12\x0e\n\x06leases\x18\x0c \x01(\x04\x12\x0e\n\x06pinned\x18\r \x01(\x04\"^\n\x0c\x41\x64\x61mWSegment\x12\r\n\x05numel\x18\x01 \x01(\x04\x12\x14\n\x0cparam_offset\x18\x02 \x01(\x04\x12\x13\n\x0bgrad_offset\x18\x03 \x01(\x04\x12\x14\n\x0cstate_offset\x18\x04 \x01(\x04\"\x99\x02\n\nAdamWBlock\x12\x0e\n\x06params\x18\x01 \x01(\t\x12\r\n\x05grads\x18\x02 \x01(\t\x12\x0e\n\x06master\x18\x03 \x01(\t\x12\x0f\n\x07\x65xp_avg\x18\x04 \x01(\t\x12\x12\n\nexp_avg_sq\x18\x05 \x01(\t\x12\x13\n\x0bparam_dtype\x18\x06 \x01(\t\x12\x12\n\ngrad_dtype\x18\x07 \x01(\t\x12\x14\n\x0cstate_nbytes\x18\x08 \x01(\x04\x12\x39\n\x08segments\x18\t \x03(\x0b\x32\'.tierstack.tier_manager.v1.AdamWSegment\x12=\n\x0fstate_placement\x18\n \x01(\x0e\x32$.tierstack.tier_manager.v1.Placement\"\xe4\x01\n\x10\x41\x64\x61mWStepRequest\x12\x35\n\x06\x62locks\x18\x01 \x03(\x0b\x32%.tierstack.tier_manager.v1.AdamWBlock\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\n\n\x02lr\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x05 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x06 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x07 \x01(\x01\x12\x12\n\ngrad_scale\x18\x08 \x01(\x01\x12\x0f\n\x07\x64urable\x18\t \x01(\x08\x12\x19\n\x11release_gradients\x18\n \x01(\x08\"y\n\x11\x41\x64\x61mWStepResponse\x12\x36\n\x07updated\x18\x01 \x03(\x0b\x32%.tierstack.tier_manager.v1.TensorInfo\x12\x16\n\x0eupdate_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01*F\n\tPlacement\x12\x12\n\x0ePLACEMENT_AUTO\x10\x00\x12\x11\n\rPLACEMENT_CPU\x10\x01\x12\x12\n\x0ePLACEMENT_NVME\x10\x02\x32\xfe\n\n\x0bTierManager\x12Y\n\x07GetNode\x12).tierstack.tier_manager.v1.GetNodeRequest\x1a#.tierstack.tier_manager.v1.NodeInfo\x12j\n\x0e\x41llocateBuffer\x12\x30.tierstack.tier_manager.v1.AllocateBufferRequest\x1a&.tierstack.tier_manager.v1.BufferLease\x12o\n\x0c\x43\x61ncelBuffer\x12..tierstack.tier_manager.v1.CancelBufferRequest\x1a/.tierstack.tier_manager.v1.CancelBufferResponse\x12Y\n\x06\x43ommit\x12(.tierstack.tier_manager.v1.CommitRequest\x1a%.tierstack.tier_manager.v1.TensorInfo\x12Z\n\x05\x46\x65tch\x12\'.tierstack.tier_manager.v1.FetchRequest\x1a(.tierstack.tier_manager.v1.FetchResponse\x12\x63\n\x08Prefetch\x12*.tierstack.tier_manager.v1.PrefetchRequest\x1a+.tierstack.tier_manager.v1.PrefetchResponse\x12`\n\x07Release\x12).tierstack.tier_manager.v1.ReleaseRequest\x1a*.tierstack.tier_manager.v1.ReleaseResponse\x12Z\n\x05\x45vict\x12\'.tierstack.tier_manager.v1.EvictRequest\x1a(.tierstack.tier_manager.v1.EvictResponse\x12]\n\x06\x44\x65lete\x12(.tierstack.tier_manager.v1.DeleteRequest\x1a).tierstack.tier_manager.v1.DeleteResponse\x12]\n\x08\x44\x65scribe\x12*.tierstack.tier_manager.v1.DescribeRequest\x1a%.tierstack.tier_manager.v1.TensorInfo\x12u\n\x0eSetAccessOrder\x12\x30.tierstack.tier_manager.v1.SetAccessOrderRequest\x1a\x31.tierstack.tier_manager.v1.SetAccessOrderResponse\x12\\\n\x08GetStats\x12*.tierstack.tier_manager.v1.GetStatsRequest\x1a$.tierstack.tier_manager.v1.NodeStats\x12\x62\n\nWatchStats\x12,.tierstack.tier_manager.v1.WatchStatsRequest\x1a$.tierstack.tier_manager.v1.NodeStats0\x01\x12\x66\n\tAdamWStep\x12+.tierstack.tier_manager.v1.AdamWStepRequest\x1a,.tierstack.tier_manager.v1.AdamWStepResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierstack.proto.tier_manager_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PLACEMENT']._serialized_start=2473
+  _globals['_PLACEMENT']._serialized_end=2543
   _globals['_ARENA']._serialized_start=65
   _globals['_ARENA']._serialized_end=115
   _globals['_GETNODEREQUEST']._serialized_start=117
@@ -47,42 +49,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANCELBUFFERRESPONSE']._serialized_end=508
   _globals['_TENSORINFO']._serialized_start=510
   _globals['_TENSORINFO']._serialized_end=631
-  _globals['_COMMITREQUEST']._serialized_start=633
-  _globals['_COMMITREQUEST']._serialized_end=726
-  _globals['_FETCHREQUEST']._serialized_start=728
-  _globals['_FETCHREQUEST']._serialized_end=756
-  _globals['_RESIDENT']._serialized_start=758
-  _globals['_RESIDENT']._serialized_end=852
-  _globals['_FETCHRESPONSE']._serialized_start=854
-  _globals['_FETCHRESPONSE']._serialized_end=944
-  _globals['_PREFETCHREQUEST']._serialized_start=946
-  _globals['_PREFETCHREQUEST']._serialized_end=977
-  _globals['_PREFETCHRESPONSE']._serialized_start=979
-  _globals['_PREFETCHRESPONSE']._serialized_end=1013
-  _globals['_RELEASEREQUEST']._serialized_start=1015
-  _globals['_RELEASEREQUEST']._serialized_end=1061
-  _globals['_RELEASERESPONSE']._serialized_start=1063
-  _globals['_RELEASERESPONSE']._serialized_end=1080
-  _globals['_EVICTREQUEST']._serialized_start=1082
-  _globals['_EVICTREQUEST']._serialized_end=1110
-  _globals['_EVICTRESPONSE']._serialized_start=1112
-  _globals['_EVICTRESPONSE']._serialized_end=1183
-  _globals['_DELETEREQUEST']._serialized_start=1185
-  _globals['_DELETEREQUEST']._serialized_end=1214
-  _globals['_DELETERESPONSE']._serialized_start=1216
-  _globals['_DELETERESPONSE']._serialized_end=1232
-  _globals['_DESCRIBEREQUEST']._serialized_start=1234
-  _globals['_DESCRIBEREQUEST']._serialized_end=1264
-  _globals['_SETACCESSORDERREQUEST']._serialized_start=1266
-  _globals['_SETACCESSORDERREQUEST']._serialized_end=1303
-  _globals['_SETACCESSORDERRESPONSE']._serialized_start=1305
-  _globals['_SETACCESSORDERRESPONSE']._serialized_end=1329
-  _globals['_GETSTATSREQUEST']._serialized_start=1331
-  _globals['_GETSTATSREQUEST']._serialized_end=1348
-  _globals['_WATCHSTATSREQUEST']._serialized_start=1350
-  _globals['_WATCHSTATSREQUEST']._serialized_end=1395
-  _globals['_NODESTATS']._serialized_start=1398
-  _globals['_NODESTATS']._serialized_end=1679
-  _globals['_TIERMANAGER']._serialized_start=1682
-  _globals['_TIERMANAGER']._serialized_end=2984
+  _globals['_COMMITREQUEST']._serialized_start=634
+  _globals['_COMMITREQUEST']._serialized_end=784
+  _globals['_FETCHREQUEST']._serialized_start=786
+  _globals['_FETCHREQUEST']._serialized_end=814
+  _globals['_RESIDENT']._serialized_start=816
+  _globals['_RESIDENT']._serialized_end=910
+  _globals['_FETCHRESPONSE']._serialized_start=912
+  _globals['_FETCHRESPONSE']._serialized_end=1002
+  _globals['_PREFETCHREQUEST']._serialized_start=1004
+  _globals['_PREFETCHREQUEST']._serialized_end=1035
+  _globals['_PREFETCHRESPONSE']._serialized_start=1037
+  _globals['_PREFETCHRESPONSE']._serialized_end=1071
+  _globals['_RELEASEREQUEST']._serialized_start=1073
+  _globals['_RELEASEREQUEST']._serialized_end=1119
+  _globals['_RELEASERESPONSE']._serialized_start=1121
+  _globals['_RELEASERESPONSE']._serialized_end=1138
+  _globals['_EVICTREQUEST']._serialized_start=1140
+  _globals['_EVICTREQUEST']._serialized_end=1168
+  _globals['_EVICTRESPONSE']._serialized_start=1170
+  _globals['_EVICTRESPONSE']._serialized_end=1241
+  _globals['_DELETEREQUEST']._serialized_start=1243
+  _globals['_DELETEREQUEST']._serialized_end=1272
+  _globals['_DELETERESPONSE']._serialized_start=1274
+  _globals['_DELETERESPONSE']._serialized_end=1290
+  _globals['_DESCRIBEREQUEST']._serialized_start=1292
+  _globals['_DESCRIBEREQUEST']._serialized_end=1322
+  _globals['_SETACCESSORDERREQUEST']._serialized_start=1324
+  _globals['_SETACCESSORDERREQUEST']._serialized_end=1361
+  _globals['_SETACCESSORDERRESPONSE']._serialized_start=1363
+  _globals['_SETACCESSORDERRESPONSE']._serialized_end=1387
+  _globals['_GETSTATSREQUEST']._serialized_start=1389
+  _globals['_GETSTATSREQUEST']._serialized_end=1406
+  _globals['_WATCHSTATSREQUEST']._serialized_start=1408
+  _globals['_WATCHSTATSREQUEST']._serialized_end=1453
+  _globals['_NODESTATS']._serialized_start=1456
+  _globals['_NODESTATS']._serialized_end=1737
+  _globals['_ADAMWSEGMENT']._serialized_start=1739
+  _globals['_ADAMWSEGMENT']._serialized_end=1833
+  _globals['_ADAMWBLOCK']._serialized_start=1836
+  _globals['_ADAMWBLOCK']._serialized_end=2117
+  _globals['_ADAMWSTEPREQUEST']._serialized_start=2120
+  _globals['_ADAMWSTEPREQUEST']._serialized_end=2348
+  _globals['_ADAMWSTEPRESPONSE']._serialized_start=2350
+  _globals['_ADAMWSTEPRESPONSE']._serialized_end=2471
+  _globals['_TIERMANAGER']._serialized_start=2546
+  _globals['_TIERMANAGER']._serialized_end=3952
 # @@protoc_insertion_point(module_scope)

@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Placement(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLACEMENT_AUTO: _ClassVar[Placement]
+    PLACEMENT_CPU: _ClassVar[Placement]
+    PLACEMENT_NVME: _ClassVar[Placement]
+PLACEMENT_AUTO: Placement
+PLACEMENT_CPU: Placement
+PLACEMENT_NVME: Placement
 
 class Arena(_message.Message):
     __slots__ = ("index", "path", "size")
@@ -85,18 +95,20 @@ class TensorInfo(_message.Message):
     def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., version: _Optional[int] = ..., in_cpu: _Optional[bool] = ..., on_nvme: _Optional[bool] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("key", "lease_id", "dtype", "shape", "durable")
+    __slots__ = ("key", "lease_id", "dtype", "shape", "durable", "placement")
     KEY_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     key: str
     lease_id: int
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     durable: bool
-    def __init__(self, key: _Optional[str] = ..., lease_id: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ...) -> None: ...
+    placement: Placement
+    def __init__(self, key: _Optional[str] = ..., lease_id: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., durable: _Optional[bool] = ..., placement: _Optional[_Union[Placement, str]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("keys",)
@@ -223,3 +235,73 @@ class NodeStats(_message.Message):
     leases: int
     pinned: int
     def __init__(self, instance_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., cpu_capacity: _Optional[int] = ..., cpu_used: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., nvme_used: _Optional[int] = ..., tensors: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
+
+class AdamWSegment(_message.Message):
+    __slots__ = ("numel", "param_offset", "grad_offset", "state_offset")
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PARAM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GRAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STATE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    numel: int
+    param_offset: int
+    grad_offset: int
+    state_offset: int
+    def __init__(self, numel: _Optional[int] = ..., param_offset: _Optional[int] = ..., grad_offset: _Optional[int] = ..., state_offset: _Optional[int] = ...) -> None: ...
+
+class AdamWBlock(_message.Message):
+    __slots__ = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "param_dtype", "grad_dtype", "state_nbytes", "segments", "state_placement")
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_FIELD_NUMBER: _ClassVar[int]
+    EXP_AVG_FIELD_NUMBER: _ClassVar[int]
+    EXP_AVG_SQ_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    params: str
+    grads: str
+    master: str
+    exp_avg: str
+    exp_avg_sq: str
+    param_dtype: str
+    grad_dtype: str
+    state_nbytes: int
+    segments: _containers.RepeatedCompositeFieldContainer[AdamWSegment]
+    state_placement: Placement
+    def __init__(self, params: _Optional[str] = ..., grads: _Optional[str] = ..., master: _Optional[str] = ..., exp_avg: _Optional[str] = ..., exp_avg_sq: _Optional[str] = ..., param_dtype: _Optional[str] = ..., grad_dtype: _Optional[str] = ..., state_nbytes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[AdamWSegment, _Mapping]]] = ..., state_placement: _Optional[_Union[Placement, str]] = ...) -> None: ...
+
+class AdamWStepRequest(_message.Message):
+    __slots__ = ("blocks", "step", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale", "durable", "release_gradients")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[AdamWBlock]
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_scale: float
+    durable: bool
+    release_gradients: bool
+    def __init__(self, blocks: _Optional[_Iterable[_Union[AdamWBlock, _Mapping]]] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_scale: _Optional[float] = ..., durable: _Optional[bool] = ..., release_gradients: _Optional[bool] = ...) -> None: ...
+
+class AdamWStepResponse(_message.Message):
+    __slots__ = ("updated", "update_seconds", "wait_seconds")
+    UPDATED_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    updated: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    update_seconds: float
+    wait_seconds: float
+    def __init__(self, updated: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., update_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...

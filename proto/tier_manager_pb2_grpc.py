@@ -99,6 +99,11 @@ class TierManagerStub:
                 request_serializer=tierstack_dot_proto_dot_tier__manager__pb2.WatchStatsRequest.SerializeToString,
                 response_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.NodeStats.FromString,
                 _registered_method=True)
+        self.AdamWStep = channel.unary_unary(
+                '/tierstack.tier_manager.v1.TierManager/AdamWStep',
+                request_serializer=tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepRequest.SerializeToString,
+                response_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepResponse.FromString,
+                _registered_method=True)
 
 
 class TierManagerServicer:
@@ -194,6 +199,16 @@ class TierManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdamWStep(self, request, context):
+        """One AdamW step over blocks whose parameters, gradients and optimizer states this
+        daemon holds, run in place in its CPU pool: no state byte crosses to the worker.
+        Each updated key gets a new version; reading the next block, updating this one and
+        writing the previous one overlap.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -261,6 +276,11 @@ def add_TierManagerServicer_to_server(servicer, server):
                     servicer.WatchStats,
                     request_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.WatchStatsRequest.FromString,
                     response_serializer=tierstack_dot_proto_dot_tier__manager__pb2.NodeStats.SerializeToString,
+            ),
+            'AdamWStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdamWStep,
+                    request_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepRequest.FromString,
+                    response_serializer=tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -614,6 +634,33 @@ class TierManager:
             '/tierstack.tier_manager.v1.TierManager/WatchStats',
             tierstack_dot_proto_dot_tier__manager__pb2.WatchStatsRequest.SerializeToString,
             tierstack_dot_proto_dot_tier__manager__pb2.NodeStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdamWStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstack.tier_manager.v1.TierManager/AdamWStep',
+            tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepRequest.SerializeToString,
+            tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

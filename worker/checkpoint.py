@@ -71,8 +71,6 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
             store.write_back(i, {k: v for k, v in saved.items() if k.endswith(f".{kind}")}, kind=kind)
     engine.model.load_state_dict(meta["persistent"])
     engine.persistent_optimizer.load_state_dict(meta["persistent_optimizer"])
-    if meta["steps"]:
-        optimizer._has_moments.update(range(meta["blocks"]))
     with torch.no_grad():
         for m, saved_master in zip(engine.persistent_masters, meta["persistent_masters"]):
             m.copy_(saved_master)

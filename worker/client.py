@@ -77,9 +77,10 @@ class TierManagerClient:
         self.call("CancelBuffer", pb.CancelBufferRequest(lease_id=lease_id))
 
     def commit(self, key: str, lease_id: int, dtype: str, shape: tuple[int, ...],
-               durable: bool) -> pb.TensorInfo:
+               durable: bool, placement: int = pb.PLACEMENT_AUTO) -> pb.TensorInfo:
         return self.call("Commit", pb.CommitRequest(key=key, lease_id=lease_id, dtype=dtype,
-                                                    shape=list(shape), durable=durable))
+                                                    shape=list(shape), durable=durable,
+                                                    placement=placement))
 
     def fetch(self, keys: list[str]) -> pb.FetchResponse:
         return self.call("Fetch", pb.FetchRequest(keys=keys))
@@ -102,6 +103,10 @@ class TierManagerClient:
 
     def set_access_order(self, keys: list[str]) -> None:
         self.call("SetAccessOrder", pb.SetAccessOrderRequest(keys=keys))
+
+    def adamw_step(self, request: pb.AdamWStepRequest, timeout: float | None = None) -> pb.AdamWStepResponse:
+        """Run one AdamW step over state the daemon holds (not retried: it changes state)."""
+        return self.call("AdamWStep", request, timeout=timeout)
 
     def stats(self) -> pb.NodeStats:
         return self.call("GetStats", pb.GetStatsRequest())

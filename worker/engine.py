@@ -1,14 +1,23 @@
 """The offload engine: one training step of a model whose blocks live in the tiers.
 
 Composes the parts: `OffloadedBlocks` (forward/backward with each block brought to the
-device just in time), `TieredAdamW` (the blocks' optimizer step over state kept by the
-tier manager), and a plain AdamW for the parameters that stay on the device (embeddings,
-final norm, head: small, used every step).
+device just in time), `TieredAdamW` (the blocks' optimizer step, run by the tier manager
+over the state it keeps), and a plain AdamW for the parameters that stay on the device
+(embeddings, final norm, head, and blocks placed on the "gpu" tier: small or hot).
+
+Where each block's state lives comes from `block_tiers` (the config's per-module
+overrides, else its `params` offload device): "gpu" (not offloaded), "cpu" (kept in the
+CPU pool, never evicted), "nvme" (out of the CPU pool between uses), or "auto" (the CPU
+pool keeps what fits, the rest goes to NVMe).
 
 Precision: "fp32" end to end, or "bf16": the model computes in bf16 (blocks are stored
 and moved in bf16, half the bytes), while AdamW updates fp32 master weights, kept by the
 tier manager for blocks (kind "master") and on the device for persistent parameters.
 fp16 would also need loss scaling and is refused.
+
+`train_step` overlaps the optimizer with the backward: each block's AdamW step starts
+in the tier manager as soon as its gradients are stored. With gradient clipping the
+global norm needs every gradient first, so the blocks are stepped after the backward.
 """
 
 from __future__ import annotations
@@ -16,13 +25,39 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tierstack.config import OptimizerConfig
+from tierstack.config import OptimizerConfig, TrainConfig
 from tierstack.errors import ConfigError
+from tierstack.module_tiers import ModuleTiers
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.tiered_adamw import TieredAdamW
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BLOCK_TIERS = ("gpu", "cpu", "nvme", "auto")
+
+
+def block_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[str]:
+    """Each block's tier by the config: its module's override, else the params device
+    ("none": stays on the GPU; "nvme" with max_in_cpu 0: out of the CPU pool between uses,
+    else the CPU pool caches what fits)."""
+    overrides = ModuleTiers(train.tier_overrides)
+    device = train.params.device
+    default = {"none": "gpu", "cpu": "cpu",
+               "nvme": "nvme" if train.params.max_in_cpu == 0 else "auto"}[device]
+    return [overrides.tier_for(f"{blocks_attr}.{i}") or default for i in range(count)]
+
+
+def materialize(module: torch.nn.Module, device) -> None:
+    """Give a module built on the meta device real tensors on `device`, initialised by each
+    submodule's own `reset_parameters` (a model too large for host memory is built with
+    `torch.device("meta")` and materialised one block at a time)."""
+    if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        return
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for sub in module.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
 
 
 class OffloadEngine:
@@ -30,30 +65,45 @@ class OffloadEngine:
 
     def __init__(self, model: torch.nn.Module, store: LayerStore, optimizer: OptimizerConfig,
                  blocks_attr: str = "blocks", prefetch_depth: int = 2,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", tiers: list[str] | None = None,
+                 gradient_clipping: float = 0.0) -> None:
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision {precision!r} is not supported by the engine; "
                               f"use one of {', '.join(PRECISIONS)} (fp16 needs loss scaling)")
+        if gradient_clipping < 0:
+            raise ConfigError(f"train.gradient_clipping must be >= 0, got {gradient_clipping}")
         self.model = model
         self.store = store
         self.precision = precision
         self.blocks_attr = blocks_attr
+        self.gradient_clipping = gradient_clipping
         dtype = PRECISIONS[precision]
         block_list = model.get_submodule(blocks_attr)
-        masters = persistent_fp32 = None
+        tiers = list(tiers) if tiers is not None else ["auto"] * len(block_list)
+        if len(tiers) != len(block_list) or any(t not in BLOCK_TIERS for t in tiers):
+            raise ConfigError(f"tiers must name one of {BLOCK_TIERS} for each of the "
+                              f"{len(block_list)} blocks, got {tiers}")
+        self.tiers = tiers
+        positions = [i for i, t in enumerate(tiers) if t != "gpu"]
+        for layer, position in enumerate(positions):
+            store.place(layer, tiers[position], tiers[position])
+
+        def prepare(i: int, block: torch.nn.Module) -> None:
+            materialize(block, store.device)  # initialised where it is fastest; stored at once
+            if dtype != torch.float32:  # fp32 masters come from the fp32 weights
+                store.write_back(i, {f"{n}.master": p.detach().float() for n, p in
+                                     block.named_parameters() if p.requires_grad}, kind="master")
+                block.to(dtype)
+
+        self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions, prepare)
+        # What is left in the model stays on the device (persistent): created there.
+        materialize(model, store.device)
+        persistent_fp32 = None
         if dtype != torch.float32:
-            # fp32 masters come from the fp32 weights, before the model is cast.
-            masters = [{n: p.detach().float().clone() for n, p in b.named_parameters()}
-                       for b in block_list]
-            in_blocks = {id(p) for b in block_list for p in b.parameters()}
             persistent_fp32 = [p.detach().float().clone() for p in model.parameters()
-                               if id(p) not in in_blocks and p.requires_grad]
+                               if p.requires_grad]  # offloaded blocks are proxies by now
             model.to(dtype)
-        self.blocks = OffloadedBlocks(block_list, store, prefetch_depth)
-        if masters is not None:
-            for i, tensors in enumerate(masters):
-                store.write_back(i, {f"{n}.master": t for n, t in tensors.items()}, kind="master")
-        model.to(store.device)  # what is left in the model stays on the device
+        model.to(store.device)
         self.persistent = [p for p in model.parameters() if p.requires_grad]
         # fp32 masters of the persistent parameters (the parameters themselves in fp32).
         self.persistent_masters = (self.persistent if persistent_fp32 is None else
@@ -61,7 +111,18 @@ class OffloadEngine:
         hyper = dict(lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
                      weight_decay=optimizer.weight_decay)
         self.persistent_optimizer = torch.optim.AdamW(self.persistent_masters, fused=True, **hyper)
-        self.block_optimizer = TieredAdamW(self.blocks, optimizer, masters=masters is not None)
+        self.block_optimizer = TieredAdamW(self.blocks, optimizer, masters=dtype != torch.float32)
+        self.blocks.track_grad_norms = gradient_clipping > 0
+
+    @classmethod
+    def from_config(cls, model: torch.nn.Module, store: LayerStore, train: TrainConfig,
+                    blocks_attr: str = "blocks") -> "OffloadEngine":
+        """An engine as `train` (precision, optimizer, clipping, tiers) says."""
+        count = len(model.get_submodule(blocks_attr))
+        return cls(model, store, train.optimizer, blocks_attr,
+                   prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,
+                   tiers=block_tiers(train, blocks_attr, count),
+                   gradient_clipping=train.gradient_clipping)
 
     def zero_grad(self) -> None:
         """Clear gradients: the next backward starts a new accumulation window."""
@@ -71,8 +132,20 @@ class OffloadEngine:
             m.grad = None
         self.blocks.new_gradients()
 
+    def _clip_scale(self) -> float:
+        """The factor torch.nn.utils.clip_grad_norm_ would apply to every gradient."""
+        squares = [n for n in self.blocks.grad_sq_norms if n is not None]
+        squares += [p.grad.float().square().sum() for p in self.persistent if p.grad is not None]
+        total = torch.stack([s.to(self.store.device) for s in squares]).sum().sqrt()
+        return min(1.0, self.gradient_clipping / (total.item() + 1e-6))
+
     def step(self) -> None:
         """The optimizer step after a backward: persistent parameters, then every block."""
+        scale = self._clip_scale() if self.gradient_clipping > 0 else 1.0
+        if scale != 1.0:
+            for p in self.persistent:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         if self.persistent_masters is not self.persistent:
             for p, m in zip(self.persistent, self.persistent_masters):
                 m.grad = None if p.grad is None else p.grad.float()
@@ -81,7 +154,7 @@ class OffloadEngine:
             with torch.no_grad():
                 for p, m in zip(self.persistent, self.persistent_masters):
                     p.copy_(m)
-        self.block_optimizer.step()
+        self.block_optimizer.step(scale)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and optimizer step; returns the loss."""
@@ -89,6 +162,18 @@ class OffloadEngine:
         logits = self.model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         self.zero_grad()
-        loss.backward()
+        if self.gradient_clipping == 0:  # each block's step may start inside the backward
+            self.blocks.on_gradients = self.block_optimizer.start_block
+        try:
+            loss.backward()
+        except BaseException:
+            # Blocks already stepped keep their update: resume from a checkpoint.
+            self.block_optimizer.abandon_started()
+            raise
+        finally:
+            self.blocks.on_gradients = None
         self.step()
         return loss.item()
+
+    def close(self) -> None:
+        self.block_optimizer.close()

@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Sequence, TypeVar
 import torch
 
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError, TierManagerUnavailableError
+from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.worker.arenas import ArenaMap
 from tierstack.worker.client import TierManagerClient
 from tierstack.worker.device_budget import DeviceBudget
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_DEVICE_BUDGET = 4 << 30
+PLACEMENTS = {"auto": pb.PLACEMENT_AUTO, "cpu": pb.PLACEMENT_CPU, "nvme": pb.PLACEMENT_NVME}
 
 
 class _StaleArenas(Exception):
@@ -79,6 +81,12 @@ class LayerStore:
         self._arena_lock = threading.Lock()
         self._connect()
         self.layouts: list[LayerLayout] = []
+        # Layouts of the other kinds of a layer's state (grad, master, moments), written
+        # to the daemon once and then only when they change.
+        self._kind_layouts: dict[tuple[int, str], LayerLayout] = {}
+        # Where the daemon keeps each layer's state between uses: layer -> placement
+        # ("auto", "cpu", "nvme") for its parameters and for the other kinds.
+        self.placements: dict[int, tuple[str, str]] = {}
         self._resident: dict[int, _Resident] = {}
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -101,6 +109,21 @@ class LayerStore:
 
     def key(self, index: int, kind: str = "params") -> str:
         return f"{self.job}/layer{index}/{kind}"
+
+    def place(self, index: int, params: str = "auto", state: str = "auto") -> None:
+        """Keep layer `index`'s parameters, and its other state (gradients, optimizer
+        state), in the CPU pool ("cpu"), out of it between uses ("nvme"), or let the
+        daemon decide ("auto"). Applies to what is written from now on."""
+        for what, placement in (("parameters", params), ("state", state)):
+            if placement not in PLACEMENTS:
+                raise InvalidArgumentError(
+                    f"layer {index} {what}: placement {placement!r} is not one of "
+                    f"{', '.join(PLACEMENTS)}")
+        self.placements[index] = (params, state)
+
+    def placement(self, index: int, kind: str = "params") -> int:
+        params, state = self.placements.get(index, ("auto", "auto"))
+        return PLACEMENTS[params if kind == "params" else state]
 
     def _connect(self) -> ArenaMap:
         """Map the daemon's arenas; remap if the daemon restarted since the last call."""
@@ -150,19 +173,28 @@ class LayerStore:
 
     # ---- writing layers ------------------------------------------------------------------
 
-    def register_layers(self, layers: Sequence[torch.nn.Module | Mapping[str, torch.Tensor]]) -> list[LayerLayout]:
+    def register_layers(self, layers: Sequence[torch.nn.Module | Mapping[str, torch.Tensor]],
+                        prepare: Callable[[int], None] | None = None,
+                        done: Callable[[int], None] | None = None) -> list[LayerLayout]:
         """Upload each layer's tensors as one contiguous block, with its layout.
 
         Afterwards the tier manager holds the only copy that matters: callers drop their
-        device copies and get them back with `ensure_layer`.
+        device copies and get them back with `ensure_layer`. `prepare(i)` runs just before
+        layer i is read and `done(i)` just after it is stored, so a caller can create each
+        layer's tensors just in time and drop them at once (host memory: one layer).
         """
         layouts = []
         for i, layer in enumerate(layers):
+            if prepare is not None:
+                prepare(i)
             tensors = layer_tensors(layer)
             layout = LayerLayout.of(tensors)
             self._write_block(self.key(i, "layout"), torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8))
-            self._write_layer(self.key(i), layout, tensors)
+            self._write_layer(self.key(i), layout, tensors, placement=self.placement(i))
             layouts.append(layout)
+            del tensors
+            if done is not None:
+                done(i)
         self.layouts = layouts
         self._write_block(f"{self.job}/meta", torch.tensor([len(layouts)], dtype=torch.int64))
         self.client.set_access_order([self.key(i) for i in range(len(layouts))])
@@ -182,16 +214,29 @@ class LayerStore:
         `kind="params"` replaces the layer itself (names and shapes must match its layout);
         any other kind is stored beside it under its own key and layout.
         """
-        layout = self.layouts[index] if kind == "params" else LayerLayout.of(tensors)
+        if kind == "params":
+            layout = self.layouts[index]
+        else:  # keep the declared layout when the tensors fit it (whatever their order)
+            layout = self._kind_layouts.get((index, kind))
+            if layout is None or not layout.fits(tensors):
+                layout = LayerLayout.of(tensors)
         if kind == "params" and index in self._resident:
             self.release_layer(index)  # a device copy of the old version must not be reused
         if kind != "params":
+            self.declare_layout(index, kind, layout)
+        self._write_layer(self.key(index, kind), layout, tensors, durable,
+                          self.placement(index, kind))
+
+    def declare_layout(self, index: int, kind: str, layout: LayerLayout) -> None:
+        """Record how layer `index`'s state of `kind` is laid out (when the daemon, not
+        this worker, writes that state: the optimizer's moments)."""
+        if self._kind_layouts.get((index, kind)) != layout:
             self._write_block(self.key(index, f"{kind}.layout"),
                               torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8))
-        self._write_layer(self.key(index, kind), layout, tensors, durable)
+            self._kind_layouts[(index, kind)] = layout
 
     def _write_layer(self, key: str, layout: LayerLayout, tensors: Mapping[str, torch.Tensor],
-                     durable: bool | None = None) -> None:
+                     durable: bool | None = None, placement: int = pb.PLACEMENT_AUTO) -> None:
         layout.check(tensors)
 
         def fill(block: torch.Tensor) -> None:
@@ -204,13 +249,14 @@ class LayerStore:
             else:
                 layout.pack_into(block, tensors)
 
-        self._write(key, layout.nbytes, fill, self.durable if durable is None else durable)
+        self._write(key, layout.nbytes, fill, self.durable if durable is None else durable, placement)
 
     def _write_block(self, key: str, data: torch.Tensor) -> None:
         flat = data.contiguous().view(-1).view(torch.uint8)
         self._write(key, flat.numel(), lambda block: block.copy_(flat), durable=True)
 
-    def _write(self, key: str, nbytes: int, fill: Callable[[torch.Tensor], None], durable: bool) -> None:
+    def _write(self, key: str, nbytes: int, fill: Callable[[torch.Tensor], None], durable: bool,
+               placement: int = pb.PLACEMENT_AUTO) -> None:
         def op(arenas: ArenaMap) -> None:
             lease = self.client.allocate(nbytes)
             try:
@@ -218,7 +264,7 @@ class LayerStore:
                     raise _StaleArenas()
                 block = arenas.view(lease.arena, lease.offset, nbytes)
                 fill(block)
-                self.client.commit(key, lease.lease_id, "uint8", (nbytes,), durable)
+                self.client.commit(key, lease.lease_id, "uint8", (nbytes,), durable, placement)
                 self._count(written=nbytes)
             except BaseException:
                 try:
@@ -244,9 +290,18 @@ class LayerStore:
 
     def read_layer(self, index: int, kind: str = "params") -> dict[str, torch.Tensor]:
         """A CPU copy of a stored layer's tensors."""
-        layout = self.layouts[index] if kind == "params" else LayerLayout.from_json(
-            bytes(self._read_block(self.key(index, f"{kind}.layout")).numpy()))
+        layout = self.layouts[index] if kind == "params" else self.layout_of(index, kind)
         return layout.views(self._read_block(self.key(index, kind)))
+
+    def layout_of(self, index: int, kind: str) -> LayerLayout:
+        """How layer `index`'s state of `kind` is laid out (as stored with the daemon)."""
+        if kind == "params":
+            return self.layouts[index]
+        layout = self._kind_layouts.get((index, kind))
+        if layout is None:
+            layout = LayerLayout.from_json(bytes(self._read_block(self.key(index, f"{kind}.layout")).numpy()))
+            self._kind_layouts[(index, kind)] = layout
+        return layout
 
     def prefetch(self, index: int) -> bool:
         """Start bringing layer `index` to the device; False if it does not fit the budget now."""

@@ -54,6 +54,14 @@ class LayerLayout:
         for name, view in self.views(block).items():
             view.copy_(tensors[name], non_blocking=True)
 
+    def fits(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether `tensors` have exactly this layout's names, dtypes and shapes."""
+        try:
+            self.check(tensors)
+        except InvalidArgumentError:
+            return False
+        return True
+
     def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         names = {s.name for s in self.slots}
         if set(tensors) != names:

@@ -25,10 +25,12 @@ place (BatchNorm running statistics), and a key/value cache passed to a block.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
 from tierstack.errors import InvalidArgumentError
+from tierstack.services.tier_manager.tensor_bytes import dtype_from_name
 from tierstack.worker.layers import LayerStore
 
 
@@ -129,9 +131,18 @@ class OffloadedBlocks(torch.nn.Module):
     """A sequence of blocks whose parameters live with the node's tier manager."""
 
     def __init__(self, module_list: torch.nn.ModuleList, store: LayerStore,
-                 prefetch_depth: int = 2) -> None:
+                 prefetch_depth: int = 2, positions: list[int] | None = None,
+                 prepare: Callable[[int, torch.nn.Module], None] | None = None) -> None:
+        """Offload the blocks of `module_list` at `positions` (default: all of them);
+        block i here (layer i of the store) is `module_list[positions[i]]`.
+
+        `prepare(i, block)` runs on each block just before it is stored (to create its
+        tensors from the meta device, cast it): only one block is materialised at a time.
+        """
         super().__init__()
-        self.blocks = list(module_list)  # plain list: these are not the model's modules any more
+        self.positions = list(range(len(module_list))) if positions is None else list(positions)
+        # plain list: these are not the model's modules any more
+        self.blocks = [module_list[p] for p in self.positions]
         self.store = store
         self.prefetch_depth = prefetch_depth
         for i, block in enumerate(self.blocks):
@@ -139,12 +150,22 @@ class OffloadedBlocks(torch.nn.Module):
         self._anchor = torch.empty(0, requires_grad=True)
         self._generation = 0  # gradients of the current accumulation window
         self._grad_generation = [-1] * len(self.blocks)
-        store.register_layers(self.blocks)
+        # Called with a block's index once its gradients of the window are stored (the
+        # engine starts that block's optimizer step there, overlapping the backward).
+        self.on_gradients: Callable[[int], None] | None = None
+        # Squared L2 norm of each block's stored gradients (a device scalar), kept when
+        # `track_grad_norms` is set, for global-norm clipping without reading them back.
+        self.track_grad_norms = False
+        self.grad_sq_norms: list[torch.Tensor | None] = [None] * len(self.blocks)
         self._names = [list(block.state_dict().keys()) for block in self.blocks]
-        for i in range(len(self.blocks)):
+
+        def registered(i: int) -> None:
             self._dematerialize(i)
             self.blocks[i].to(store.device)  # placeholders only: nothing of size moves
-            module_list[i] = _BlockProxy(self, i)
+            module_list[self.positions[i]] = _BlockProxy(self, i)
+
+        store.register_layers(self.blocks, prepare=None if prepare is None else
+                              (lambda i: prepare(i, self.blocks[i])), done=registered)
 
     # ---- one block ---------------------------------------------------------------------
 
@@ -212,9 +233,21 @@ class OffloadedBlocks(torch.nn.Module):
             if self.has_gradients(index):  # accumulate within the window
                 for key, old in self.store.read_layer(index, "grad").items():
                     new[key] = new[key] + old.to(new[key].device)
+            if self.track_grad_norms:
+                self.grad_sq_norms[index] = sum((g.float().square().sum() for g in new.values()),
+                                                torch.zeros((), device=x.device))
             self.store.write_back(index, new, kind="grad", durable=False)
             self._grad_generation[index] = self._generation
+            if self.on_gradients is not None:
+                self.on_gradients(index)
             return grad_in
+
+    def trainable(self, index: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """Block `index`'s parameters that get gradients: (name, shape, dtype), in the order
+        its gradients are stored."""
+        layout = {s.name: s for s in self.store.layouts[index].slots}
+        return [(n, layout[n].shape, dtype_from_name(layout[n].dtype))
+                for n, p in self.blocks[index].named_parameters() if p.requires_grad]
 
     def gradients(self, index: int) -> dict[str, torch.Tensor]:
         """Block `index`'s parameter gradients of the current window (CPU copies)."""
@@ -233,6 +266,8 @@ def _check_supported(index: int, block: torch.nn.Module) -> None:
     """Refuse blocks whose offloaded copy would silently train differently."""
     seen: dict[int, str] = {}
     for name, tensor in block.state_dict(keep_vars=True).items():
+        if tensor.is_meta:  # created later, one block at a time: nothing is shared yet
+            continue
         if tensor.numel() and tensor.data_ptr() in seen:
             raise InvalidArgumentError(
                 f"block {index}: {name!r} shares its storage with {seen[tensor.data_ptr()]!r}; "

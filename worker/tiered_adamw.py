@@ -1,109 +1,151 @@
-"""AdamW over offloaded blocks: parameters, gradients and moments stay in the tiers.
+"""AdamW over offloaded blocks, run by the tier manager where the state is.
 
-For each block in turn the step reads its parameters, gradients and the two moment
-buffers from the tier manager (kinds "params", "grad", "exp_avg", "exp_avg_sq"), runs
-PyTorch's own AdamW kernel on the CPU (`torch.optim.adamw.adamw`, fused by default),
-and writes parameters and moments back. No block's state is on the device at any time.
+Each block's parameters, gradients, moments (kinds "exp_avg", "exp_avg_sq") and, with
+`masters`, fp32 master weights (kind "master") are kept by the node's tier manager. A
+step sends the daemon only keys and layouts (`AdamWStep`); the daemon runs PyTorch's
+fused CPU AdamW on its CPU-pool buffers in place (services/tier_manager/adamw.py), and
+rounds the masters into the block's low-precision parameters. No state byte comes back
+to the worker, and no block's state is on the device at any time.
 
-With `masters`, AdamW updates the fp32 master weights (kind "master") from the
-low-precision gradients, and the layer's parameters are written back as the masters
-rounded to the layer's dtype.
-
-Reading block i+1, updating block i and writing block i-1 overlap. Not yet here (see
-the issue): running the step inside the tier manager itself.
+Two ways to step:
+- `start_block(i)` as soon as block i's gradients are stored: the engine calls it from
+  the backward (when the window's last backward is running and no clipping needs every
+  gradient first), so the daemon updates block i while the device computes block i-1.
+- `step()`: every block not started yet goes in one request, which the daemon pipelines
+  (reading the next block's state, updating this one, writing the previous one); then it
+  waits for the blocks started during the backward.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-from torch.optim import adamw
 
 from tierstack.config import OptimizerConfig
 from tierstack.errors import InvalidArgumentError
+from tierstack.proto import tier_manager_pb2 as pb
+from tierstack.services.tier_manager.tensor_bytes import dtype_name
+from tierstack.worker.layout import LayerLayout
 from tierstack.worker.offload import OffloadedBlocks
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+STEP_TIMEOUT = 3600.0  # seconds one AdamWStep call may take (a large block from a slow disk)
+
+
+def state_layout(trainable, kind: str, dtype: torch.dtype = torch.float32) -> LayerLayout:
+    """The layout of one kind of a block's per-parameter state ("grad", "master", moments)."""
+    return LayerLayout.of({f"{n}.{kind}": torch.empty(shape, dtype=dtype, device="meta")
+                           for n, shape, _ in trainable})
 
 
 class TieredAdamW:
     """AdamW for the parameters of an `OffloadedBlocks`, state kept by the tier manager."""
 
     def __init__(self, blocks: OffloadedBlocks, config: OptimizerConfig | None = None,
-                 fused: bool = True, masters: bool = False) -> None:
+                 masters: bool = False) -> None:
         self.blocks = blocks
         self.masters = masters
         self.config = config or OptimizerConfig()
         self.config.validate("optimizer")
-        self.fused = fused
         self.steps = 0
-        self._has_moments: set[int] = set()  # blocks whose moments the tier manager holds
+        self.update_seconds = 0.0  # daemon time in the AdamW kernel, all steps
+        self.wait_seconds = 0.0  # daemon time waiting for state to be read
+        store = blocks.store
+        self._requests = []
+        for i in range(len(blocks.blocks)):
+            trainable = blocks.trainable(i)
+            kinds = MOMENTS + (("master",) if masters else ())
+            for kind in kinds:
+                store.declare_layout(i, kind, state_layout(trainable, kind))
+            self._requests.append(self._block_request(i, trainable))
+        self._pending: dict[int, Future] = {}
+        # Two in flight: the daemon reads one block's state while it updates another.
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="tierstack-adamw")
 
-    def step(self) -> None:
+    def _block_request(self, i: int, trainable) -> pb.AdamWBlock:
+        store = self.blocks.store
+        params = {s.name: s for s in store.layouts[i].slots}
+        if not trainable:
+            raise InvalidArgumentError(f"block {i} has no parameter that needs gradients; "
+                                       f"keep it out of the offloaded blocks")
+        param_dtype = params[trainable[0][0]].dtype
+        if any(params[n].dtype != param_dtype for n, _, _ in trainable):
+            raise InvalidArgumentError(
+                f"block {i} mixes parameter dtypes {sorted({params[n].dtype for n, _, _ in trainable})}; "
+                f"cast the block to one dtype")
+        if not self.masters and param_dtype != "float32":
+            raise InvalidArgumentError(
+                f"block {i} has {param_dtype} parameters: AdamW needs float32 master weights "
+                f"(train with precision bf16, which keeps them)")
+        grad = {s.name: s for s in state_layout(trainable, "grad", trainable[0][2]).slots}
+        state = state_layout(trainable, "exp_avg")
+        offsets = {s.name[:-len(".exp_avg")]: s.offset for s in state.slots}
+        return pb.AdamWBlock(
+            params=store.key(i), grads=store.key(i, "grad"),
+            master=store.key(i, "master") if self.masters else "",
+            exp_avg=store.key(i, "exp_avg"), exp_avg_sq=store.key(i, "exp_avg_sq"),
+            param_dtype=param_dtype, grad_dtype=dtype_name(trainable[0][2]),
+            state_nbytes=state.nbytes, state_placement=store.placement(i, "state"),
+            segments=[pb.AdamWSegment(numel=math.prod(shape), param_offset=params[n].offset,
+                                      grad_offset=grad[f"{n}.grad"].offset,
+                                      state_offset=offsets[n])
+                      for n, shape, _ in trainable])
+
+    def _request(self, indices: list[int], grad_scale: float) -> pb.AdamWStepRequest:
+        beta1, beta2 = self.config.betas
+        return pb.AdamWStepRequest(
+            blocks=[self._requests[i] for i in indices], step=self.steps + 1, lr=self.config.lr,
+            beta1=beta1, beta2=beta2, eps=self.config.eps, weight_decay=self.config.weight_decay,
+            grad_scale=grad_scale, release_gradients=True)
+
+    def _run(self, indices: list[int], grad_scale: float = 1.0) -> None:
+        response = self.blocks.store.client.adamw_step(self._request(indices, grad_scale),
+                                                       timeout=STEP_TIMEOUT)
+        self.update_seconds += response.update_seconds
+        self.wait_seconds += response.wait_seconds
+
+    def start_block(self, index: int) -> None:
+        """Start block `index`'s step now (its gradients of this window are stored)."""
+        if index not in self._pending:
+            self._pending[index] = self._pool.submit(self._run, [index])
+
+    def step(self, grad_scale: float = 1.0) -> None:
         """One AdamW step for every block, from the gradients of the last backward.
 
-        Three legs overlap: block i+1's state is read while block i is updated, and
-        block i's results are written while block i+1 is updated.
+        `grad_scale` multiplies the gradients first (global-norm clipping); blocks already
+        started by `start_block` were started unscaled, so the engine starts none when it
+        clips.
         """
         count = len(self.blocks.blocks)
-        missing = [i for i in range(count) if not self.blocks.has_gradients(i)]
-        if missing:  # check first: a step must update every block or none
-            raise InvalidArgumentError(
-                f"blocks {missing} have no gradients since the last zero_grad: run a backward "
-                f"through every offloaded block before the optimizer step")
-        step = self.steps + 1
-        writes = []
-        with ThreadPoolExecutor(2, thread_name_prefix="tierstack-adam-io") as io:
-            pending = io.submit(self._read, 0) if count else None
-            for i in range(count):
-                state = pending.result()
-                if i + 1 < count:
-                    pending = io.submit(self._read, i + 1)
-                self._update(state, step)
-                writes.append(io.submit(self._write, i, state))
-            for w in writes:
-                w.result()  # surface a failed write
-        self._has_moments.update(range(count))
-        self.steps = step  # counted only once every block's update is stored
+        try:
+            missing = [i for i in range(count) if not self.blocks.has_gradients(i)]
+            if missing:  # check first: a step must update every block or none
+                raise InvalidArgumentError(
+                    f"blocks {missing} have no gradients since the last zero_grad: run a backward "
+                    f"through every offloaded block before the optimizer step")
+            if grad_scale != 1.0 and self._pending:
+                raise InvalidArgumentError("blocks were stepped during the backward without "
+                                           "the clipping scale; clip before starting any block")
+            rest = [i for i in range(count) if i not in self._pending]
+            if rest:
+                self._run(rest, grad_scale)
+        finally:
+            pending, self._pending = self._pending, {}
+            errors = [e for e in (f.exception() for f in pending.values()) if e is not None]
+        if errors:
+            raise errors[0]
+        self.steps += 1  # counted only once every block's update is stored
+        # The daemon deleted the gradients it used: the next backward starts a new window.
+        self.blocks.new_gradients()
 
-    def _read(self, i: int) -> dict:
-        store = self.blocks.store
-        grads = {n: g.float() for n, g in self.blocks.gradients(i).items()}
-        stored = store.read_layer(i)
-        names = sorted(grads)
-        if self.masters:
-            saved = store.read_layer(i, "master")
-            params = [saved[f"{n}.master"] for n in names]
-        else:
-            params = [stored[n] for n in names]
-        if i not in self._has_moments:
-            moments = {kind: [torch.zeros_like(p) for p in params] for kind in MOMENTS}
-        else:
-            moments = {}
-            for kind in MOMENTS:
-                saved = store.read_layer(i, kind)
-                moments[kind] = [saved[f"{n}.{kind}"] for n in names]
-        return {"names": names, "grads": [grads[n] for n in names], "stored": stored,
-                "params": params, "moments": moments}
+    def abandon_started(self) -> None:
+        """After a failed backward: wait for the blocks already started, and forget them
+        (the step count does not advance; those blocks keep their update)."""
+        pending, self._pending = self._pending, {}
+        for f in pending.values():
+            f.exception()
 
-    def _update(self, state: dict, step: int) -> None:
-        beta1, beta2 = self.config.betas
-        # AdamW increments each step counter itself: hand it the count before this step.
-        counters = [torch.tensor(float(step - 1)) for _ in state["names"]]
-        adamw.adamw(state["params"], state["grads"], state["moments"]["exp_avg"],
-                    state["moments"]["exp_avg_sq"], [], counters, foreach=False, fused=self.fused,
-                    amsgrad=False, beta1=beta1, beta2=beta2, lr=self.config.lr,
-                    weight_decay=self.config.weight_decay, eps=self.config.eps, maximize=False)
-
-    def _write(self, i: int, state: dict) -> None:
-        store = self.blocks.store
-        names, params, stored = state["names"], state["params"], state["stored"]
-        if self.masters:
-            store.write_back(i, {f"{n}.master": p for n, p in zip(names, params)}, kind="master")
-            for n, p in zip(names, params):
-                stored[n].copy_(p)  # rounded to the layer's dtype
-        store.write_back(i, stored)  # parameters: all of the layer's tensors
-        for kind in MOMENTS:
-            store.write_back(i, {f"{n}.{kind}": t for n, t in zip(names, state["moments"][kind])},
-                             kind=kind)
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

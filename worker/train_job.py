@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    if not args.config:  # the main job's point: the blocks' state streams through NVMe
+        config.train.params.device = config.train.optimizer_state.device = "nvme"
     if args.precision:
         config.train.precision = args.precision
     if args.ranks > 1 or args.address:
@@ -94,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
 def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatches, config) -> int:
     store = LayerStore(f"train-{uuid.uuid4().hex[:8]}", device=device, device_budget=budget,
                        address=address, durable=False)
+    engine = None
     try:
-        engine = OffloadEngine(model, store, config.train.optimizer,
-                               precision=config.train.precision)
+        engine = OffloadEngine.from_config(model, store, config.train)
         tokens_per_step = args.batch_size * args.seq_len
         first, losses, start = store.client.stats(), [], time.perf_counter()
         last = (first, start)
@@ -128,4 +130,6 @@ def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatche
             f"device budget peak {store.budget.peak / MiB:.0f} of {store.budget.capacity / MiB:.0f} MiB")
         return 0
     finally:
+        if engine is not None:
+            engine.close()
         store.close()

@@ -12,8 +12,11 @@ to records. It is the only place that decides what a tier means:
 When the CPU pool is full it calls back into the registry, which evicts an unpinned CPU
 copy (writing it to NVMe first if it has no clean copy there): the one whose next use is
 furthest away when the access order is known (`set_access_order`), else the least
-recently used one.
+recently used one. A tensor's placement ranks it first: "nvme" tensors go before "auto"
+ones, and "cpu" tensors are never evicted.
 A tensor replaced or deleted while a reader holds it is freed when the reader lets go.
+`begin_update` / `end_update` let the daemon change a tensor's bytes in place (the
+optimizer step): the tensor is held exclusively meanwhile and gets a new version after.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ from tierstack.services.tier_manager.tensor_bytes import (
     tensor_from_buffer,
 )
 from tierstack.config import TierManagerConfig
-from tierstack.errors import InvalidArgumentError, KeyNotFoundError
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
 
 log = logging.getLogger(__name__)
 
 Tier = Literal["cpu", "nvme"]
 TIERS: tuple[Tier, ...] = ("cpu", "nvme")
+Placement = Literal["auto", "cpu", "nvme"]
+PLACEMENTS: tuple[Placement, ...] = ("auto", "cpu", "nvme")
+_EVICTION_RANK = {"nvme": 0, "auto": 1}  # lower goes first; "cpu" is never evicted
 MAX_KEY_BYTES = 1024
 VERSION_RESERVATION = 100_000  # versions reserved per durable manifest write
 
@@ -90,10 +96,19 @@ class _Record:
     pins: int = 0
     retired: bool = False
     loading: threading.Event | None = field(default=None, repr=False)
+    placement: Placement = "auto"
+    updating: threading.Event | None = field(default=None, repr=False)
+    durable: bool = False  # committed to NVMe by its writer (not only by an eviction)
 
     def info(self) -> TensorInfo:
         return TensorInfo(self.key, self.dtype, self.shape, self.nbytes, self.version,
                           self.cpu is not None, self.nvme is not None)
+
+
+def validate_placement(placement: object) -> Placement:
+    if placement not in PLACEMENTS:
+        raise InvalidArgumentError(f"unknown placement {placement!r}; use one of {PLACEMENTS}")
+    return placement  # type: ignore[return-value]
 
 
 def validate_key(key: object) -> str:
@@ -122,6 +137,7 @@ class TierRegistry:
         config.validate()
         self.config = config
         self._lock = threading.RLock()
+        self._unpinned = threading.Condition(self._lock)  # notified when a pin is dropped
         self._records: dict[str, _Record] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()  # CPU-resident keys, oldest first
         self._leases: dict[tuple[str, int], tuple[_Record, int]] = {}
@@ -155,7 +171,7 @@ class TierRegistry:
                 ) from None
             self._records[entry.key] = _Record(
                 entry.key, entry.dtype, entry.shape, entry.nbytes, entry.version,
-                nvme=entry.extent, checksums=entry.checksums)
+                nvme=entry.extent, checksums=entry.checksums, durable=True)
             self._last_version = max(self._last_version, entry.version)
         # Volatile (CPU-only) versions are not in the manifest; the reserved high-water
         # mark keeps a restarted daemon from handing any (key, version) out twice.
@@ -168,7 +184,7 @@ class TierRegistry:
     # ---- writes -------------------------------------------------------------------
 
     def put(self, key: str, tensor: torch.Tensor, tier: Tier = "nvme",
-            durable: bool = False) -> TensorInfo:
+            durable: bool = False, placement: Placement = "auto") -> TensorInfo:
         """Store a CPU tensor under `key` in `tier`, replacing any older version.
 
         `durable` with tier "cpu" also writes the bytes through to NVMe before returning.
@@ -180,12 +196,13 @@ class TierRegistry:
         dtype, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
         if tier == "nvme":
             extent, checksums = self._write_durable(key, data)
-            return self._install(key, dtype, shape, len(data), nvme=extent, checksums=checksums)
+            return self._install(key, dtype, shape, len(data), nvme=extent, checksums=checksums,
+                                 placement=placement)
         buffer = self.allocate_buffer(len(data))
         try:
             if len(data):
                 copy_bytes(self.cpu_pool.view(buffer), data)
-            return self.adopt(key, buffer, dtype, shape, durable=durable)
+            return self.adopt(key, buffer, dtype, shape, durable=durable, placement=placement)
         except BaseException:
             self.free_buffer(buffer)
             raise
@@ -200,13 +217,14 @@ class TierRegistry:
         self._free_cpu(buffer)
 
     def adopt(self, key: str, buffer: CpuBuffer | None, dtype: str, shape: tuple[int, ...],
-              durable: bool = False) -> TensorInfo:
+              durable: bool = False, placement: Placement = "auto") -> TensorInfo:
         """Make a filled CPU-pool buffer the new version of `key` (no copy).
 
         With `durable`, the bytes are first written to NVMe and recorded in the manifest,
         so the tensor survives a crash. On an error the buffer still belongs to the caller.
         """
         validate_key(key)
+        validate_placement(placement)
         dtype_from_name(dtype)
         nbytes = nbytes_of(dtype, tuple(shape))
         held = buffer.nbytes if buffer is not None else 0
@@ -215,18 +233,23 @@ class TierRegistry:
                 f"tensor {key!r}: {dtype}{list(shape)} needs {nbytes} bytes but the buffer "
                 f"holds {held}; allocate a buffer of exactly the tensor's size")
         if not durable:
-            return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer)
+            return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, placement=placement)
         view = self.cpu_pool.view(buffer) if buffer is not None else memoryview(b"")
         extent, checksums = self._write_durable(key, view)
         # On failure _install frees the extent it was given (never the caller's buffer).
         return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, nvme=extent,
-                             checksums=checksums)
+                             checksums=checksums, placement=placement)
 
     def _write_durable(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
         """Write bytes to a fresh NVMe extent and fdatasync; the caller commits or frees it."""
         if len(data) == 0:
             return NvmeExtent(0, self.nvme_pool.block_size, ()), ()
-        extent = self.nvme_pool.allocate(len(data))
+        try:
+            extent = self.nvme_pool.allocate(len(data))
+        except NvmePoolFullError:
+            if not self._drop_nvme_copies(len(data)):
+                raise
+            extent = self.nvme_pool.allocate(len(data))
         try:
             checksums = tuple(self.nvme_pool.write(extent, data, label=f"tensor {label!r}"))
             self.nvme_pool.sync([extent])
@@ -237,12 +260,13 @@ class TierRegistry:
 
     def _install(self, key: str, dtype: str, shape: tuple[int, ...], nbytes: int, *,
                  cpu: CpuBuffer | None = None, nvme: NvmeExtent | None = None,
-                 checksums: tuple[int, ...] = ()) -> TensorInfo:
+                 checksums: tuple[int, ...] = (), placement: Placement = "auto") -> TensorInfo:
         """Make a new version current: commit the manifest, swap the record, retire the old."""
         with self._lock:
             old = self._records.get(key)
             record = _Record(key, dtype, shape, nbytes, self._next_version(),
-                             cpu=cpu, nvme=nvme, checksums=checksums)
+                             cpu=cpu, nvme=nvme, checksums=checksums, placement=placement,
+                             durable=nvme is not None)
             try:
                 if nvme is not None:
                     self.manifest.commit(ManifestEntry(key, dtype, shape, nbytes, record.version,
@@ -315,12 +339,14 @@ class TierRegistry:
         while True:
             with self._lock:
                 record = self._get(key)
-                if record.cpu is not None or record.nbytes == 0:
+                if record.updating is not None:  # changing in place: wait for the new version
+                    waiting = record.updating
+                elif record.cpu is not None or record.nbytes == 0:
                     self._lease(record)
                     if record.cpu is not None:  # an empty tensor holds no buffer to evict
                         self._touch(key)
                     return record.info(), record.cpu
-                if record.loading is not None:
+                elif record.loading is not None:
                     waiting = record.loading
                 else:
                     waiting = None
@@ -387,6 +413,73 @@ class TierRegistry:
     def view(self, buffer: CpuBuffer) -> memoryview:
         return self.cpu_pool.view(buffer)
 
+    # ---- in-place updates ----------------------------------------------------------
+
+    def begin_update(self, key: str, timeout: float = 60.0) -> tuple[TensorInfo, CpuBuffer | None]:
+        """Make `key` resident and hold it exclusively, to change its bytes in place.
+
+        Waits (up to `timeout` s) for other readers to let go; new fetches wait until
+        `end_update`. The caller must call `end_update` with the returned info.
+        """
+        info, buffer = self.fetch(key)
+        with self._lock:
+            record = self._leases[(key, info.version)][0]
+            while record.updating is not None:  # another updater: queue behind it
+                waiting = record.updating
+                self._lock.release()
+                try:
+                    waiting.wait()
+                finally:
+                    self._lock.acquire()
+            record.updating = threading.Event()
+            if not self._unpinned.wait_for(lambda: record.pins == 1, timeout):
+                done, record.updating = record.updating, None
+                done.set()
+                self.release(key, info.version)
+                raise InvalidArgumentError(
+                    f"tensor {key!r} is still read by {record.pins - 1} reader(s) after "
+                    f"{timeout:.0f} s; it cannot be updated in place until they release it")
+            if record.nvme is not None and record.nvme.stripes and not record.durable:
+                # Its NVMe copy is about to go stale and nobody else reads it: give its room
+                # back now, not at end_update, so evictions during a step find space.
+                self.manifest.delete(key)
+                self.nvme_pool.free(record.nvme)
+                record.nvme, record.checksums = None, ()
+        return info, buffer
+
+    def end_update(self, info: TensorInfo, changed: bool, durable: bool = False) -> TensorInfo:
+        """Finish `begin_update`: with `changed`, the bytes become a new version of the key
+        (its NVMe copy is stale: rewritten now with `durable`, else dropped)."""
+        key = info.key
+        with self._lock:
+            record = self._leases[(key, info.version)][0]
+        try:
+            if not changed:
+                return record.info()
+            extent, checksums = None, ()
+            if durable:
+                extent, checksums = self._write_durable(key, self.view(record.cpu) if record.cpu
+                                                        else memoryview(b""))
+            with self._lock:
+                if self._records.get(key) is not record:
+                    if extent is not None and extent.stripes:
+                        self.nvme_pool.free(extent)
+                    raise KeyNotFoundError(f"tensor {key!r} was deleted while it was updated")
+                buffer, record.cpu = record.cpu, None  # moves to the new version
+                try:
+                    return self._install(key, record.dtype, record.shape, record.nbytes, cpu=buffer,
+                                         nvme=extent, checksums=checksums,
+                                         placement=record.placement)
+                except BaseException:
+                    record.cpu = buffer
+                    raise
+        finally:
+            with self._lock:
+                done, record.updating = record.updating, None
+            if done is not None:
+                done.set()
+            self.release(key, info.version)
+
     # ---- tier moves and eviction ---------------------------------------------------
 
     def evict(self, key: str) -> TensorInfo:
@@ -428,6 +521,29 @@ class TierRegistry:
                 buffer, record.cpu = record.cpu, None
                 self._free_cpu(buffer)
 
+    def _drop_nvme_copies(self, nbytes: int) -> bool:
+        """NVMe pool full: free the NVMe copies of tensors that are also in the CPU pool and
+        were put there only by an eviction (not written durably), soonest needed first,
+        until `nbytes` more are free. They are written again if evicted again."""
+        freed = 0
+        with self._lock:
+            doubles = [r for r in self._records.values()
+                       if r.cpu is not None and r.nvme is not None and r.nvme.stripes
+                       and not r.durable and r.pins == 0 and r.updating is None]
+            n = max(1, len(self._order))
+            doubles.sort(key=lambda r: (r.key not in self._order,
+                                        (self._order.get(r.key, 0) - self._cursor - 1) % n))
+            for record in doubles:
+                self.manifest.delete(record.key)
+                self.nvme_pool.free(record.nvme)
+                freed += record.nbytes
+                record.nvme, record.checksums = None, ()
+                if freed >= 2 * nbytes:  # extents are not contiguous: leave some slack
+                    break
+        if freed:
+            log.info("NVMe pool full: dropped %d bytes of NVMe copies of CPU-resident tensors", freed)
+        return freed > 0
+
     def set_access_order(self, keys: list[str]) -> None:
         """Declare the cyclic order in which keys will be fetched (e.g. layer order)."""
         with self._lock:
@@ -451,9 +567,12 @@ class TierRegistry:
 
     def _pick_victim(self) -> _Record | None:
         candidates = [self._records[k] for k in self._lru
-                      if self._records[k].pins == 0 and self._records[k].cpu is not None]
+                      if self._records[k].pins == 0 and self._records[k].cpu is not None
+                      and self._records[k].placement != "cpu"]
         if not candidates:
             return None
+        rank = min(_EVICTION_RANK[r.placement] for r in candidates)
+        candidates = [r for r in candidates if _EVICTION_RANK[r.placement] == rank]
         if self._order:
             n = len(self._order)
 
@@ -501,10 +620,15 @@ class TierRegistry:
             raise KeyNotFoundError(f"no tensor is stored under key {key!r}") from None
 
     def _pin(self, key: str) -> _Record:
-        with self._lock:
-            record = self._get(key)
-            record.pins += 1
-            return record
+        """Pin the current version of `key`, once no update in place is changing it."""
+        while True:
+            with self._lock:
+                record = self._get(key)
+                waiting = record.updating
+                if waiting is None:
+                    record.pins += 1
+                    return record
+            waiting.wait()
 
     def _unpin(self, record: _Record) -> None:
         with self._lock:
@@ -512,6 +636,7 @@ class TierRegistry:
             assert record.pins >= 0, f"unbalanced unpin of {record.key!r}"
             if record.pins == 0 and record.retired:
                 self._free_resources(record)
+            self._unpinned.notify_all()
 
     def _retire(self, record: _Record) -> None:
         record.retired = True

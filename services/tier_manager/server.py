@@ -19,6 +19,7 @@ import grpc
 from tierstack.errors import InvalidArgumentError, TierstackError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
+from tierstack.services.tier_manager.adamw import AdamWBlock, AdamWHyper, AdamWSegment, AdamWStepper
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
 from tierstack.services.tier_manager.registry import TensorInfo, TierRegistry
 
@@ -45,6 +46,25 @@ def _rpc(method):
             context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
     return wrapper
+
+
+PLACEMENTS = {pb.PLACEMENT_AUTO: "auto", pb.PLACEMENT_CPU: "cpu", pb.PLACEMENT_NVME: "nvme"}
+
+
+def placement_of(value: int) -> str:
+    try:
+        return PLACEMENTS[value]
+    except KeyError:
+        raise InvalidArgumentError(f"unknown placement {value}; use AUTO, CPU or NVME") from None
+
+
+def adamw_block(block: pb.AdamWBlock) -> AdamWBlock:
+    return AdamWBlock(
+        params=block.params, grads=block.grads, master=block.master, exp_avg=block.exp_avg,
+        exp_avg_sq=block.exp_avg_sq, param_dtype=block.param_dtype, grad_dtype=block.grad_dtype,
+        state_nbytes=block.state_nbytes, state_placement=placement_of(block.state_placement),
+        segments=tuple(AdamWSegment(s.numel, s.param_offset, s.grad_offset, s.state_offset)
+                       for s in block.segments))
 
 
 def tensor_info_pb(info: TensorInfo) -> pb.TensorInfo:
@@ -76,6 +96,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         self._lease_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._prefetcher = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="tierstack-prefetch")
+        self.adamw = AdamWStepper(registry)
         self._stopping = threading.Event()
 
     # ---- node -----------------------------------------------------------------------
@@ -127,7 +148,8 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         buffer = self._take_lease(request.lease_id)
         try:
             info = self.registry.adopt(request.key, buffer, request.dtype, tuple(request.shape),
-                                       durable=request.durable)
+                                       durable=request.durable,
+                                       placement=placement_of(request.placement))
         except BaseException:
             if context.is_active():
                 with self._lock:  # the client may fix the request and commit again
@@ -211,6 +233,19 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         self.registry.set_access_order(list(request.keys))
         return pb.SetAccessOrderResponse()
 
+    # ---- optimizer ----------------------------------------------------------------------
+
+    @_rpc
+    def AdamWStep(self, request, context):
+        hyper = AdamWHyper(step=request.step, lr=request.lr, beta1=request.beta1,
+                           beta2=request.beta2, eps=request.eps, weight_decay=request.weight_decay,
+                           grad_scale=request.grad_scale or 1.0,
+                           release_gradients=request.release_gradients)
+        result = self.adamw.step([adamw_block(b) for b in request.blocks], hyper, request.durable)
+        return pb.AdamWStepResponse(updated=[tensor_info_pb(i) for i in result.updated],
+                                    update_seconds=result.update_seconds,
+                                    wait_seconds=result.wait_seconds)
+
     # ---- stats ------------------------------------------------------------------------
 
     def _stats(self) -> pb.NodeStats:
@@ -269,3 +304,4 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         """Stop streams and background prefetches (in-flight ones finish)."""
         self._stopping.set()
         self._prefetcher.shutdown(wait=True)
+        self.adamw.close()

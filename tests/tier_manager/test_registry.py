@@ -340,3 +340,24 @@ def test_without_an_order_eviction_is_least_recently_used(tier_config):
         reg.release("t0")
         reg.put("other", torch.zeros(256 * 1024), tier="cpu")
         assert {k for k in reg.keys() if k.startswith("t") and not reg.info(k).in_cpu} == {"t1"}
+
+
+def test_a_full_nvme_pool_drops_nvme_copies_of_cpu_resident_tensors(tier_config):
+    """Evicted, fetched back, then the disk fills: the clean NVMe copy of a CPU-resident,
+    non-durable tensor is given up to make room, and nothing is lost."""
+    tier_config.nvme_pool.size = 6 * 256 << 10  # room for one 1 MiB tensor, not two
+    tier_config.nvme_pool.paths = tier_config.nvme_pool.paths[:1]
+    with TierRegistry(tier_config) as reg:
+        a = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB each
+        reg.put("a", a, tier="cpu")
+        reg.evict("a")
+        reg.fetch("a")
+        reg.release("a")  # in both tiers now: a clean cached copy
+        assert reg.info("a").on_nvme and reg.info("a").in_cpu
+        b = a + 1
+        reg.put("b", b, tier="cpu")
+        reg.evict("b")  # needs the room a's NVMe copy held
+        assert reg.info("b").on_nvme and not reg.info("a").on_nvme
+        assert torch.equal(reg.get("a"), a) and torch.equal(reg.get("b"), b)
+        durable = reg.put("c", a[:1 << 16], tier="nvme")  # durable copies are never dropped
+        assert durable.on_nvme and torch.equal(reg.get("c"), a[:1 << 16])

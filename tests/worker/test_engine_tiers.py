@@ -1,0 +1,114 @@
+"""The engine as the config places it: per-module tiers, gradient clipping, the overlapped
+optimizer step in the tier manager; always against plain PyTorch on the same seed and data."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.worker.test_offload import TinyGPT
+from tierstack.config import load_config
+from tierstack.errors import ConfigError
+from tierstack.worker.engine import OffloadEngine, block_tiers
+from tierstack.worker.layers import LayerStore
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _data(seed, count):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g))
+            for _ in range(count)]
+
+
+def _plain_losses(model, batches, clip=0.0):
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    losses = []
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_config(**train):
+    optimizer = {"lr": HYPER["lr"], "betas": list(HYPER["betas"]), "eps": HYPER["eps"],
+                 "weight_decay": HYPER["weight_decay"]}
+    return load_config({"tier_manager": {"nvme_pool": {"paths": ["/unused"]}},
+                        "train": {"optimizer": optimizer, **train}}).train
+
+
+def test_clipping_matches_clip_grad_norm(daemon):
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, layers=3)
+    model = copy.deepcopy(reference)
+    batches = _data(3, 6)
+    expected = _plain_losses(reference, batches, clip=0.05)  # small: every step clips
+    store = LayerStore("clip", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, _train_config(
+            gradient_clipping=0.05, params={"device": "cpu"}))
+        got = [engine.train_step(x, y) for x, y in batches]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+        engine.close()
+    finally:
+        store.close()
+
+
+def test_tier_overrides_place_each_block_and_training_still_matches(daemon):
+    """Block 0 stays on the device, blocks 1-2 are kept in the CPU pool, the rest go out to
+    NVMe first when the 16 MiB pool fills (their state is ~18 MiB)."""
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=160, heads=4, layers=6)
+    model = copy.deepcopy(reference)
+    batches = _data(4, 4)
+    expected = _plain_losses(reference, batches)
+    train = _train_config(params={"device": "nvme", "max_in_cpu": 0},
+                          tier_overrides={"blocks[0]": "gpu", "blocks[1-2]": "cpu"})
+    assert block_tiers(train, "blocks", 6) == ["gpu", "cpu", "cpu", "nvme", "nvme", "nvme"]
+    store = LayerStore("tiers", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, train)
+        assert engine.blocks.positions == [1, 2, 3, 4, 5]
+        assert isinstance(model.blocks[0], type(reference.blocks[0]))  # a real module, trained on the device
+        assert all(p.numel() for p in model.blocks[0].parameters())
+        got = [engine.train_step(x, y) for x, y in batches]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+        stats = store.client.stats()
+        assert stats.evictions > 0 and stats.cpu_used <= stats.cpu_capacity
+        for layer in (0, 1):  # model blocks 1 and 2: placed on the CPU tier, never evicted
+            for kind in ("params", "exp_avg", "exp_avg_sq"):
+                assert store.client.describe(store.key(layer, kind)).in_cpu
+        engine.close()
+    finally:
+        store.close()
+
+
+def test_a_bad_tier_names_the_key():
+    with pytest.raises(ConfigError, match=r"tier_overrides\['blocks\[1\]'\]"):
+        _train_config(tier_overrides={"blocks[1]": "disk"})
+
+
+def test_a_model_built_on_the_meta_device_is_created_block_by_block_and_trains(daemon):
+    """Blocks are materialised one at a time just before they are stored (a model larger
+    than host memory is built this way); the persistent parts are created on the device."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = TinyGPT(dim=64, layers=4)
+    store = LayerStore("meta", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine(model, store, _train_config().optimizer, precision="bf16")
+        assert not any(p.is_meta for p in model.parameters())
+        weights = store.read_layer(2)
+        assert all(t.dtype == torch.bfloat16 and t.float().abs().sum() > 0 for n, t in weights.items()
+                   if n.endswith("weight"))  # initialised, not left empty
+        x, y = _data(5, 1)[0]
+        losses = [engine.train_step(x, y) for _ in range(6)]
+        assert losses[-1] < losses[0] - 0.1, losses
+        engine.close()
+    finally:
+        store.close()
