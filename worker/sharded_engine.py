@@ -16,10 +16,9 @@ summation order differs (see tests/worker/test_sharded.py for the tolerance).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import torch.nn.functional as F
 from torch.optim import adamw
 
 from tierstack.config import OptimizerConfig
@@ -52,28 +51,61 @@ class ShardedAdamW:
         self.fused = fused
         self.steps = 0
         self._has_moments: set[int] = set()
+        self._started: dict[int, Future] = {}
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="tierstack-shard-adamw")
 
-    def step(self) -> None:
+    def start_block(self, index: int) -> None:
+        """Update block `index`'s shard now (its gradient shard of this window is stored):
+        called from the backward, so the update overlaps the earlier blocks' backward."""
+        if index not in self._started:
+            self._started[index] = self._background.submit(self._step_block, index, self.steps + 1)
+
+    def _step_block(self, index: int, step: int, grad_scale: float = 1.0) -> None:
+        state = self._read(index)
+        self._update(state, step, grad_scale)
+        self._write(index, state)
+
+    def abandon_started(self) -> None:
+        """After a failed backward: wait for the blocks already started and forget them."""
+        started, self._started = self._started, {}
+        for f in started.values():
+            f.exception()
+
+    def step(self, grad_scale: float = 1.0) -> None:
         count = len(self.blocks.blocks)
-        missing = [i for i in range(count) if not self.blocks.has_gradients(i)]
-        if missing:
-            raise InvalidArgumentError(
-                f"blocks {missing} have no gradients since the last zero_grad: run a backward "
-                f"through every offloaded block before the optimizer step")
-        step = self.steps + 1
-        writes = []
-        with ThreadPoolExecutor(2, thread_name_prefix="tierstack-adam-io") as io:
-            pending = io.submit(self._read, 0) if count else None
-            for i in range(count):
-                state = pending.result()
-                if i + 1 < count:
-                    pending = io.submit(self._read, i + 1)
-                self._update(state, step)
-                writes.append(io.submit(self._write, i, state))
-            for w in writes:
-                w.result()
+        try:
+            missing = [i for i in range(count) if not self.blocks.has_gradients(i)]
+            if missing:
+                raise InvalidArgumentError(
+                    f"blocks {missing} have no gradients since the last zero_grad: run a "
+                    f"backward through every offloaded block before the optimizer step")
+            if grad_scale != 1.0 and self._started:
+                raise InvalidArgumentError("blocks were stepped during the backward without "
+                                           "the clipping scale; clip before starting any block")
+            step = self.steps + 1
+            rest = [i for i in range(count) if i not in self._started]
+            writes = []
+            with ThreadPoolExecutor(2, thread_name_prefix="tierstack-adam-io") as io:
+                pending = io.submit(self._read, rest[0]) if rest else None
+                for n, i in enumerate(rest):
+                    state = pending.result()
+                    if n + 1 < len(rest):
+                        pending = io.submit(self._read, rest[n + 1])
+                    self._update(state, step, grad_scale)
+                    writes.append(io.submit(self._write, i, state))
+                for w in writes:
+                    w.result()
+        finally:
+            started, self._started = self._started, {}
+            errors = [e for e in (f.exception() for f in started.values()) if e is not None]
+        if errors:
+            raise errors[0]
         self._has_moments.update(range(count))
         self.steps = step
+        self.blocks.new_gradients()
+
+    def close(self) -> None:
+        self._background.shutdown(wait=True)
 
     def _read(self, i: int) -> dict:
         store = self.store
@@ -89,10 +121,12 @@ class ShardedAdamW:
         return {"params": params, "target": target, "grad": grad, "moments": moments,
                 "segments": segments}
 
-    def _update(self, state: dict, step: int) -> None:
+    def _update(self, state: dict, step: int, grad_scale: float = 1.0) -> None:
         segments = state["segments"]
         if not segments:  # this rank's shard of the block is padding or buffers only
             return
+        if grad_scale != 1.0:
+            state["grad"].mul_(grad_scale)
         cut = lambda t: [t[a:b] for a, b in segments]  # noqa: E731 - views, updated in place
         beta1, beta2 = self.config.betas
         counters = [torch.tensor(float(step - 1)) for _ in segments]
@@ -117,13 +151,27 @@ class ShardedEngine(OffloadEngine):
     """Trains this rank's slice of each global batch; blocks partitioned over the ranks."""
 
     def __init__(self, model: torch.nn.Module, store: ShardedLayerStore, optimizer: OptimizerConfig,
-                 blocks_attr: str = "blocks", prefetch_depth: int = 2, precision: str = "fp32") -> None:
+                 *args, **kwargs) -> None:
         if not isinstance(store, ShardedLayerStore):
             raise InvalidArgumentError("ShardedEngine needs a ShardedLayerStore (use OffloadEngine "
                                        "with a LayerStore for one rank)")
-        super().__init__(model, store, optimizer, blocks_attr, prefetch_depth, precision)
-        self.block_optimizer = ShardedAdamW(self.blocks, optimizer,
-                                            masters=self.block_optimizer.masters)
+        super().__init__(model, store, optimizer, *args, **kwargs)
+
+    def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool) -> ShardedAdamW:
+        return ShardedAdamW(self.blocks, optimizer, masters=masters)
+
+    def _clip_scale(self) -> float:
+        """torch's clip_grad_norm_ factor for the global batch's gradient: the blocks' shards
+        are disjoint (their squares add over the ranks); the persistent gradients are whole
+        and already averaged on every rank."""
+        store: ShardedLayerStore = self.store
+        shards = [store.grad_sq_norms[i] for i in range(len(self.blocks.blocks))
+                  if i in store.grad_sq_norms]
+        local = torch.stack(shards).sum() if shards else torch.zeros((), device=store.device)
+        blocks_sq = store.all_reduce_mean(float(local)) * store.world
+        persistent_sq = sum(float(p.grad.float().square().sum()) for p in self.persistent
+                            if p.grad is not None)
+        return min(1.0, self.gradient_clipping / ((blocks_sq + persistent_sq) ** 0.5 + 1e-6))
 
     def step(self) -> None:
         grads = [p.grad for p in self.persistent if p.grad is not None]
@@ -132,10 +180,4 @@ class ShardedEngine(OffloadEngine):
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and step on this rank's slice; the global batch's mean loss."""
-        inputs, targets = inputs.to(self.store.device), targets.to(self.store.device)
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        self.zero_grad()
-        loss.backward()
-        self.step()
-        return self.store.all_reduce_mean(loss.item())
+        return self.store.all_reduce_mean(super().train_step(inputs, targets))

@@ -65,6 +65,7 @@ class FlatSlot:
     offset: int  # in elements
     numel: int
     trainable: bool
+    dtype: str  # the layer's (one dtype per layer)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class FlatLayout:
                 f"layer as one flat array of one dtype; cast the model (model.to(dtype)) first")
         slots, offset = [], 0
         for name, t in tensors.items():
-            slots.append(FlatSlot(name, tuple(t.shape), offset, t.numel(), name in trainable))
+            slots.append(FlatSlot(name, tuple(t.shape), offset, t.numel(), name in trainable,
+                                  dtype_name(t.dtype)))
             offset += -(-t.numel() // ELEMENT_ALIGNMENT) * ELEMENT_ALIGNMENT
         per_rank = -(-offset // world)
         shard = max(ELEMENT_ALIGNMENT, -(-per_rank // ELEMENT_ALIGNMENT) * ELEMENT_ALIGNMENT)
@@ -186,6 +188,10 @@ class ShardedLayerStore:
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="tierstack-collective")
         self._comm_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.stall_seconds = 0.0
+        # Squared L2 norm of each layer's stored (averaged) gradient shard, a device scalar:
+        # summed over the ranks, the global norm for gradient clipping.
+        self.grad_sq_norms: dict[int, torch.Tensor] = {}
+        self._early_writes: list[tuple] = []  # writes for a layer not laid out yet
         self.bytes_gathered = 0  # bytes received from the other ranks by all-gathers
         self.bytes_reduced = 0   # gradient bytes this rank sent into reduce-scatters
 
@@ -193,6 +199,13 @@ class ShardedLayerStore:
 
     def key(self, index: int, kind: str = "params") -> str:
         return self.local.key(index, kind)
+
+    def place(self, index: int, params: str = "auto", state: str = "auto") -> None:
+        """Where this rank's shards of layer `index` live (LayerStore.place)."""
+        self.local.place(index, params, state)
+
+    def placement(self, index: int, kind: str = "params") -> int:
+        return self.local.placement(index, kind)
 
     def _collective(self, fn: Callable[[], T]) -> Future:
         """Queue `fn` on the communication thread (every collective goes through here)."""
@@ -224,24 +237,35 @@ class ShardedLayerStore:
 
     # ---- registering -------------------------------------------------------------------
 
-    def register_layers(self, layers: Sequence[torch.nn.Module | Mapping[str, torch.Tensor]]) -> list[FlatLayout]:
+    def register_layers(self, layers: Sequence[torch.nn.Module | Mapping[str, torch.Tensor]],
+                        prepare: Callable[[int], None] | None = None,
+                        done: Callable[[int], None] | None = None) -> list[FlatLayout]:
         """Store this rank's shard of every layer with the node's tier manager.
 
         Every rank passes the same layers (same seed); each keeps only its own shard.
+        `prepare(i)` / `done(i)` as for LayerStore: one layer's tensors exist at a time.
         """
-        layouts, shards = [], []
-        for i, layer in enumerate(layers):
-            tensors = layer_tensors(layer)
-            trainable = ({n for n, p in layer.named_parameters() if p.requires_grad}
-                         if isinstance(layer, torch.nn.Module) else set(tensors))
-            layout = FlatLayout.of(tensors, trainable, self.world, f"layer {i}")
-            flat = layout.pack(tensors, layout.torch_dtype, "cpu")
-            lo, hi = layout.shard_range(self.rank)
-            layouts.append(layout)
-            shards.append({"shard": flat[lo:hi].clone()})
-        self.layouts = layouts
-        self.local.register_layers(shards)
-        return layouts
+        self.layouts = []
+
+        def shards():
+            for i, layer in enumerate(layers):
+                if prepare is not None:
+                    prepare(i)  # may write_back this layer's masters before its layout exists
+                tensors = layer_tensors(layer)
+                trainable = ({n for n, p in layer.named_parameters() if p.requires_grad}
+                             if isinstance(layer, torch.nn.Module) else set(tensors))
+                layout = FlatLayout.of(tensors, trainable, self.world, f"layer {i}")
+                flat = layout.pack(tensors, layout.torch_dtype, "cpu")
+                lo, hi = layout.shard_range(self.rank)
+                self.layouts.append(layout)
+                early, self._early_writes = self._early_writes, []
+                for args in early:
+                    self.write_back(*args)
+                del tensors
+                yield {"shard": flat[lo:hi].clone()}
+
+        self.local.register_layers(shards(), done=done)
+        return self.layouts
 
     # ---- the layer on the device ---------------------------------------------------------
 
@@ -347,6 +371,9 @@ class ShardedLayerStore:
         (`<param>.<kind>`, or plain names for "params") holds the same values on every
         rank, and each rank stores its slice without communicating.
         """
+        if index >= len(self.layouts):  # during register_layers' prepare: stored with the layer
+            self._early_writes.append((index, dict(tensors), kind, durable))
+            return
         layout = self.layouts[index]
         suffix = "" if kind == "params" else f".{kind}"
         dtype = next(iter(tensors.values())).dtype if tensors else layout.torch_dtype
@@ -356,6 +383,7 @@ class ShardedLayerStore:
             self.release_layer(index)  # the gathered copy is stale now
         if kind == "grad":
             shard = self._reduce_scatter_mean(full)
+            self.grad_sq_norms[index] = shard.float().square().sum()
         else:
             lo, hi = layout.shard_range(self.rank)
             shard = full[lo:hi]
