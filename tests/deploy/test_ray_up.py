@@ -95,7 +95,10 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
     config["auth"]["ssh_private_key"] = str(local_sshd)
     cluster_yaml = tmp_path / "cluster.yaml"
     cluster_yaml.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_UP_enable_autoscaler_v2": "0", "COLUMNS": "200"}
+    # The cluster runs with Ray's token auth off (deploy/cluster.yaml says why): its
+    # clients must not send tokens either, whatever an earlier ray.init left in os.environ.
+    env = {**os.environ, "RAY_UP_enable_autoscaler_v2": "0", "RAY_AUTH_MODE": "disabled",
+           "COLUMNS": "200"}
     home = Path.home()
     bashrc = home / ".bashrc"
     bashrc_before = bashrc.read_text() if bashrc.exists() else None

@@ -17,9 +17,14 @@ from tierstack.worker.partitioned_job import PartitionedSpec, global_batches, sm
 @pytest.fixture(scope="module")
 def local_ray():
     ray = pytest.importorskip("ray")
+    environ = dict(os.environ)
     ray.init(num_cpus=2, object_store_memory=128 << 20, include_dashboard=False)
     yield ray
     ray.shutdown()
+    # ray.init leaves RAY_AUTH_MODE=token (and more) in this process's environment,
+    # which later tests' subprocesses would inherit.
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def test_two_cpu_actors_train_like_plain_pytorch_on_the_global_batch(local_ray):
