@@ -9,6 +9,7 @@ Root only: the launcher's SSH port is 22.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -105,6 +106,9 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
     bootstrap = [home / "ray_bootstrap_config.yaml", home / "ray_bootstrap_key.pem"]
     bootstrap_existed = [p.exists() for p in bootstrap]
     nodes = [ray_node_ip(h) for h in NODES]  # Ray names the head by the machine's address
+    node_config = json.loads((REPO / "deploy" / "node.json").read_text())["tier_manager"]
+    drives = [Path(p) / f"node-{n}" for p in node_config["nvme_pool"]["paths"] for n in nodes]
+    drives = [d for d in drives if not d.exists()]  # the nodes' NVMe pools this test creates
     try:
         up = _run([RAY, "up", "-y", "--no-config-cache", cluster_yaml], env, 420, tmp_path / "up.log")
         assert up.returncode == 0, up.stdout[-4000:]
@@ -144,6 +148,8 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
     while any(_answers(n, 1.0) or (node_dir(n) / "ray-node.pid").exists() for n in nodes):
         assert time.monotonic() < deadline, [n for n in nodes if _answers(n, 1.0)]
         time.sleep(2)
+    for drive in drives:
+        shutil.rmtree(drive, ignore_errors=True)
 
 
 def _check_registered_with_the_scheduler(nodes: list[str]) -> None:
