@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench-io bench-ensure-layer bench-train bench-partitioned proto clean
+.PHONY: run test bench-io bench-ensure-layer bench-train bench-scheduler bench-partitioned proto clean system-packages
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	$(PYTHON) -m venv $(VENV)
@@ -15,19 +15,35 @@ $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	# an unpinned requirement can pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
-	# openssh-server + rsync: the `ray up` end-to-end test reaches its two loopback nodes
-	# through a local sshd, as Ray's cluster launcher reaches real ones (root only).
-	if [ "$$(id -u)" = 0 ] && ! { command -v sshd >/dev/null || [ -x /usr/sbin/sshd ]; } || ! command -v rsync >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq --no-install-recommends openssh-server rsync >/dev/null; \
-	  else echo "not root: skipping openssh-server/rsync (the ray up test will skip)"; fi; \
-	fi
+	$(MAKE) --no-print-directory system-packages
 	touch $@
+
+# Debian packages the tests drive: chromium (the dashboard test, through the playwright
+# package with executable_path=/usr/bin/chromium), promtool (from `prometheus`), and
+# openssh-server + rsync (the `ray up` test reaches its two loopback nodes through a local
+# sshd, as Ray's cluster launcher reaches real ones).
+# Installed only when the binary is missing; without root or apt-get, those tests skip
+# and say why.
+SYSTEM_PACKAGES := /usr/bin/chromium:chromium /usr/bin/promtool:prometheus \
+                   /usr/sbin/sshd:openssh-server /usr/bin/rsync:rsync
+system-packages:
+	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
+	  [ -x "$${pair%%:*}" ] || missing="$$missing $${pair##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $$missing >/dev/null; \
+	  else \
+	    echo "warning: cannot install$$missing (needs root and apt-get); the dashboard" \
+	         "and promtool tests will skip"; \
+	  fi; \
+	fi
 
 run: $(STAMP)
 	$(VENV)/bin/tierstack train
 
-test: $(STAMP)
+test: $(STAMP) system-packages
 	$(PY) -m pytest
 
 bench-io: $(STAMP)
@@ -38,6 +54,9 @@ bench-ensure-layer: $(STAMP)
 
 bench-train: $(STAMP)
 	$(PY) bench/train.py
+
+bench-scheduler: $(STAMP)
+	$(PY) bench/scheduler.py
 
 bench-partitioned: $(STAMP)
 	$(PY) bench/partitioned.py

@@ -8,7 +8,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg
 cp -r tierstack /tmp/pkg/
-cp -r services worker proto /tmp/pkg/tierstack/
+cp -r services worker proto dashboards /tmp/pkg/tierstack/
 cc -O2 -std=c11 -D_GNU_SOURCE -shared -fPIC -pthread \
     -o /tmp/pkg/tierstack/services/tier_manager/native/libtierstack_blockio.so \
     services/tier_manager/native/blockio.c

@@ -38,6 +38,9 @@ def test_train_runs_with_state_spilling_to_nvme_and_the_loss_falls(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = out.stdout.replace("\n", " ")
     assert "done: 6 steps" in summary
+    # The embedded daemon serves the dashboard and says where; progress shows every link.
+    assert "dashboard: http://127.0.0.1:" in summary
+    assert all(f"{link} " in summary for link in ("nvme->cpu", "cpu->nvme", "cpu->dev", "dev->cpu"))
     read_gb = float(summary.split("done: ")[1].split("NVMe read ")[1].split(" GB")[0])
     assert read_gb > 0  # the state did not fit the CPU pool
     first, last = summary.split("done: ")[1].split("loss ")[1].split(",")[0].split(" -> ")

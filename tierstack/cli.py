@@ -89,6 +89,25 @@ def _tier_manager(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scheduler(args: argparse.Namespace) -> int:
+    """Run the cluster scheduler in the foreground."""
+    from tierstack.services.scheduler.daemon import serve
+
+    config = load_config(args.config).scheduler
+    if args.listen:
+        config.listen = args.listen
+    config.validate()
+    serve(config)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Estimate where a model's state lives and how fast it trains on a cluster."""
+    from tierstack.services.scheduler.estimator import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstack", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -119,6 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     from tierstack.services.ray_node import add_arguments as add_ray_node, run as run_ray_node
     add_ray_node(ray_node)
     ray_node.set_defaults(func=run_ray_node)
+    sched = sub.add_parser("scheduler", help="run the cluster scheduler (gRPC): plans from traces and bandwidth")
+    sched.add_argument("--config", help="tierstack JSON config (its scheduler section)")
+    sched.add_argument("--listen", help="unix:/path/to.sock (default) or host:port")
+    sched.set_defaults(func=_scheduler)
+
+    plan = sub.add_parser("plan", help="estimate placement, step time and TFLOP/s of a model on a cluster")
+    from tierstack.services.scheduler.estimator import add_arguments as add_plan_arguments
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_plan)
     return parser
 
 

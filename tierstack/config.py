@@ -129,6 +129,39 @@ class NvmePoolConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """The node's metrics: Prometheus /metrics, the HTTP API and the dashboard."""
+
+    enabled: bool = True
+    """Collect metrics at all (RPC timings, bandwidth samples, worker reports)."""
+    http_listen: str = "127.0.0.1:8470"
+    """host:port of the HTTP API, /metrics and dashboard ('' for none). If the port is
+    taken, another one is used and logged (GetHttpEndpoint names it)."""
+    node_name: str = ""
+    """This node's name in metrics and the dashboard; default: the host name."""
+    sample_interval_seconds: float = 1.0
+    """How often bandwidth and occupancy are sampled for the history."""
+    history_seconds: float = 900.0
+    """How far back the bandwidth history goes."""
+    worker_stale_seconds: float = 30.0
+    """A worker that has not reported for this long no longer counts as connected."""
+    cluster_nodes: list[str] = field(default_factory=list)
+    """HTTP URLs of other nodes the cluster view aggregates with this one (until the
+    scheduler supplies its node list)."""
+
+    def validate(self, prefix: str = "metrics") -> None:
+        for name in ("sample_interval_seconds", "history_seconds", "worker_stale_seconds"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}.{name} must be positive, got {getattr(self, name)}")
+        if self.http_listen and not self.http_listen.rpartition(":")[2].isdigit():
+            raise ConfigError(f"{prefix}.http_listen: {self.http_listen!r} is not host:port "
+                              f"(e.g. 127.0.0.1:8470, 0.0.0.0:0 for any free port)")
+        for url in self.cluster_nodes:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{prefix}.cluster_nodes: {url!r} is not an http(s) URL")
+
+
+@dataclass
 class TierManagerConfig:
     """Everything one node's tier manager owns."""
 
@@ -144,12 +177,21 @@ class TierManagerConfig:
     lease_timeout_seconds: float = 600.0
     """A buffer granted by AllocateBuffer and neither committed nor cancelled within this
     time is freed (its worker is presumed dead)."""
+    scheduler_address: str = ""
+    """The cluster scheduler to register this node with and report bandwidth to
+    (unix:/path or host:port); empty: run without a scheduler."""
+    node_id: str = ""
+    """This node's name at the scheduler; default: the host name."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self, prefix: str = "tier_manager") -> None:
         if self.lease_timeout_seconds <= 0:
             raise ConfigError(f"{prefix}.lease_timeout_seconds must be positive")
+        if self.node_id and ("/" in self.node_id or not self.node_id.isprintable()):
+            raise ConfigError(f"{prefix}.node_id {self.node_id!r}: use printable characters and no '/'")
         self.cpu_pool.validate(f"{prefix}.cpu_pool")
         self.nvme_pool.validate(f"{prefix}.nvme_pool")
+        self.metrics.validate(f"{prefix}.metrics")
 
     def resolved_manifest_path(self) -> Path:
         if self.manifest_path:
@@ -238,15 +280,42 @@ class TrainConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """The cluster scheduler: where it listens and when it re-plans."""
+
+    listen: str = ""
+    """gRPC address: unix:/path or host:port; default: $TIERSTACK_SCHEDULER or
+    /tmp/tierstack-<uid>/scheduler.sock."""
+    report_interval_seconds: float = 2.0
+    """How often tier managers report measured bandwidth."""
+    replan_threshold: float = 0.25
+    """A link whose measured bandwidth is off a plan's assumption by more than this
+    fraction (either way) counts as drifting."""
+    replan_after_seconds: float = 10.0
+    """Re-plan once a link has drifted for this long without a report back in range."""
+    shutdown_grace_seconds: int = 5
+
+    def validate(self, prefix: str = "scheduler") -> None:
+        for name in ("report_interval_seconds", "replan_threshold", "replan_after_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{prefix}.{name} must be positive, got {getattr(self, name)}")
+        if self.replan_threshold >= 1:
+            raise ConfigError(f"{prefix}.replan_threshold is a fraction (0.25 = 25%); "
+                              f"got {self.replan_threshold}")
+
+
+@dataclass
 class TierstackConfig:
     """The root of a tierstack config file."""
 
     tier_manager: TierManagerConfig = field(default_factory=TierManagerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def validate(self) -> None:
         self.tier_manager.validate("tier_manager")
         self.train.validate("train")
+        self.scheduler.validate("scheduler")
         uses_nvme = "nvme" in (self.train.params.device, self.train.optimizer_state.device)
         uses_nvme = uses_nvme or "nvme" in self.train.tier_overrides.values()
         if uses_nvme and not self.tier_manager.nvme_pool.paths:

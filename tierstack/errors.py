@@ -68,6 +68,12 @@ class TierManagerUnavailableError(TierstackError):
     grpc_status = "UNAVAILABLE"
 
 
+class SchedulerUnavailableError(TierstackError):
+    """The cluster scheduler did not answer within the client's timeout."""
+
+    grpc_status = "UNAVAILABLE"
+
+
 class DeviceBudgetError(TierstackError, MemoryError):
     """A layer does not fit in the worker's device-memory budget."""
 

@@ -32,6 +32,7 @@ from tierstack.worker.arenas import ArenaMap
 from tierstack.worker.client import TierManagerClient
 from tierstack.worker.device_budget import DeviceBudget
 from tierstack.worker.layout import LayerLayout
+from tierstack.worker.metrics import WorkerMetrics, WorkerReporter, new_worker_id
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class _Resident:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     ready: threading.Event = field(default_factory=threading.Event)
     copied: object | None = None  # torch.cuda.Event once the copy is queued
+    wait_seconds: float = 0.0  # how long ensure_layer waited for this load
     error: BaseException | None = None
 
 
@@ -68,7 +70,8 @@ class LayerStore:
 
     def __init__(self, job: str, device: str | torch.device | None = None,
                  device_budget: int = DEFAULT_DEVICE_BUDGET, address: str | None = None,
-                 reconnect_timeout: float = 60.0, durable: bool = True) -> None:
+                 reconnect_timeout: float = 60.0, durable: bool = True,
+                 metrics: bool = True) -> None:
         if not job or "/" in job:
             raise InvalidArgumentError(f"job name {job!r} must be non-empty and contain no '/'")
         self.job = job
@@ -104,6 +107,22 @@ class LayerStore:
         self.bytes_read = 0
         self.bytes_written = 0
         self._count_lock = threading.Lock()
+        # Prefetch driven by the scheduler's plan (worker/plan_follower.py): the depths in
+        # effect, and a plan waiting for the next layer boundary (the next ensure_layer).
+        self.prefetch_depth = 2
+        self.read_ahead = 2
+        self.plan_version = 0
+        self.plan_switches: list[tuple[int, int, int]] = []  # (ensure_layer calls, version, depth)
+        self._pending_plan: tuple[int, int, int] | None = None
+        self.recording = False  # record uses (layer, ready, released) for the trace
+        self.uses: list[list] = []
+        self.stored_kinds: dict[tuple[int, str], int] = {}  # (layer, kind) -> bytes written
+        self._ensures = 0
+        # Bytes moved and waits, reported to the node's tier manager (worker/metrics.py).
+        self.metrics = WorkerMetrics() if metrics else None
+        self.worker_id = new_worker_id(job)
+        self._reporter = (WorkerReporter(self.client.target, self._metrics_report)
+                          if metrics else None)
 
     # ---- keys and connection -----------------------------------------------------------
 
@@ -197,8 +216,14 @@ class LayerStore:
                 done(i)
         self.layouts = layouts
         self._write_block(f"{self.job}/meta", torch.tensor([len(layouts)], dtype=torch.int64))
-        self.client.set_access_order([self.key(i) for i in range(len(layouts))])
+        self.set_access_order(range(len(layouts)))
         return layouts
+
+    def set_access_order(self, layers: Sequence[int]) -> None:
+        """Tell the daemon the cyclic order layers will be loaded in (a layer may come
+        back: a training step's forward then backward), so that it evicts the one needed
+        furthest in the future."""
+        self.client.set_access_order([self.key(i) for i in layers])
 
     def attach(self) -> list[LayerLayout]:
         """Load the layouts of a job another worker (or an earlier run) registered."""
@@ -230,6 +255,7 @@ class LayerStore:
     def declare_layout(self, index: int, kind: str, layout: LayerLayout) -> None:
         """Record how layer `index`'s state of `kind` is laid out (when the daemon, not
         this worker, writes that state: the optimizer's moments)."""
+        self.stored_kinds[(index, kind)] = layout.nbytes  # for the scheduler's trace
         if self._kind_layouts.get((index, kind)) != layout:
             self._write_block(self.key(index, f"{kind}.layout"),
                               torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8))
@@ -250,6 +276,9 @@ class LayerStore:
                 layout.pack_into(block, tensors)
 
         self._write(key, layout.nbytes, fill, self.durable if durable is None else durable, placement)
+        if self.metrics is not None and any(t.device.type == self.device.type
+                                            for t in tensors.values()):
+            self.metrics.copied_from_device(layout.nbytes)
 
     def _write_block(self, key: str, data: torch.Tensor) -> None:
         flat = data.contiguous().view(-1).view(torch.uint8)
@@ -307,15 +336,55 @@ class LayerStore:
         """Start bringing layer `index` to the device; False if it does not fit the budget now."""
         return self._start(index, required=False) is not None
 
+    def set_plan(self, version: int, prefetch_depth: int, read_ahead: int, staging_buffers: int = 0,
+                 reset: bool = False) -> None:
+        """Adopt a plan's depths at the next layer boundary (never under a transfer).
+
+        NVMe read hints beyond the device window are capped at `staging_buffers - 1`
+        (0: no cap): one staging buffer holds the layer being copied, and a hint the CPU
+        pool cannot hold would be read, evicted unused and read again. `reset` forgets
+        the versions seen (the scheduler restarted and counts from 1 again).
+        """
+        if staging_buffers:
+            read_ahead = min(read_ahead, prefetch_depth + max(staging_buffers - 1, 0))
+        with self._lock:
+            if reset:
+                self.plan_version, self._pending_plan = 0, None
+                return
+            if version > max(self.plan_version, self._pending_plan[0] if self._pending_plan else 0):
+                self._pending_plan = (version, prefetch_depth, max(read_ahead, prefetch_depth))
+
+    def prefetch_ahead(self, index: int, step: int = 1) -> None:
+        """Prefetch the next `prefetch_depth` layers after `index` (in direction `step`) to
+        the device, and ask the daemon to read the ones up to `read_ahead` from NVMe."""
+        for k in range(1, max(self.prefetch_depth, self.read_ahead) + 1):
+            other = index + k * step
+            if not 0 <= other < len(self.layouts):
+                break
+            if k <= self.prefetch_depth:
+                if other not in self._resident and not self.prefetch(other):
+                    break  # the device budget is full: the rest would not fit either
+            else:
+                self._hinter.submit(self._hint, self.key(other))
+
     def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
         """Layer `index`'s tensors on the device, ready for use on the current stream."""
+        if self._pending_plan is not None:
+            with self._lock:
+                pending, self._pending_plan = self._pending_plan, None
+            if pending is not None:
+                self.plan_version, self.prefetch_depth, self.read_ahead = pending
+                self.plan_switches.append((self._ensures, pending[0], pending[1]))
+        self._ensures += 1
         resident = self._resident.get(index)
         if resident is None or resident.error is not None:
             resident = self._start(index, required=True)
         if not resident.ready.is_set():
             start = time.perf_counter()
             resident.ready.wait()
-            self.stall_seconds += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self.stall_seconds += waited
+            resident.wait_seconds += waited
         if resident.error is not None:
             self._drop(index, resident)
             raise resident.error
@@ -323,15 +392,23 @@ class LayerStore:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(resident.copied)
             resident.buffer.record_stream(stream)
+        if self.recording:
+            self.uses.append([index, time.perf_counter(), None])
         return resident.tensors
 
     def release_layer(self, index: int) -> None:
         """Drop layer `index` from the device (its bytes stay with the tier manager)."""
         with self._lock:
             resident = self._resident.pop(index, None)
+        if self.recording and self.uses and self.uses[-1][0] == index and self.uses[-1][2] is None:
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()  # the layer's compute
+            self.uses[-1][2] = time.perf_counter()
         if resident is not None:
             resident.ready.wait()
             self.budget.free(resident.nbytes)
+            if self.metrics is not None:  # once per load, off ensure_layer's path
+                self.metrics.load_used(resident.wait_seconds)
 
     def resident_layers(self) -> list[int]:
         with self._lock:
@@ -404,6 +481,8 @@ class LayerStore:
                 else:
                     resident.buffer.copy_(src)
                     copied = None
+                if self.metrics is not None:
+                    self.metrics.copied_to_device(resident.nbytes)
             except BaseException:
                 if self.cuda:
                     torch.cuda.current_stream(self.device).synchronize()
@@ -436,7 +515,20 @@ class LayerStore:
         except Exception as e:  # noqa: BLE001 - a restarted daemon forgot the pin anyway
             log.debug("release of %s v%d: %s", key, version, e)
 
+    def _metrics_report(self):
+        with self._lock:
+            loading = sum(not r.ready.is_set() for r in self._resident.values())
+        return self.metrics.report(self.worker_id, self.job, str(self.device), self.stall_seconds,
+                                   self.budget.used, self.budget.capacity, loading,
+                                   self.prefetch_depth)
+
+    def dashboard_url(self) -> str:
+        """The node's dashboard and HTTP API URL, or '' when it serves none."""
+        return self._reporter.endpoint() if self._reporter is not None else ""
+
     def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.close()  # a last report, so that the node has the final figures
         self._hinter.shutdown(wait=True)
         self._loader.shutdown(wait=True)
         self._releaser.shutdown(wait=True)

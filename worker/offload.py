@@ -145,6 +145,8 @@ class OffloadedBlocks(torch.nn.Module):
         self.blocks = [module_list[p] for p in self.positions]
         self.store = store
         self.prefetch_depth = prefetch_depth
+        # The store's depths until a scheduler plan replaces them (PlanFollower).
+        store.prefetch_depth = store.read_ahead = prefetch_depth
         for i, block in enumerate(self.blocks):
             _check_supported(i, block)
         self._anchor = torch.empty(0, requires_grad=True)
@@ -166,6 +168,8 @@ class OffloadedBlocks(torch.nn.Module):
 
         store.register_layers(self.blocks, prepare=None if prepare is None else
                               (lambda i: prepare(i, self.blocks[i])), done=registered)
+        count = len(self.blocks)  # a step loads every block forward, then backward
+        store.set_access_order(list(range(count)) + list(range(count - 1, -1, -1)))
 
     # ---- one block ---------------------------------------------------------------------
 
@@ -184,16 +188,15 @@ class OffloadedBlocks(torch.nn.Module):
             _set_tensor(block, name, torch.empty(0, dtype=current.dtype, device=self.store.device))
 
     @contextlib.contextmanager
-    def _using(self, index: int, then: range):
-        """Block `index` on the device for the body, prefetching `then` behind it.
+    def _using(self, index: int, step: int):
+        """Block `index` on the device for the body, prefetching the next blocks in
+        direction `step` behind it (as deep as the store's plan says).
 
         The block comes first: prefetches must never take the budget it needs. After an
         error no layer, prefetched or not, stays on the device.
         """
         self._materialize(index)
-        for other in then:
-            if 0 <= other < len(self.blocks):
-                self.store.prefetch(other)
+        self.store.prefetch_ahead(index, step)
         try:
             yield self.blocks[index]
         except BaseException:
@@ -206,7 +209,7 @@ class OffloadedBlocks(torch.nn.Module):
 
     def _forward_block(self, index: int, x: torch.Tensor, extra: tuple) -> torch.Tensor:
         args, kwargs = extra
-        with self._using(index, range(index + 1, index + 1 + self.prefetch_depth)) as block:
+        with self._using(index, 1) as block:
             return block(x, *args, **kwargs)
 
     def new_gradients(self) -> None:
@@ -219,7 +222,7 @@ class OffloadedBlocks(torch.nn.Module):
     def _backward_block(self, index: int, x: torch.Tensor, extra: tuple,
                         grad_out: torch.Tensor, replay: "_ReplayState") -> torch.Tensor | None:
         args, kwargs = extra
-        with self._using(index, range(index - 1, index - 1 - self.prefetch_depth, -1)) as block:
+        with self._using(index, -1) as block:
             with torch.enable_grad(), replay.replaying():
                 x_in = x.detach().requires_grad_(x.requires_grad)
                 out = block(x_in, *args, **kwargs)

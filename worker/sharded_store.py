@@ -188,6 +188,11 @@ class ShardedLayerStore:
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="tierstack-collective")
         self._comm_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.stall_seconds = 0.0
+        # Layers gathered ahead of use (prefetch_ahead); OffloadedBlocks sets them. A
+        # scheduler plan would have to change them on every rank at the same layer, or
+        # the ranks' collectives would diverge: plans are not followed here yet.
+        self.prefetch_depth = 2
+        self.read_ahead = 2
         # Squared L2 norm of each layer's stored (averaged) gradient shard, a device scalar:
         # summed over the ranks, the global norm for gradient clipping.
         self.grad_sq_norms: dict[int, torch.Tensor] = {}
@@ -206,6 +211,10 @@ class ShardedLayerStore:
 
     def placement(self, index: int, kind: str = "params") -> int:
         return self.local.placement(index, kind)
+
+    def set_access_order(self, layers: Sequence[int]) -> None:
+        """The cyclic order this rank's shards are loaded in (LayerStore.set_access_order)."""
+        self.local.set_access_order(layers)
 
     def _collective(self, fn: Callable[[], T]) -> Future:
         """Queue `fn` on the communication thread (every collective goes through here)."""
@@ -272,6 +281,19 @@ class ShardedLayerStore:
     def prefetch(self, index: int) -> bool:
         """Start loading layer `index`'s shard and gathering the layer; False if it does not fit."""
         return self._start(index, required=False) is not None
+
+    def prefetch_ahead(self, index: int, step: int = 1) -> None:
+        """Gather the next `prefetch_depth` layers after `index` (in direction `step`), and
+        hint the local shards of the ones up to `read_ahead` to the daemon."""
+        for k in range(1, max(self.prefetch_depth, self.read_ahead) + 1):
+            other = index + k * step
+            if not 0 <= other < len(self.layouts):
+                break
+            if k <= self.prefetch_depth:
+                if other not in self._gathered and not self.prefetch(other):
+                    break  # the device budget is full: the rest would not fit either
+            else:
+                self.local._hinter.submit(self.local._hint, self.local.key(other))
 
     def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
         """Layer `index`'s full tensors on the device, ready on the current stream."""

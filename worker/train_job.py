@@ -93,6 +93,14 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _device_counters(store: LayerStore) -> tuple[int, int, float]:
+    """(bytes copied to the device, bytes copied from it, seconds stalled) so far."""
+    m = store.metrics
+    if m is None:
+        return 0, 0, store.stall_seconds
+    return m.cpu_to_device_bytes, m.device_to_cpu_bytes, store.stall_seconds
+
+
 def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatches, config) -> int:
     store = LayerStore(f"train-{uuid.uuid4().hex[:8]}", device=device, device_budget=budget,
                        address=address, durable=False)
@@ -100,8 +108,12 @@ def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatche
     try:
         engine = OffloadEngine.from_config(model, store, config.train)
         tokens_per_step = args.batch_size * args.seq_len
+        url = store.dashboard_url()
+        if url:
+            console.print(f"dashboard: {url}/dashboard/   Prometheus metrics: {url}/metrics")
         first, losses, start = store.client.stats(), [], time.perf_counter()
         last = (first, start)
+        moved = _device_counters(store)
         columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                    TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
         with Progress(*columns, console=console, transient=False) as progress:
@@ -114,9 +126,15 @@ def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatche
                 read = (stats.nvme_bytes_read - last[0].nvme_bytes_read) / dt / 1e9
                 written = (stats.nvme_bytes_written - last[0].nvme_bytes_written) / dt / 1e9
                 last = (stats, now)
+                # The device side of the links, from this worker's own counters.
+                counts = _device_counters(store)
+                h2d, d2h, stall = ((counts[i] - moved[i]) / dt for i in range(3))
+                moved = counts
+                h2d, d2h = h2d / 1e9, d2h / 1e9
                 progress.update(task, advance=1, status=(
-                    f"loss {losses[-1]:.3f}  {tokens_per_step / dt:,.0f} tok/s  "
-                    f"nvme->cpu {read:.2f} GB/s  cpu->nvme {written:.2f} GB/s  "
+                    f"loss {losses[-1]:.3f}  {tokens_per_step / dt:,.0f} tok/s  GB/s: "
+                    f"nvme->cpu {read:.2f}  cpu->nvme {written:.2f}  "
+                    f"cpu->dev {h2d:.2f}  dev->cpu {d2h:.2f}  stall {100 * stall:.0f}%  "
                     f"cpu pool {stats.cpu_used / MiB:.0f}/{stats.cpu_capacity / MiB:.0f} MiB"))
         elapsed = time.perf_counter() - start
         end = store.client.stats()

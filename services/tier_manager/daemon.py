@@ -25,6 +25,7 @@ from tierstack.errors import InvalidArgumentError
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.server import TierManagerServicer
+from tierstack.services.tier_manager.telemetry import NodeTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def unix_socket_path(target: str) -> Path | None:
     return None
 
 
-def _clear_stale_socket(path: Path) -> None:
+def clear_stale_socket(path: Path, what: str = "a tier manager", env: str = ADDRESS_ENV) -> None:
     """Remove a socket file left by a crashed daemon; refuse if a daemon still answers."""
     if not path.exists():
         return
@@ -68,8 +69,8 @@ def _clear_stale_socket(path: Path) -> None:
     finally:
         probe.close()
     raise InvalidArgumentError(
-        f"a tier manager is already listening on {path}; stop it, or give this one another "
-        f"address (--listen or ${ADDRESS_ENV})")
+        f"{what} is already listening on {path}; stop it, or give this one another "
+        f"address (--listen or ${env})")
 
 
 class TierManagerDaemon:
@@ -81,13 +82,16 @@ class TierManagerDaemon:
         socket_path = unix_socket_path(self.target)
         if socket_path is not None:
             socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _clear_stale_socket(socket_path)
+            clear_stale_socket(socket_path)
         self.registry = TierRegistry(config)
         self.servicer = TierManagerServicer(self.registry,
                                             lease_timeout=config.lease_timeout_seconds)
         self.health = health.HealthServicer()
+        self.telemetry = NodeTelemetry(config, self.servicer)
         self.server = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix="tierstack-rpc"),
-                                  options=[("grpc.so_reuseport", 0)])
+                                  options=[("grpc.so_reuseport", 0)],
+                                  interceptors=self.telemetry.interceptors())
+        self.telemetry.add_to_server(self.server)
         pb_grpc.add_TierManagerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
@@ -102,8 +106,14 @@ class TierManagerDaemon:
         if socket_path is not None:
             os.chmod(socket_path, 0o600)  # workers run as the daemon's user
         self._stopped = threading.Event()
+        self.node_link = None  # the scheduler link, when tier_manager.scheduler_address is set
 
     def start(self) -> None:
+        self.telemetry.start()  # before gRPC serves: GetHttpEndpoint answers the URL at once
+        if self.config.scheduler_address:
+            from tierstack.services.scheduler.node_link import NodeLink
+            self.node_link = NodeLink(self.registry, self.config)
+            self.node_link.start()  # probes the links before serving, then registers
         self.server.start()
         threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
                          daemon=True).start()
@@ -118,7 +128,10 @@ class TierManagerDaemon:
         self._stopped.set()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.node_link is not None:
+            self.node_link.stop()
         self.servicer.stop()
+        self.telemetry.stop()
         self.server.stop(grace=self.config.shutdown_grace_seconds).wait()
         self.registry.close()
         socket_path = unix_socket_path(self.target)
@@ -143,5 +156,7 @@ def serve(config: TierManagerConfig) -> None:
     signal.signal(signal.SIGINT, on_signal)
     daemon.start()
     print(f"tier manager listening on {daemon.target}", flush=True)
+    if daemon.telemetry.url:
+        print(f"metrics and dashboard on {daemon.telemetry.url}/dashboard/", flush=True)
     stop_requested.wait()
     daemon.stop()

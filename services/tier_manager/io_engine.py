@@ -22,6 +22,7 @@ block, and the block is not copied out.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import importlib.util
@@ -29,6 +30,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -144,6 +146,11 @@ class IoStats:
     bytes_written: int = 0
     blocks: int = 0
     checksum_failures: int = 0
+    in_flight: int = 0  # block requests submitted and not yet finished (a queue depth)
+    read_seconds: float = 0.0
+    """Time with at least one read batch in flight (busy time, overlaps counted once):
+    bytes_read / read_seconds is the bandwidth the disk delivered while in use."""
+    write_seconds: float = 0.0
 
 
 class DirectFile:
@@ -216,6 +223,8 @@ class IoEngine:
         self._staging_lock = threading.Lock()
         self.stats = IoStats()
         self._stats_lock = threading.Lock()
+        self._in_flight = {False: 0, True: 0}
+        self._busy_since = {False: 0.0, True: 0.0}
 
     def _count(self, r: BlockRequest, write: bool) -> None:
         with self._stats_lock:
@@ -233,15 +242,41 @@ class IoEngine:
 
     def write(self, requests: list[BlockRequest]) -> list[int]:
         """Write every block; returns each payload's crc32c. Raises after all have ended."""
-        if self._native is not None:
-            return self._run_native(True, requests)
-        return self._run_threads(self._write_one, requests)
+        with self._busy(write=True, blocks=len(requests)):
+            if self._native is not None:
+                return self._run_native(True, requests)
+            return self._run_threads(self._write_one, requests)
 
     def read(self, requests: list[BlockRequest]) -> list[int]:
         """Read every block into its `data`, verifying `expected_crc` where given."""
-        if self._native is not None:
-            return self._run_native(False, requests)
-        return self._run_threads(self._read_one, requests)
+        with self._busy(write=False, blocks=len(requests)):
+            if self._native is not None:
+                return self._run_native(False, requests)
+            return self._run_threads(self._read_one, requests)
+
+    @contextlib.contextmanager
+    def _busy(self, write: bool, blocks: int = 0):
+        """Count the time at least one batch of this direction is in flight, and the
+        block requests in flight (a queue depth for metrics)."""
+        now = time.perf_counter()
+        with self._stats_lock:
+            if self._in_flight[write] == 0:
+                self._busy_since[write] = now
+            self._in_flight[write] += 1
+            self.stats.in_flight += blocks
+        try:
+            yield
+        finally:
+            now = time.perf_counter()
+            with self._stats_lock:
+                self._in_flight[write] -= 1
+                self.stats.in_flight -= blocks
+                if self._in_flight[write] == 0:
+                    elapsed = now - self._busy_since[write]
+                    if write:
+                        self.stats.write_seconds += elapsed
+                    else:
+                        self.stats.read_seconds += elapsed
 
     def _run_native(self, write: bool, requests: list[BlockRequest]) -> list[int]:
         if not requests:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
@@ -41,7 +42,7 @@ from tierstack.services.tier_manager.tensor_bytes import (
     tensor_from_buffer,
 )
 from tierstack.config import TierManagerConfig
-from tierstack.errors import InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
+from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ PLACEMENTS: tuple[Placement, ...] = ("auto", "cpu", "nvme")
 _EVICTION_RANK = {"nvme": 0, "auto": 1}  # lower goes first; "cpu" is never evicted
 MAX_KEY_BYTES = 1024
 VERSION_RESERVATION = 100_000  # versions reserved per durable manifest write
+FULL_POOL_WAIT_SECONDS = 30.0  # how long an allocation waits for pinned tensors to be let go
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,11 @@ class TierRegistry:
         # Versions come from one registry-wide counter, so (key, version) names one
         # record even across delete and re-put.
         self._last_version = 0
-        self._order: dict[str, int] = {}  # key -> position in the cyclic access order
-        self._cursor = -1  # position of the last key fetched in that order
+        # The cyclic access order: key -> its positions in it (a key may come back, as a
+        # layer does in the backward), its length, and the position of the last fetch.
+        self._order: dict[str, list[int]] = {}
+        self._order_len = 0
+        self._cursor = -1
         self.evictions = 0
         self.nvme_pool = NvmePool(config.nvme_pool)
         try:
@@ -530,9 +535,7 @@ class TierRegistry:
             doubles = [r for r in self._records.values()
                        if r.cpu is not None and r.nvme is not None and r.nvme.stripes
                        and not r.durable and r.pins == 0 and r.updating is None]
-            n = max(1, len(self._order))
-            doubles.sort(key=lambda r: (r.key not in self._order,
-                                        (self._order.get(r.key, 0) - self._cursor - 1) % n))
+            doubles.sort(key=lambda r: self._distance(r.key))  # soonest needed first
             for record in doubles:
                 self.manifest.delete(record.key)
                 self.nvme_pool.free(record.nvme)
@@ -545,10 +548,20 @@ class TierRegistry:
         return freed > 0
 
     def set_access_order(self, keys: list[str]) -> None:
-        """Declare the cyclic order in which keys will be fetched (e.g. layer order)."""
+        """Declare the cyclic order in which keys will be fetched (e.g. layer order; a
+        training step's forward then backward names each layer twice)."""
         with self._lock:
-            self._order = {validate_key(k): i for i, k in enumerate(keys)}
-            self._cursor = -1
+            order: dict[str, list[int]] = {}
+            for i, k in enumerate(keys):
+                order.setdefault(validate_key(k), []).append(i)
+            self._order, self._order_len, self._cursor = order, len(keys), -1
+
+    def _distance(self, key: str) -> int:
+        """Fetches until `key`'s next use in the cyclic order (keys outside it: never)."""
+        positions = self._order.get(key)
+        if positions is None:
+            return self._order_len + 1
+        return min((p - self._cursor - 1) % self._order_len for p in positions)
 
     def _next_version(self) -> int:
         """A version never handed out before, by this or any earlier instance (lock held)."""
@@ -562,8 +575,9 @@ class TierRegistry:
         """Mark `key` as just used: most recent in LRU order, and the access cursor."""
         self._lru.pop(key, None)
         self._lru[key] = None
-        if key in self._order:
-            self._cursor = self._order[key]
+        if key in self._order:  # this use is the key's next position after the cursor
+            n = self._order_len
+            self._cursor = min(self._order[key], key=lambda p: (p - self._cursor - 1) % n)
 
     def _pick_victim(self) -> _Record | None:
         candidates = [self._records[k] for k in self._lru
@@ -574,15 +588,7 @@ class TierRegistry:
         rank = min(_EVICTION_RANK[r.placement] for r in candidates)
         candidates = [r for r in candidates if _EVICTION_RANK[r.placement] == rank]
         if self._order:
-            n = len(self._order)
-
-            def distance(record: _Record) -> int:
-                # Steps until the next use, going round the cyclic order; keys outside
-                # the order are the least needed of all.
-                pos = self._order.get(record.key)
-                return n + 1 if pos is None else (pos - self._cursor - 1) % n
-
-            return max(candidates, key=distance)
+            return max(candidates, key=lambda r: self._distance(r.key))
         return candidates[0]  # least recently used
 
     def _evict_for(self, nbytes: int) -> bool:
@@ -652,7 +658,23 @@ class TierRegistry:
         record.nvme = None
 
     def _allocate_cpu(self, nbytes: int) -> CpuBuffer | None:
-        return self.cpu_pool.allocate(nbytes) if nbytes else None
+        """A CPU-pool buffer. When the pool is full while tensors are being updated in
+        place (an optimizer step holds their blocks: that ends soon), wait for them rather
+        than fail. Pins held by clients (fetches) are not waited for: a client may hold one
+        as long as it likes, so the error comes at once. Gives up after
+        FULL_POOL_WAIT_SECONDS."""
+        if not nbytes:
+            return None
+        deadline = time.monotonic() + FULL_POOL_WAIT_SECONDS
+        while True:
+            try:
+                return self.cpu_pool.allocate(nbytes)
+            except CpuPoolFullError:
+                with self._lock:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not any(r.updating is not None for r in self._records.values()):
+                        raise
+                    self._unpinned.wait(min(left, 1.0))
 
     def _free_cpu(self, buffer: CpuBuffer | None) -> None:
         if buffer is not None:

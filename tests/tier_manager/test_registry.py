@@ -330,6 +330,28 @@ def test_eviction_picks_the_tensor_needed_furthest_in_the_future(tier_config):
         assert {k for k in keys if not reg.info(k).in_cpu} == {"layer7"}
 
 
+def test_eviction_follows_an_order_that_names_each_layer_twice(tier_config):
+    """A training step loads layers 0..7 forward then 7..0 backward: after the forward,
+    layer7 comes back next and layer0 last, so layer0 is the one to evict."""
+    with TierRegistry(tier_config) as reg:
+        keys = [f"layer{i}" for i in range(8)]
+        reg.set_access_order(keys + keys[::-1])
+        for k in keys:
+            reg.put(k, torch.zeros(256 * 1024), tier="nvme")
+        for k in keys:  # the forward fills the 8 MiB pool
+            reg.fetch(k)
+            reg.release(k)
+        reg.put("other", torch.zeros(256 * 1024), tier="cpu")
+        assert {k for k in keys if not reg.info(k).in_cpu} == {"layer0"}
+        for k in keys[::-1][:4]:  # backward through 7..4: the cursor follows the second visits
+            reg.fetch(k)
+            reg.release(k)
+        reg.put("other2", torch.zeros(512 * 1024), tier="cpu")  # 2 MiB: two evictions
+        # "other" goes first (outside the order: never needed). Then: next come 3, 2, 1,
+        # then the next forward 0, 1, ... 7: layer7's next use is the furthest.
+        assert not reg.info("layer7").in_cpu and reg.info("layer3").in_cpu
+
+
 def test_without_an_order_eviction_is_least_recently_used(tier_config):
     with TierRegistry(tier_config) as reg:
         for i in range(8):  # 8 x 1 MiB fill the 8 MiB pool

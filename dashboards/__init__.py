@@ -1,0 +1,1 @@
+"""The web dashboard (web/) and the Grafana dashboard and provisioning (grafana/)."""

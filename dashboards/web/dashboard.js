@@ -1,0 +1,204 @@
+// tierstack dashboard: polls the node's HTTP API once a second and draws SVG by hand
+// (no library, no CDN: it must work on a machine without internet).
+"use strict";
+
+const LINKS = ["nvme->cpu", "cpu->nvme", "cpu->device", "device->cpu"];
+const TIERS = ["device", "cpu", "nvme"];
+const COLORS = {"nvme->cpu": "#4fc3f7", "cpu->nvme": "#ffb74d", "cpu->device": "#81c784",
+                "device->cpu": "#e57373", device: "#81c784", cpu: "#ba68c8", nvme: "#4fc3f7",
+                stall: "#ff8a65"};
+const SVG = "http://www.w3.org/2000/svg";
+const POLL_MS = 1000;
+const state = {updates: 0, view: "cluster"};
+
+const $ = (id) => document.getElementById(id);
+const linkId = (link) => "link-" + link.replace("->", "-");
+
+function fmtRate(bps) {
+  if (!isFinite(bps)) return "–";
+  if (bps >= 1e9) return (bps / 1e9).toFixed(2) + " GB/s";
+  if (bps >= 1e6) return (bps / 1e6).toFixed(1) + " MB/s";
+  if (bps >= 1e3) return (bps / 1e3).toFixed(1) + " kB/s";
+  return bps.toFixed(0) + " B/s";
+}
+
+function fmtBytes(n) {
+  if (n >= 2 ** 30) return (n / 2 ** 30).toFixed(2) + " GiB";
+  if (n >= 2 ** 20) return (n / 2 ** 20).toFixed(1) + " MiB";
+  if (n >= 2 ** 10) return (n / 2 ** 10).toFixed(1) + " KiB";
+  return n + " B";
+}
+
+function svgEl(tag, attrs, text) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+// series: [{points: [[t, v], ...], color, cls}]; peak: a dashed line (or null).
+function drawChart(svg, series, peak, t0, t1, fmt) {
+  const w = svg.clientWidth || 600, h = svg.clientHeight || 140;
+  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  svg.replaceChildren();
+  const left = 4, top = 16, bottom = h - 16, right = w - 4;
+  let vmax = peak || 0;
+  for (const s of series) for (const [, v] of s.points) vmax = Math.max(vmax, v);
+  vmax = vmax > 0 ? vmax * 1.1 : 1;
+  const x = (t) => left + (right - left) * (t - t0) / Math.max(1e-9, t1 - t0);
+  const y = (v) => bottom - (bottom - top) * v / vmax;
+  svg.append(svgEl("line", {class: "axis", x1: left, x2: right, y1: bottom, y2: bottom}));
+  svg.append(svgEl("line", {class: "axis", x1: left, x2: right, y1: top, y2: top}));
+  svg.append(svgEl("text", {class: "label", x: left, y: top - 4}, fmt(vmax)));
+  svg.append(svgEl("text", {class: "label", x: left, y: h - 3}, `-${Math.round(t1 - t0)} s`));
+  svg.append(svgEl("text", {class: "label", x: right, y: h - 3, "text-anchor": "end"}, "now"));
+  if (peak) {
+    const color = series.length ? series[series.length - 1].color : "#888";
+    svg.append(svgEl("line", {class: "peak-line", x1: left, x2: right, y1: y(peak), y2: y(peak),
+                              stroke: color}));
+    svg.append(svgEl("text", {class: "label", x: right, y: y(peak) - 3, "text-anchor": "end"},
+                     "peak " + fmt(peak)));
+  }
+  for (const s of series) {
+    if (!s.points.length) continue;
+    const d = s.points.map(([t, v], i) => `${i ? "L" : "M"}${x(t).toFixed(1)},${y(v).toFixed(1)}`).join("");
+    svg.append(svgEl("path", {class: s.cls || "line", d, stroke: s.color, "data-series": s.name || ""}));
+  }
+}
+
+function buildLinkCards() {
+  const root = $("links");
+  for (const link of LINKS) {
+    const card = document.createElement("div");
+    card.className = "card link";
+    card.id = linkId(link);
+    card.innerHTML = `<h3>${link.replace("->", " → ")}</h3>
+      <div class="value" data-bytes-per-second="0">–</div><div class="peak">peak –</div>
+      <svg class="chart"></svg>`;
+    root.append(card);
+  }
+  const legend = $("tier-legend");
+  for (const tier of TIERS) {
+    legend.insertAdjacentHTML("beforeend", `<span><i style="background:${COLORS[tier]}"></i>${tier}</span>`);
+  }
+}
+
+function seriesOf(history, pick) {
+  return history.samples.map((s) => [s.timestamp, pick(s)]);
+}
+
+function tierRate(links, tier) {
+  return LINKS.filter((l) => l.split("->").includes(tier)).reduce((a, l) => a + (links[l] || 0), 0);
+}
+
+function render(cluster, histories) {
+  // The view: the cluster total, or one node.
+  const select = $("view");
+  const names = cluster.nodes.map((n) => n.node);
+  const known = [...select.options].map((o) => o.value);
+  for (const name of names) if (!known.includes(name)) select.append(new Option("node " + name, name));
+  const nodeView = state.view !== "cluster" && names.includes(state.view);
+  const snap = nodeView ? cluster.nodes.find((n) => n.node === state.view) : cluster;
+  const history = nodeView ? histories.nodes.find((h) => h.node === state.view) || histories.total
+                           : histories.total;
+  // The x axis spans the window, or only the history there is (a run that just began).
+  const now = Date.now() / 1000;
+  const first = history.samples.length ? history.samples[0].timestamp : now - 60;
+  const t0 = Math.max(now - Number($("window").value), Math.min(first, now - 30));
+
+  for (const link of LINKS) {
+    const card = $(linkId(link));
+    const fig = snap.links[link];
+    const value = card.querySelector(".value");
+    value.textContent = fmtRate(fig.bandwidth_bytes_per_second);
+    value.dataset.bytesPerSecond = String(fig.bandwidth_bytes_per_second);
+    card.querySelector(".peak").textContent =
+      `peak ${fmtRate(fig.peak_bytes_per_second)} · ${fmtBytes(fig.bytes_total)} moved`;
+    const series = [];
+    if (!nodeView && histories.nodes.length > 1) {
+      for (const h of histories.nodes) {
+        series.push({name: h.node, cls: "node-line", color: COLORS[link],
+                     points: seriesOf(h, (s) => s.links[link])});
+      }
+    }
+    series.push({name: nodeView ? state.view : "total", color: COLORS[link],
+                 points: seriesOf(history, (s) => s.links[link])});
+    drawChart(card.querySelector("svg"), series, fig.peak_bytes_per_second, t0, now, fmtRate);
+  }
+
+  drawChart($("tier-chart"), TIERS.map((tier) => ({
+    name: tier, color: COLORS[tier], points: seriesOf(history, (s) => tierRate(s.links, tier))})),
+    null, t0, now, fmtRate);
+
+  const occ = $("occupancy");
+  occ.replaceChildren();
+  for (const tier of TIERS) {
+    const t = snap.tiers[tier];
+    const pct = t.capacity_bytes ? 100 * t.used_bytes / t.capacity_bytes : 0;
+    occ.insertAdjacentHTML("beforeend", `<div class="tier" id="tier-${tier}">${tier}:
+      ${fmtBytes(t.used_bytes)} of ${fmtBytes(t.capacity_bytes)} (${pct.toFixed(0)}%) ·
+      ${fmtRate(t.bandwidth_bytes_per_second)}</div>
+      <div class="bar"><div style="width:${pct.toFixed(1)}%;background:${COLORS[tier]}"></div></div>`);
+  }
+
+  const stallNow = history.samples.length ? history.samples[history.samples.length - 1].stall_seconds_per_second : 0;
+  $("stall-value").textContent = `${(100 * stallNow).toFixed(1)}% of the time · ` +
+    `${snap.stall_seconds_total.toFixed(1)} s in total`;
+  drawChart($("stall-chart"), [{name: "stall", color: COLORS.stall,
+    points: seriesOf(history, (s) => s.stall_seconds_per_second)}], null, t0, now,
+    (v) => (100 * v).toFixed(0) + "%");
+
+  const plan = $("plan");
+  plan.replaceChildren();
+  plan.insertAdjacentHTML("beforeend", "<tr><th>node</th><th>version</th><th>source</th>" +
+    "<th>eviction</th><th>layers in order</th><th>updated</th></tr>");
+  for (const n of nodeView ? [snap] : cluster.nodes) {
+    const p = n.plan;
+    const when = p.updated_at ? new Date(p.updated_at * 1000).toLocaleTimeString() : "–";
+    plan.insertAdjacentHTML("beforeend", `<tr><td>${n.node}</td><td class="num">${p.version}</td>
+      <td>${p.source}</td><td>${p.eviction_policy}</td><td class="num">${p.access_order_keys}</td>
+      <td>${when}</td></tr>`);
+  }
+
+  const nodes = $("nodes");
+  nodes.replaceChildren();
+  nodes.insertAdjacentHTML("beforeend", "<tr><th>node</th>" +
+    LINKS.map((l) => `<th>${l.replace("->", " → ")}</th>`).join("") +
+    "<th>workers</th><th>queues</th><th>evictions</th><th>checksum failures</th></tr>");
+  for (const n of cluster.nodes) {
+    const cells = LINKS.map((l) => `<td class="num">${fmtRate(n.links[l].bandwidth_bytes_per_second)}
+      / ${fmtRate(n.links[l].peak_bytes_per_second)}</td>`).join("");
+    const queues = Object.entries(n.queues).map(([k, v]) => `${k} ${v}`).join(", ");
+    nodes.insertAdjacentHTML("beforeend", `<tr><td>${n.node}</td>${cells}
+      <td class="num">${n.workers.length}</td><td>${queues}</td>
+      <td class="num">${n.evictions_total}</td><td class="num">${n.checksum_failures_total}</td></tr>`);
+  }
+  $("unreachable").textContent = cluster.unreachable.map((u) => `${u.node}: ${u.error}`).join("; ");
+}
+
+async function refresh() {
+  const status = $("status");
+  try {
+    const windowSeconds = $("window").value;
+    const [cluster, histories] = await Promise.all([
+      fetch("../api/v1/cluster").then((r) => r.ok ? r.json() : Promise.reject(r.statusText)),
+      fetch(`../api/v1/cluster/history?window_seconds=${windowSeconds}`)
+        .then((r) => r.ok ? r.json() : Promise.reject(r.statusText)),
+    ]);
+    render(cluster, histories);
+    state.updates += 1;
+    status.dataset.updates = String(state.updates);
+    status.className = "";
+    status.textContent = `${cluster.nodes.length} node(s) · ${cluster.workers} worker(s) · ` +
+      `updated ${new Date().toLocaleTimeString()}`;
+  } catch (e) {
+    status.className = "error";
+    status.textContent = "cannot reach the node's API: " + e;
+  }
+}
+
+buildLinkCards();
+$("view").addEventListener("change", (e) => { state.view = e.target.value; refresh(); });
+$("window").addEventListener("change", refresh);
+refresh();
+setInterval(refresh, POLL_MS);

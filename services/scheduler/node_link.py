@@ -1,0 +1,159 @@
+"""A tier manager's link to the scheduler: register the node, then report bandwidth.
+
+At start a short probe measures the node's four links with the daemon's own parts:
+disk write and read through the NVMe pool (its IO engine, O_DIRECT, fdatasync), and
+shared memory -> device / device -> shared memory copies from a CPU-pool buffer
+(page-locked with cudaHostRegister as the workers' arenas are; a plain copy on a
+CPU-only node). The node registers with those figures and its capacities, then every
+`report_interval_seconds` (the scheduler's answer) reports the disk bandwidth the IO
+engine delivered while busy since the last report (its IoStats): a link without
+traffic reports 0, which the scheduler reads as "no measurement". Device links are
+measured by workers, not here.
+
+The scheduler may be down or restart: registration is retried, and a report answered
+NOT_FOUND (a restarted scheduler forgot the node) registers again. Nothing here can
+stop the tier manager from serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import torch
+
+from tierstack.config import MiB, TierManagerConfig
+from tierstack.errors import KeyNotFoundError, TierstackError
+from tierstack.services.scheduler.client import SchedulerClient
+from tierstack.services.scheduler.model import Bandwidths, NodeSpec
+from tierstack.services.tier_manager.registry import TierRegistry
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 64 * MiB
+
+
+def node_id_of(config: TierManagerConfig) -> str:
+    return config.node_id or socket.gethostname()
+
+
+def probe_bandwidths(registry: TierRegistry, nbytes: int = PROBE_BYTES, repeats: int = 3) -> Bandwidths:
+    """Measure the node's links once (best of `repeats`), within the pools' budgets."""
+    nvme, cpu = registry.nvme_pool, registry.cpu_pool
+    block = nvme.block_size
+    nbytes = min(nbytes, nvme.free_bytes // 4, cpu.capacity // 4)
+    nbytes = max(block, nbytes // block * block)
+    buffer = registry.allocate_buffer(nbytes)
+    try:
+        view = registry.view(buffer)
+        view[:] = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
+        extent = nvme.allocate(nbytes)
+        try:
+            write = read = 0.0
+            for _ in range(repeats):
+                start = time.perf_counter()
+                nvme.write(extent, view, label="bandwidth probe")
+                nvme.sync([extent])
+                write = max(write, nbytes / (time.perf_counter() - start))
+                start = time.perf_counter()
+                nvme.read(extent, view, None, label="bandwidth probe")
+                read = max(read, nbytes / (time.perf_counter() - start))
+        finally:
+            nvme.free(extent)
+        h2d, d2h = _probe_device(view, nbytes, repeats)
+    finally:
+        registry.free_buffer(buffer)
+    return Bandwidths(disk_read=read, disk_write=write, h2d=h2d, d2h=d2h)
+
+
+def _probe_device(view: memoryview, nbytes: int, repeats: int) -> tuple[float, float]:
+    host = torch.frombuffer(view, dtype=torch.uint8)
+    cuda = torch.cuda.is_available()
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    registered = False
+    if cuda:
+        registered = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)) == 0
+    try:
+        h2d = d2h = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            device.copy_(host, non_blocking=registered)
+            if cuda:
+                torch.cuda.synchronize()
+            h2d = max(h2d, nbytes / (time.perf_counter() - start))
+            start = time.perf_counter()
+            host.copy_(device, non_blocking=registered)
+            if cuda:
+                torch.cuda.synchronize()
+            d2h = max(d2h, nbytes / (time.perf_counter() - start))
+    finally:
+        if registered:
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    return h2d, d2h
+
+
+def node_spec(registry: TierRegistry, config: TierManagerConfig, bandwidth: Bandwidths) -> NodeSpec:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_bytes = sum(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
+    return NodeSpec(node_id=node_id_of(config), gpu_bytes=gpu_bytes, cpu_bytes=registry.cpu_pool.capacity,
+                    nvme_bytes=registry.nvme_pool.capacity, bandwidth=bandwidth, gpus=max(gpus, 1))
+
+
+class NodeLink:
+    """Registers this node with the scheduler and reports its measured disk bandwidth."""
+
+    def __init__(self, registry: TierRegistry, config: TierManagerConfig) -> None:
+        self.registry = registry
+        self.config = config
+        self.client = SchedulerClient(config.scheduler_address, timeout=10.0)
+        self.node: NodeSpec | None = None
+        self.interval = 2.0
+        self.reports = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tierstack-node-link", daemon=True)
+
+    def start(self) -> None:
+        # The probe runs before the daemon serves, so no worker's traffic skews it.
+        self.node = node_spec(self.registry, self.config, probe_bandwidths(self.registry))
+        bw = self.node.bandwidth
+        log.info("bandwidth probe: disk read %.2f GB/s, write %.2f GB/s; shm->device %.2f GB/s, "
+                 "device->shm %.2f GB/s", bw.disk_read / 1e9, bw.disk_write / 1e9, bw.h2d / 1e9, bw.d2h / 1e9)
+        self._thread.start()
+
+    def _register(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.interval = self.client.register_node(self.node, self.registry.cpu_pool.instance_id)
+                log.info("registered node %s with the scheduler at %s", self.node.node_id, self.client.target)
+                return
+            except TierstackError as e:
+                log.warning("cannot register with the scheduler (%s); retrying", e)
+                self._stop.wait(2.0)
+
+    def _run(self) -> None:
+        self._register()
+        io = self.registry.nvme_pool.engine.stats
+        last = (io.bytes_read, io.read_seconds, io.bytes_written, io.write_seconds)
+        while not self._stop.wait(self.interval):
+            now = (io.bytes_read, io.read_seconds, io.bytes_written, io.write_seconds)
+            read_bytes, read_s = now[0] - last[0], now[1] - last[1]
+            write_bytes, write_s = now[2] - last[2], now[3] - last[3]
+            last = now
+            # Too little traffic says more about latency than bandwidth: report nothing.
+            measured = Bandwidths(
+                disk_read=read_bytes / read_s if read_bytes >= MiB and read_s > 0 else 0.0,
+                disk_write=write_bytes / write_s if write_bytes >= MiB and write_s > 0 else 0.0)
+            try:
+                self.client.report_bandwidth(self.node.node_id, measured)
+                self.reports += 1
+            except KeyNotFoundError:
+                self._register()  # the scheduler restarted and forgot this node
+            except TierstackError as e:
+                log.debug("bandwidth report failed: %s", e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.client.close()

@@ -1,0 +1,165 @@
+"""The node's HTTP API (FastAPI, served by uvicorn on a thread of the daemon).
+
+Routes:
+  /metrics                     Prometheus text format (every tierstack_* metric of the node)
+  /healthz                     200 while the daemon serves, 503 while it shuts down
+  /api/v1/node                 this node's snapshot: links, tiers, queues, stall, plan, workers
+  /api/v1/node/history         its bandwidth and occupancy samples over ?window_seconds=
+  /api/v1/plan                 the plan the node runs
+  /api/v1/cluster              every node's snapshot and the totals (see cluster_view.py)
+  /api/v1/cluster/history      each node's history and the summed cluster history
+  /dashboard/                  the web dashboard (dashboards/web), drawn from the routes above
+  /openapi.json                the schema FastAPI generates from these routes
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.resources
+import logging
+import socket
+import threading
+import time
+from typing import Callable
+
+from fastapi import FastAPI, Query, Response
+from fastapi.responses import JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from tierstack.errors import InvalidArgumentError
+from tierstack.services.scheduler.cluster_view import ClusterView
+from tierstack.services.tier_manager.metrics import NodeMetrics
+from tierstack.services.tier_manager.node_snapshot import (ClusterHistory, ClusterSnapshot, History,
+                                                           NodeSnapshot, PlanFigures)
+
+log = logging.getLogger(__name__)
+
+MAX_WINDOW_SECONDS = 24 * 3600.0
+
+
+def dashboard_dir() -> str:
+    """The static dashboard's directory (installed with the package)."""
+    return str(importlib.resources.files("tierstack.dashboards") / "web")
+
+
+def create_app(cluster: ClusterView, serving: Callable[[], bool], node: NodeMetrics | None = None,
+               registry: CollectorRegistry | None = None, name: str = "") -> FastAPI:
+    """The FastAPI app of one process: its /metrics, the cluster view, the dashboard.
+
+    A tier manager passes its `node` (whose collector /metrics serves) and gets the
+    /api/v1/node routes too. The scheduler passes no node, its own Prometheus `registry`,
+    and a ClusterView over its node list: the same dashboard then shows its cluster.
+    """
+    app = FastAPI(title="tierstack node" if node is not None else "tierstack cluster",
+                  version="1", description="Tier metrics of tierstack nodes and their cluster.")
+    window = Query(300.0, gt=0, le=MAX_WINDOW_SECONDS, description="seconds of history")
+    registry = registry if registry is not None else node.prometheus if node is not None else None
+    name = name or (node.node if node is not None else "cluster")
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    def metrics() -> Response:
+        body = generate_latest(registry) if registry is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz", summary="Liveness of the service")
+    def healthz() -> JSONResponse:
+        ok = serving()
+        return JSONResponse({"status": "serving" if ok else "stopping", "node": name},
+                            status_code=200 if ok else 503)
+
+    @app.get("/api/v1/cluster", response_model=ClusterSnapshot,
+             summary="Every node's figures and the cluster totals")
+    def cluster_snapshot() -> ClusterSnapshot:
+        return cluster.snapshot()
+
+    @app.get("/api/v1/cluster/history", response_model=ClusterHistory,
+             summary="Each node's history and the cluster total over a window")
+    def cluster_history(window_seconds: float = window) -> ClusterHistory:
+        return cluster.history(window_seconds)
+
+    @app.get("/", include_in_schema=False)
+    def root() -> RedirectResponse:
+        return RedirectResponse("/dashboard/")
+
+    app.mount("/dashboard", StaticFiles(directory=dashboard_dir(), html=True), name="dashboard")
+    if node is not None:
+        add_node_routes(app, node, window)
+    return app
+
+
+def add_node_routes(app: FastAPI, node: NodeMetrics, window) -> None:
+    """/api/v1/node, its history and /api/v1/plan: one tier manager's own figures."""
+
+    @app.get("/api/v1/node", response_model=NodeSnapshot, summary="This node's figures now")
+    def node_snapshot() -> NodeSnapshot:
+        return node.snapshot()
+
+    @app.get("/api/v1/node/history", response_model=History,
+             summary="This node's bandwidth and occupancy over a window")
+    def node_history(window_seconds: float = window) -> History:
+        return node.history(window_seconds)
+
+    @app.get("/api/v1/plan", response_model=PlanFigures, summary="The plan this node runs")
+    def plan() -> PlanFigures:
+        return node.plan()
+
+
+def bind_listener(listen: str) -> socket.socket:
+    """A listening TCP socket on host:port; another free port if that one is taken."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            sock.close()
+            raise InvalidArgumentError(
+                f"cannot serve HTTP on {listen}: {e.strerror}; set "
+                f"tier_manager.metrics.http_listen to host:port (or '' for no HTTP)") from None
+        log.warning("HTTP port %s is in use (another tier manager?): serving metrics and the "
+                    "dashboard on a free port instead; set tier_manager.metrics.http_listen", port)
+        sock.bind((host, 0))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def listener_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = socket.gethostname()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class HttpServer:
+    """uvicorn serving an app on its own thread (its own event loop), stopped on request."""
+
+    def __init__(self, app: FastAPI, listen: str) -> None:
+        import uvicorn
+
+        self._sock = bind_listener(listen)
+        self.url = listener_url(self._sock)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="tierstack-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> None:
+        self._thread.start()
+        # uvicorn sets `started` once it accepts connections.
+        for _ in range(int(timeout / 0.01)):
+            if self._server.started or not self._thread.is_alive():
+                break
+            time.sleep(0.01)
+        if not self._server.started:
+            raise RuntimeError(f"the HTTP server on {self.url} did not start")
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()

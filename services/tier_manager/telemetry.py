@@ -1,0 +1,74 @@
+"""The daemon's metrics side, composed: RPC timer, worker reports, sampler, HTTP API.
+
+daemon.py calls four things: `interceptors()` when it builds the gRPC server,
+`add_to_server`, `start` and `stop`. With `tier_manager.metrics.enabled` false all of
+them do nothing (the A/B switch of bench/ensure_layer.py). Without FastAPI and uvicorn
+installed the node still collects and reports, but serves no HTTP, and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from tierstack.config import TierManagerConfig
+from tierstack.proto import node_metrics_pb2_grpc as pb_grpc
+from tierstack.services.tier_manager.server import TierManagerServicer
+
+log = logging.getLogger(__name__)
+
+
+class NodeTelemetry:
+    """Metrics of one tier-manager daemon, and the HTTP server that shows them."""
+
+    def __init__(self, config: TierManagerConfig, servicer: TierManagerServicer) -> None:
+        self.config = config.metrics
+        self.metrics = None
+        self.http = None
+        self._serving = threading.Event()
+        if self.config.enabled:
+            from tierstack.services.tier_manager.metrics import NodeMetrics
+            self.metrics = NodeMetrics(self.config, servicer)
+
+    @property
+    def url(self) -> str:
+        return self.http.url if self.http is not None else ""
+
+    def interceptors(self) -> list:
+        return [self.metrics.rpc] if self.metrics is not None else []
+
+    def add_to_server(self, server) -> None:
+        if self.metrics is not None:
+            pb_grpc.add_NodeMetricsServicer_to_server(self.metrics.workers, server)
+
+    def start(self) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.sample()  # the first reading: rates start from here
+        threading.Thread(target=self.metrics.run_sampler, name="tierstack-metrics-sampler",
+                         daemon=True).start()
+        self._serving.set()
+        if not self.config.http_listen:
+            return
+        try:
+            from tierstack.services.scheduler.cluster_view import ClusterView, LocalNode, RemoteNode
+            from tierstack.services.tier_manager.http_api import HttpServer, create_app
+        except ImportError as e:
+            log.warning("no HTTP API or dashboard: %s (pip install fastapi uvicorn)", e)
+            return
+        local = LocalNode(self.metrics)
+        peers = [RemoteNode(url) for url in self.config.cluster_nodes]
+        # The seam for the scheduler: it will hand ClusterView its own node list.
+        cluster = ClusterView(lambda: [local, *peers])
+        self.http = HttpServer(create_app(cluster, self._serving.is_set, node=self.metrics),
+                               self.config.http_listen)
+        self.http.start()
+        self.metrics.url = self.http.url
+        log.info("metrics and dashboard on %s/dashboard/", self.http.url)
+
+    def stop(self) -> None:
+        self._serving.clear()
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.http is not None:
+            self.http.stop()

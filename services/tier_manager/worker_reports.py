@@ -1,0 +1,92 @@
+"""The NodeMetrics gRPC service: workers' reports, kept per worker, summed per node.
+
+Each LayerStore reports its cumulative counters every second. The newest report per
+worker is kept while the worker reports; one silent for `stale_seconds` is retired: its
+bytes and stall time stay in the node's totals (counters never go down), its
+per-worker series end.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from tierstack.metric_catalog import WAIT_BUCKETS
+from tierstack.proto import node_metrics_pb2 as pb
+from tierstack.proto import node_metrics_pb2_grpc as pb_grpc
+
+
+@dataclass
+class WorkerTotals:
+    """Node-wide sums of the workers' figures."""
+
+    cpu_to_device_bytes: int = 0
+    device_to_cpu_bytes: int = 0
+    stall_seconds: float = 0.0
+    device_used_bytes: int = 0
+    device_capacity_bytes: int = 0
+    loads_in_flight: int = 0
+    workers: int = 0
+
+
+class WorkerReports(pb_grpc.NodeMetricsServicer):
+    """Keeps the newest report of each live worker and the sums of retired ones."""
+
+    def __init__(self, stale_seconds: float, http_url: Callable[[], str]) -> None:
+        self.stale_seconds = stale_seconds
+        self._http_url = http_url
+        self._lock = threading.Lock()
+        self._reports: dict[str, tuple[pb.WorkerReport, float]] = {}  # id -> (report, received)
+        self._retired = WorkerTotals()
+
+    def ReportWorker(self, request: pb.WorkerReport, context):
+        if tuple(request.wait_bucket_bounds) != WAIT_BUCKETS or \
+                len(request.wait_bucket_counts) != len(WAIT_BUCKETS) + 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "the worker's ensure_layer histogram buckets differ from the tier "
+                          "manager's: run the same tierstack version on both")
+        if not request.worker_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a worker report needs a worker_id")
+        with self._lock:
+            self._reports[request.worker_id] = (request, time.monotonic())
+        return pb.ReportWorkerResponse()
+
+    def GetHttpEndpoint(self, request, context):
+        return pb.HttpEndpoint(url=self._http_url())
+
+    def live(self) -> list[tuple[pb.WorkerReport, float]]:
+        """(report, seconds since it came) of each live worker."""
+        with self._lock:
+            return self._live_locked()
+
+    def _live_locked(self) -> list[tuple[pb.WorkerReport, float]]:
+        """Retires the stale workers into the sums (lock held), returns the others."""
+        now = time.monotonic()
+        for worker_id, (report, received) in list(self._reports.items()):
+            if now - received > self.stale_seconds:
+                del self._reports[worker_id]
+                r = self._retired
+                r.cpu_to_device_bytes += report.cpu_to_device_bytes
+                r.device_to_cpu_bytes += report.device_to_cpu_bytes
+                r.stall_seconds += report.stall_seconds
+        return [(report, now - received) for report, received in self._reports.values()]
+
+    def totals(self) -> WorkerTotals:
+        """Sums over live and retired workers (occupancy and loads: live ones only)."""
+        with self._lock:
+            live = self._live_locked()
+            t = WorkerTotals(self._retired.cpu_to_device_bytes,
+                             self._retired.device_to_cpu_bytes, self._retired.stall_seconds)
+        for report, _ in live:
+            t.cpu_to_device_bytes += report.cpu_to_device_bytes
+            t.device_to_cpu_bytes += report.device_to_cpu_bytes
+            t.stall_seconds += report.stall_seconds
+            t.device_used_bytes += report.device_used_bytes
+            t.device_capacity_bytes += report.device_capacity_bytes
+            t.loads_in_flight += report.loads_in_flight
+            t.workers += 1
+        return t

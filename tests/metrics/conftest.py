@@ -1,0 +1,98 @@
+"""A real tier-manager daemon serving its HTTP API, and a worker moving real bytes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tests.conftest import DaemonProcess
+from tierstack.proto import node_metrics_pb2 as pb
+from tierstack.proto import node_metrics_pb2_grpc as pb_grpc
+
+
+@pytest.fixture
+def metrics_daemon(tmp_path: Path, shm_dir: Path):
+    """A daemon with a 16 MiB CPU pool and metrics on a free port; `.url` is its HTTP API."""
+    config = tmp_path / "tier-manager.json"
+    config.write_text(json.dumps({"tier_manager": {
+        "cpu_pool": {"size": "16MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
+        "nvme_pool": {"paths": [str(tmp_path / "nvme0")], "size": "256MiB",
+                      "aio": {"block_size": "256KiB", "queue_depth": 4}},
+        "manifest_path": str(tmp_path / "manifest.sqlite"),
+        "metrics": {"http_listen": "127.0.0.1:0", "node_name": "test-node",
+                    "sample_interval_seconds": 0.25, "worker_stale_seconds": 5}}}))
+    proc = DaemonProcess(config, tmp_path / "tm.sock").start()
+    with grpc.insecure_channel(proc.address) as channel:
+        proc.url = pb_grpc.NodeMetricsStub(channel).GetHttpEndpoint(
+            pb.GetHttpEndpointRequest(), timeout=10).url
+    yield proc
+    proc.kill()
+
+
+def get(url: str, path: str, parse: bool = True):
+    with urllib.request.urlopen(url + path, timeout=10) as response:
+        body = response.read()
+    return json.loads(body) if parse else body.decode()
+
+
+LAYER_BYTES = 4 << 20
+LAYERS = 8  # 32 MiB of layers through a 16 MiB CPU pool: every pass reads NVMe
+
+
+class Traffic:
+    """A worker in this process streaming layers through the daemon: NVMe -> CPU pool ->
+    device on every pass, and write_back (device -> CPU pool -> NVMe) of one layer."""
+
+    def __init__(self, address: str) -> None:
+        from tierstack.worker.layers import LayerStore
+
+        self.store = LayerStore("metrics-test", device="cpu", device_budget=3 * LAYER_BYTES,
+                                address=address, durable=True)
+        torch.manual_seed(0)
+        self.layers = [{"w": torch.randn(LAYER_BYTES // 4)} for _ in range(LAYERS)]
+        self.store.register_layers(self.layers)
+        self.passes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def one_pass(self) -> None:
+        store = self.store
+        store.prefetch(0)
+        for i in range(LAYERS):
+            if i + 1 < LAYERS:
+                store.prefetch(i + 1)
+            store.ensure_layer(i)
+            store.release_layer(i)
+        store.write_back(self.passes % LAYERS, self.layers[self.passes % LAYERS])
+        self.passes += 1
+
+    def run_for(self, seconds: float) -> None:
+        """Passes in the background until `seconds` have gone by or `stop`."""
+        deadline = time.monotonic() + seconds
+
+        def loop():
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                self.one_pass()
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.store.close()
+
+
+@pytest.fixture
+def traffic(metrics_daemon):
+    t = Traffic(metrics_daemon.address)
+    yield t
+    t.stop()

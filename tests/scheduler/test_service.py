@@ -1,0 +1,247 @@
+"""The scheduler as a real process: registration, plans, watch streams, drift re-planning,
+and a real tier manager + worker following its plans."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.conftest import DaemonProcess
+from tests.scheduler.traces import node, transformer_trace
+from tests.worker.pass_worker import bit_equal, make_layer
+from tierstack.config import SchedulerConfig
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError
+from tierstack.services.scheduler.client import SchedulerClient
+from tierstack.services.scheduler.embedded import EmbeddedScheduler
+from tierstack.services.scheduler.model import Bandwidths
+from tierstack.services.scheduler.plan_watcher import PlanWatcher
+from tierstack.worker.layers import LayerStore
+from tierstack.worker.plan_follower import PlanFollower
+
+FAST_REPLAN = SchedulerConfig(report_interval_seconds=0.2, replan_threshold=0.25, replan_after_seconds=0.5)
+
+
+@pytest.fixture
+def scheduler():
+    with EmbeddedScheduler(FAST_REPLAN) as s:
+        yield s
+
+
+def test_plans_are_versioned_watched_and_replanned_only_on_sustained_drift(scheduler):
+    client = SchedulerClient(scheduler.address)
+    nd = node("n0", gpu_gb=0.3, cpu_gb=0.3)  # most parameters stream from NVMe
+    assert client.register_node(nd) == pytest.approx(0.2)
+    trace = transformer_trace(layers=16, forward_s=0.004, nodes=("n0",), kinds=("params",))
+    v1 = client.report_trace(trace)
+    assert v1.version == 1 and v1.fits and set(v1.nodes) == {"n0"}
+    assert client.plan("job").version == 1
+    watcher = PlanWatcher(client, "job").start()
+    assert watcher.wait_for_version(1, timeout=10).version == 1
+
+    slow = Bandwidths(disk_read=nd.bandwidth.disk_read / 4)
+    # A burst: off the assumption, then back in range before the window ends.
+    client.report_bandwidth("n0", slow)
+    client.report_bandwidth("n0", Bandwidths(disk_read=nd.bandwidth.disk_read))
+    time.sleep(0.6)
+    assert client.report_bandwidth("n0", Bandwidths(disk_read=nd.bandwidth.disk_read * 1.1)) == []
+    assert client.plan("job").version == 1
+
+    # Sustained: every report off for longer than replan_after_seconds.
+    replanned = []
+    deadline = time.time() + 10
+    while not replanned and time.time() < deadline:
+        replanned = client.report_bandwidth("n0", slow)
+        time.sleep(0.1)
+    assert replanned == ["job"]
+    v2 = watcher.wait_for_version(2, timeout=10)
+    assert v2 is not None and "drift" in v2.reason and "disk_read" in v2.reason
+    assert v2.nodes["n0"].assumed.disk_read == pytest.approx(slow.disk_read)
+    assert client.node_bandwidths()["n0"].disk_read == pytest.approx(slow.disk_read)
+    # A slower disk under streamed parameters: the new plan predicts a slower step.
+    assert v2.predicted_step_seconds > v1.predicted_step_seconds
+    watcher.close()
+    client.close()
+
+
+def test_bad_requests_get_statuses_that_name_the_problem(scheduler):
+    client = SchedulerClient(scheduler.address)
+    with pytest.raises(KeyNotFoundError, match="ghost"):
+        client.report_bandwidth("ghost", Bandwidths(disk_read=1e9))
+    with pytest.raises(KeyNotFoundError, match="no plan for job"):
+        client.plan("nobody")
+    with pytest.raises(InvalidArgumentError, match="never registered"):
+        client.report_trace(transformer_trace(nodes=("n9",)))
+    client.register_node(node("n0"))
+    bad = transformer_trace(nodes=("n0",))
+    bad.tier_overrides = {"*": "tape"}
+    with pytest.raises(InvalidArgumentError, match="tape"):
+        client.report_trace(bad)
+    with pytest.raises(InvalidArgumentError, match="unknown"):
+        client.register_node(node("n1", disk_gbs=0))
+    client.close()
+
+
+def _tier_manager(tmp_path, daemon_config, scheduler_address, node_id):
+    data = json.loads(daemon_config.read_text())
+    data["tier_manager"].update(scheduler_address=scheduler_address, node_id=node_id)
+    daemon_config.write_text(json.dumps(data))
+    return DaemonProcess(daemon_config, tmp_path / "tm.sock").start()
+
+
+def test_tier_manager_registers_its_probed_node_and_reports_disk_bandwidth(scheduler, tmp_path, daemon_config):
+    daemon = _tier_manager(tmp_path, daemon_config, scheduler.address, "node-a")
+    try:
+        client = SchedulerClient(scheduler.address)
+        deadline = time.time() + 30
+        while not client.list_nodes() and time.time() < deadline:
+            time.sleep(0.1)
+        (state,) = client.list_nodes()
+        assert state.node.node_id == "node-a"
+        assert state.node.cpu_bytes == 16 << 20 and state.node.nvme_bytes == 256 << 20
+        probe = state.node.bandwidth
+        assert min(probe.disk_read, probe.disk_write, probe.h2d, probe.d2h) > 1e6
+        # Traffic through the daemon shows up as a measured disk bandwidth.
+        with LayerStore("traffic", device="cpu", address=daemon.address, device_budget=64 << 20) as store:
+            store.register_layers([make_layer(7, i) for i in range(60)])  # > the CPU pool
+            for _ in range(3):
+                for i in range(60):
+                    store.ensure_layer(i)
+                    store.release_layer(i)
+                time.sleep(0.3)
+                measured = [s.last_measured.disk_read for s in client.list_nodes()]
+                if measured[0] > 0:
+                    break
+        assert measured[0] > 1e6
+        client.close()
+    finally:
+        daemon.kill()
+
+
+def _iteration(store, layers, seed, verify_errors, compute):
+    """Forward then backward over the layers, every byte checked, with real compute."""
+    order = list(range(layers)) + list(reversed(range(layers)))
+    for step, i in enumerate(order):
+        got = store.ensure_layer(i)
+        store.prefetch_ahead(i, 1 if step < layers else -1)
+        expected = make_layer(seed, i)
+        if set(got) != set(expected) or not all(bit_equal(got[k], expected[k]) for k in got):
+            verify_errors.append((step, i))
+        compute()
+        store.release_layer(i)
+
+
+def test_worker_switches_plans_mid_run_without_losing_or_corrupting_a_layer(scheduler, tmp_path, daemon_config):
+    daemon = _tier_manager(tmp_path, daemon_config, scheduler.address, "node-a")
+    client = SchedulerClient(scheduler.address)
+    layers, seed = 20, 11
+    a = torch.randn(256, 256)
+
+    def compute():  # a little real work per layer, as a model's layer would do
+        for _ in range(4):
+            torch.mm(a, a)
+
+    try:
+        deadline = time.time() + 30
+        while not client.list_nodes() and time.time() < deadline:
+            time.sleep(0.1)
+        budget = 8 * max(sum(v.numel() * v.element_size() for v in make_layer(seed, i).values())
+                         for i in range(layers))
+        with LayerStore("switch", device="cpu", address=daemon.address, device_budget=budget) as store:
+            store.register_layers([make_layer(seed, i) for i in range(layers)])
+            follower = PlanFollower(store, scheduler.address, node_id="node-a", apply_placement=True)
+            errors: list = []
+            _iteration(store, layers, seed, errors, compute)
+            v1 = follower.report_trace()
+            first = v1.nodes["node-a"]
+            # The plan's tiers became the store's placements: parameters the plan streams
+            # from NVMe are written there, the ones it keeps in the CPU pool stay there.
+            for i in range(layers):
+                expected = "nvme" if first.tiers[i] == 2 else "cpu"
+                assert store.placements[i][0] == expected
+            _iteration(store, layers, seed, errors, compute)
+            assert store.plan_version == 1 and store.prefetch_depth == first.prefetch_depth
+
+            # The node's device link slows to a crawl (a neighbour's copies, throttling):
+            # reported for longer than the re-plan window while the worker keeps training.
+            probe = client.node_bandwidths()["node-a"]
+            stop = threading.Event()
+
+            def drift():
+                while not stop.is_set():
+                    client.report_bandwidth("node-a", Bandwidths(h2d=probe.h2d / 500))
+                    stop.wait(0.1)
+
+            reporter = threading.Thread(target=drift, daemon=True)
+            reporter.start()
+            iterations = 0
+            deadline = time.time() + 60
+            while store.plan_version < 2 and time.time() < deadline:
+                _iteration(store, layers, seed, errors, compute)
+                iterations += 1
+            stop.set()
+            reporter.join()
+            _iteration(store, layers, seed, errors, compute)  # one more under the new plan
+            assert store.plan_version >= 2, "no new plan reached the worker"
+            second = follower.plan.nodes["node-a"]
+            assert "drift" in follower.plan.reason
+            assert second.prefetch_depth > first.prefetch_depth  # copies now take longer than compute
+            assert store.prefetch_depth == second.prefetch_depth
+            # Every switch happened at a layer boundary, between two ensure_layer calls.
+            (switch_at, version, depth) = store.plan_switches[-1]
+            assert version >= 2 and depth == second.prefetch_depth and switch_at > 0
+            assert errors == []  # every byte of every layer, before, across and after the switch
+            assert store.budget.peak <= store.budget.capacity
+            assert store.resident_layers() == []
+            follower.close()
+            stats = store.client.stats()
+            assert stats.pinned == 0 and stats.checksum_failures == 0
+    finally:
+        client.close()
+        daemon.kill()
+
+
+def test_worker_reports_its_trace_again_after_the_scheduler_restarts(daemon, tmp_path):
+    import subprocess
+    import sys
+
+    address = f"unix:{tmp_path / 'scheduler.sock'}"
+
+    def start():
+        proc = subprocess.Popen([sys.executable, "-m", "tierstack.cli", "scheduler", "--listen", address],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = SchedulerClient(address)
+        client.list_nodes()  # waits until it serves
+        client.register_node(node("node-a", gpu_gb=0.1, cpu_gb=0.1))  # as its tier manager would
+        return proc, client
+
+    proc, client = start()
+    layers, seed = 6, 5
+    with LayerStore("again", device="cpu", address=daemon.address, device_budget=32 << 20) as store:
+        store.register_layers([make_layer(seed, i) for i in range(layers)])
+        follower = PlanFollower(store, address, node_id="node-a")
+        errors: list = []
+        _iteration(store, layers, seed, errors, lambda: None)
+        assert follower.report_trace().version == 1
+        proc.kill()  # a crash: the scheduler forgets every node and job
+        proc.wait()
+        client.close()
+        proc, client = start()
+        try:
+            deadline = time.time() + 30
+            while time.time() < deadline:
+                try:
+                    client.plan("again")
+                    break
+                except KeyNotFoundError:
+                    time.sleep(0.2)
+            assert client.plan("again").version == 1  # the worker reported its trace again
+            _iteration(store, layers, seed, errors, lambda: None)
+            assert store.plan_version == 1 and errors == []
+            follower.close()
+        finally:
+            client.close()
+            proc.kill()

@@ -1,0 +1,136 @@
+"""A worker's side of the scheduler: report the job's trace, then follow its plans.
+
+    store = LayerStore("job", ...)
+    follower = PlanFollower(store, scheduler_address)     # starts recording uses
+    ... first iteration: ensure_layer / prefetch_ahead / release_layer ...
+    follower.report_trace()                                 # plan v1, adopted at once
+    ... later iterations: the store's prefetch depth follows every new plan ...
+
+The trace is what the store saw in the recorded iteration: the order of its
+ensure_layer calls, each use's compute time (from ensure_layer's return to
+release_layer, the device synchronised while recording), and the bytes of each layer's
+parameters and of every other kind written with write_back. A use of a layer already
+used in the iteration counts as backward. New plans arrive on a background stream and
+take effect at the store's next layer boundary (`LayerStore.set_plan`). With
+`apply_placement`, the plan's tier of each layer's parameters and other state becomes
+the store's placement (`LayerStore.place`) for what it writes next.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Mapping
+
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError
+from tierstack.services.scheduler.client import SchedulerClient
+from tierstack.services.scheduler.model import NVME, JobTrace, Plan, TensorSpec
+from tierstack.services.scheduler.plan_watcher import PlanWatcher
+from tierstack.worker.layers import LayerStore
+
+log = logging.getLogger(__name__)
+
+
+class PlanFollower:
+    """Reports one store's trace and keeps its prefetch depths on the current plan."""
+
+    def __init__(self, store: LayerStore, scheduler_address: str | None = None,
+                 node_id: str | None = None, timeout: float = 30.0,
+                 apply_placement: bool = False) -> None:
+        self.store = store
+        # Off by default: a "cpu" placement is never evicted by the tier manager, so a
+        # plan made for a pool shared with other jobs could fill it.
+        self.apply_placement = apply_placement
+        self.node_id = node_id or socket.gethostname()
+        self.client = SchedulerClient(scheduler_address, timeout=timeout)
+        self.watcher: PlanWatcher | None = None
+        self.plan: Plan | None = None
+        self._trace: JobTrace | None = None
+        store.recording = True
+        store.uses.clear()
+
+    def trace(self, nodes: list[str] | None = None,
+              tier_overrides: Mapping[str, str] | None = None) -> JobTrace:
+        """The recorded iteration as a trace (stops recording)."""
+        store = self.store
+        store.recording = False
+        uses = [u for u in store.uses if u[2] is not None]
+        if not uses:
+            raise InvalidArgumentError(
+                "no layer use was recorded: run one iteration (ensure_layer ... release_layer "
+                "for each layer) between creating the PlanFollower and report_trace")
+        seen: set[int] = set()
+        backward = []
+        for layer, _, _ in uses:
+            backward.append(layer in seen)
+            seen.add(layer)
+        tensors = [TensorSpec(store.key(i), i, "params", layout.nbytes) for i, layout in enumerate(store.layouts)]
+        tensors += [TensorSpec(store.key(i, kind), i, "grad" if kind.startswith("grad") else kind, nbytes)
+                    for (i, kind), nbytes in sorted(store.stored_kinds.items())]
+        return JobTrace(job=store.job, nodes=list(nodes or [self.node_id]),
+                        step_layer=[u[0] for u in uses], step_compute=[u[2] - u[1] for u in uses],
+                        step_backward=backward, tensors=tensors,
+                        tier_overrides=dict(tier_overrides or {}), device_budget=store.budget.capacity,
+                        # The store drops a layer at release_layer: its budget is all buffers.
+                        device_residency=False)
+
+    def report_trace(self, nodes: list[str] | None = None,
+                     tier_overrides: Mapping[str, str] | None = None) -> Plan:
+        """Send the recorded trace; adopt the plan it returns and follow newer ones."""
+        self._trace = self.trace(nodes, tier_overrides)
+        plan = self.client.report_trace(self._trace)
+        self._adopt(plan)
+        if self.watcher is None:
+            self.watcher = PlanWatcher(self.client, self.store.job, self._adopt, self._reconnected)
+            self.watcher.plan = plan
+            self.watcher.start()
+        return plan
+
+    def _reconnected(self) -> None:
+        """A scheduler that restarted has forgotten the job: report the trace again.
+
+        Its plan versions start over, so the watcher's count restarts with them."""
+        try:
+            self.client.plan(self.store.job)
+        except KeyNotFoundError:
+            plan = self.client.report_trace(self._trace)
+            log.warning("scheduler forgot job %s (restarted?): trace reported again, plan v%d",
+                        self.store.job, plan.version)
+            self.watcher.restart_versions(plan)
+            self.store.set_plan(plan.version, 0, 0, reset=True)  # versions restarted
+            self._adopt(plan)
+
+    def _adopt(self, plan: Plan) -> None:
+        mine = plan.nodes.get(self.node_id)
+        if mine is None:
+            log.warning("plan v%d of %s has nothing for node %s", plan.version, plan.job, self.node_id)
+            return
+        self.plan = plan
+        self.store.set_plan(plan.version, mine.prefetch_depth, mine.read_ahead, mine.staging_buffers)
+        if self.apply_placement and self._trace is not None:
+            self._place(mine.tiers)
+        log.info("job %s: plan v%d (%s): prefetch depth %d, read-ahead %d", plan.job, plan.version,
+                 plan.reason, mine.prefetch_depth, mine.read_ahead)
+
+    def _place(self, tiers) -> None:
+        """The plan's tiers as the store's placements (applied to what it writes next):
+        parameters by their own tier, a layer's other state by where most of its bytes
+        live. The device tier counts as CPU (the store drops layers after use)."""
+        params: dict[int, str] = {}
+        state: dict[int, dict[str, float]] = {}
+        for tensor, tier in zip(self._trace.tensors, tiers):
+            where = "nvme" if int(tier) == NVME else "cpu"
+            if tensor.kind == "params":
+                params[tensor.layer] = where
+            else:
+                bytes_by_tier = state.setdefault(tensor.layer, {"cpu": 0.0, "nvme": 0.0})
+                bytes_by_tier[where] += tensor.nbytes
+        for layer in range(len(self.store.layouts)):
+            kinds = state.get(layer)
+            other = "auto" if kinds is None else max(kinds, key=kinds.get)
+            self.store.place(layer, params.get(layer, "auto"), other)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+        self.client.close()
