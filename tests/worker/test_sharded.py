@@ -114,8 +114,9 @@ def test_two_ranks_match_one_rank_and_plain_pytorch_and_each_reads_half():
             if not name.startswith("blocks."):
                 torch.testing.assert_close(state["persistent"][name], p.detach(), rtol=1e-4, atol=1e-5)
 
-    # Bandwidth-centric: each of 2 ranks reads about half of what one rank reads, from
-    # its CPU pool and from NVMe (a 1 MiB CPU pool per rank: state streams through NVMe).
+    # Bandwidth-centric: each of 2 ranks reads half of what one rank reads from its CPU
+    # pool, and at most about half from NVMe (a 1 MiB CPU pool per rank: state streams
+    # through NVMe; each rank's pool caches a larger share of its half, so often less).
     def per_step(results, field):
         return [sum(getattr(s, field) for s in r.steps[1:]) / (len(r.steps) - 1) for r in results]
 
@@ -124,7 +125,7 @@ def test_two_ranks_match_one_rank_and_plain_pytorch_and_each_reads_half():
     assert nvme_one > 0 and cpu_one > 0
     for cpu, nvme in zip(cpu_two, nvme_two):
         assert 0.4 * cpu_one <= cpu <= 0.6 * cpu_one, (cpu, cpu_one)
-        assert 0.35 * nvme_one <= nvme <= 0.65 * nvme_one, (nvme, nvme_one)
+        assert 0 < nvme <= 0.6 * nvme_one, (nvme, nvme_one)
     assert one[0].steps[-1].gathered == 0 and all(r.steps[-1].gathered > 0 for r in two)
 
 
