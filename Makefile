@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench-io bench-ensure-layer bench-train bench-scheduler proto clean system-packages
+.PHONY: run test bench-io bench-ensure-layer bench-train bench-scheduler bench-partitioned proto clean system-packages
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,13 @@ $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
 	touch $@
 
 # Debian packages the tests drive: chromium (the dashboard test, through the playwright
-# package with executable_path=/usr/bin/chromium) and promtool (from `prometheus`).
+# package with executable_path=/usr/bin/chromium), promtool (from `prometheus`), and
+# openssh-server + rsync (the `ray up` test reaches its two loopback nodes through a local
+# sshd, as Ray's cluster launcher reaches real ones).
 # Installed only when the binary is missing; without root or apt-get, those tests skip
 # and say why.
-SYSTEM_PACKAGES := /usr/bin/chromium:chromium /usr/bin/promtool:prometheus
+SYSTEM_PACKAGES := /usr/bin/chromium:chromium /usr/bin/promtool:prometheus \
+                   /usr/sbin/sshd:openssh-server /usr/bin/rsync:rsync
 system-packages:
 	@missing=""; for pair in $(SYSTEM_PACKAGES); do \
 	  [ -x "$${pair%%:*}" ] || missing="$$missing $${pair##*:}"; done; \
@@ -54,6 +57,9 @@ bench-train: $(STAMP)
 
 bench-scheduler: $(STAMP)
 	$(PY) bench/scheduler.py
+
+bench-partitioned: $(STAMP)
+	$(PY) bench/partitioned.py
 
 # Regenerate proto/*_pb2*.py from proto/*.proto (a test fails when they are out of date).
 proto: $(STAMP)

@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--manifest", help="path of the manifest database")
     tm.set_defaults(func=_tier_manager)
 
+    ray_node = sub.add_parser("ray-node", help="this Ray node's tierstack services (deploy/cluster.yaml)")
+    from tierstack.services.ray_node import add_arguments as add_ray_node, run as run_ray_node
+    add_ray_node(ray_node)
+    ray_node.set_defaults(func=run_ray_node)
     sched = sub.add_parser("scheduler", help="run the cluster scheduler (gRPC): plans from traces and bandwidth")
     sched.add_argument("--config", help="tierstack JSON config (its scheduler section)")
     sched.add_argument("--listen", help="unix:/path/to.sock (default) or host:port")

@@ -111,8 +111,12 @@ class OffloadEngine:
         hyper = dict(lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
                      weight_decay=optimizer.weight_decay)
         self.persistent_optimizer = torch.optim.AdamW(self.persistent_masters, fused=True, **hyper)
-        self.block_optimizer = TieredAdamW(self.blocks, optimizer, masters=dtype != torch.float32)
+        self.block_optimizer = self._make_block_optimizer(optimizer, masters=dtype != torch.float32)
         self.blocks.track_grad_norms = gradient_clipping > 0
+
+    def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool):
+        """The offloaded blocks' optimizer (partitioned training brings its own)."""
+        return TieredAdamW(self.blocks, optimizer, masters=masters)
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, store: LayerStore, train: TrainConfig,

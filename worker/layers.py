@@ -102,6 +102,11 @@ class LayerStore:
         # and a future-style call far more (it starts a thread per call).
         self._hinter = ThreadPoolExecutor(1, thread_name_prefix="tierstack-hint")
         self.stall_seconds = 0.0  # time ensure_layer spent waiting for a load
+        # Bytes this worker read from / wrote to the tier manager's CPU pool (loads,
+        # read_layer, write_back): with the daemon's NVMe counters, per-tier traffic.
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._count_lock = threading.Lock()
         # Prefetch driven by the scheduler's plan (worker/plan_follower.py): the depths in
         # effect, and a plan waiting for the next layer boundary (the next ensure_layer).
         self.prefetch_depth = 2
@@ -289,6 +294,7 @@ class LayerStore:
                 block = arenas.view(lease.arena, lease.offset, nbytes)
                 fill(block)
                 self.client.commit(key, lease.lease_id, "uint8", (nbytes,), durable, placement)
+                self._count(written=nbytes)
             except BaseException:
                 try:
                     self.client.cancel(lease.lease_id)
@@ -304,6 +310,7 @@ class LayerStore:
         def op(arenas: ArenaMap) -> torch.Tensor:
             res = self._fetch_one(key, arenas)
             try:
+                self._count(read=res.info.nbytes)
                 return arenas.view(res.arena, res.offset, res.info.nbytes).clone()
             finally:
                 self.client.release(key, res.info.version)
@@ -483,10 +490,16 @@ class LayerStore:
                 self._releaser.submit(self._release_after, key, res.info.version, None)
                 raise
             self._releaser.submit(self._release_after, key, res.info.version, copied)
+            self._count(read=resident.nbytes)
         except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
             resident.error = e
         finally:
             resident.ready.set()
+
+    def _count(self, read: int = 0, written: int = 0) -> None:
+        with self._count_lock:
+            self.bytes_read += read
+            self.bytes_written += written
 
     def _hint(self, key: str) -> None:
         try:

@@ -38,7 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-pool-size", default="64MiB", help="the embedded CPU pool")
     parser.add_argument("--device-budget", default="", help="default: 3 layers' worth")
     parser.add_argument("--nvme-path", default="/var/tmp/tierstack/train-nvme")
-    parser.add_argument("--address", help="use this running tier manager instead of starting one")
+    parser.add_argument("--tier-manager", help="use this running tier manager instead of starting one")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="data-parallel ranks, each a Ray actor keeping 1/N of every block "
+                             "(partitioned training); --batch-size is the global batch")
+    parser.add_argument("--address", help="join this Ray cluster (auto, or the head's host:port) "
+                                          "instead of starting Ray here; implies Ray actors")
+    parser.add_argument("--placement", default="SPREAD",
+                        help="Ray placement strategy of the ranks (SPREAD, STRICT_SPREAD, PACK)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when there is one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["fp32", "bf16"],
@@ -51,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
         config.train.params.device = config.train.optimizer_state.device = "nvme"
     if args.precision:
         config.train.precision = args.precision
+    if args.ranks > 1 or args.address:
+        from tierstack.worker.ray_train_job import run as run_on_ray
+        return run_on_ray(args, config)
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpt = GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads)
@@ -74,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
                   f"and CPU pool {tm.cpu_pool.size / MiB:.0f} MiB -> NVMe at {run_dir}")
     data = ByteBatches(stdlib_bytes(), gpt.seq_len, args.batch_size, seed=args.seed)
     try:
-        if args.address:
-            return _train(args, model, device, budget, args.address, data, config)
+        if args.tier_manager:
+            return _train(args, model, device, budget, args.tier_manager, data, config)
         with EmbeddedTierManager(tm) as daemon:
             return _train(args, model, device, budget, daemon.address, data, config)
     finally:

@@ -1,0 +1,72 @@
+"""Ranks as Ray actors on a real local Ray: partitioned training placed by Ray."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tierstack.config import OptimizerConfig
+from tierstack.worker.gpt import GPT, GPTConfig
+from tierstack.worker.partitioned_job import PartitionedSpec, global_batches, small_embedded_node
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")
+    environ = dict(os.environ)
+    ray.init(num_cpus=2, object_store_memory=128 << 20, include_dashboard=False)
+    yield ray
+    ray.shutdown()
+    # ray.init leaves RAY_AUTH_MODE=token (and more) in this process's environment,
+    # which later tests' subprocesses would inherit.
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def test_two_cpu_actors_train_like_plain_pytorch_on_the_global_batch(local_ray):
+    from tierstack.worker.ray_workers import train_with_ray
+    spec = PartitionedSpec(gpt=GPTConfig(vocab_size=256, seq_len=16, dim=32, heads=2, layers=3),
+                           steps=3, global_batch=4, seed=5, data="random",
+                           optimizer=OptimizerConfig(lr=1e-3), device="cpu",
+                           embedded=small_embedded_node(size_mib=1))
+    results = train_with_ray(spec, 2, use_gpu=False)
+    assert [r.rank for r in results] == [0, 1]
+    assert all(r.device == "cpu" for r in results)
+
+    torch.manual_seed(spec.seed)
+    reference = GPT(spec.gpt)
+    opt = torch.optim.AdamW(reference.parameters(), fused=True, lr=1e-3)
+    batches = global_batches(spec)
+    for step in range(spec.steps):
+        x, y = next(batches)
+        loss = torch.nn.functional.cross_entropy(reference(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        for r in results:
+            assert abs(r.steps[step].loss - loss.item()) <= 1e-5 * loss.item(), (step, r.rank)
+    assert all(r.steps[-1].gathered > 0 for r in results)
+
+
+def test_too_many_ranks_for_the_cluster_is_a_clear_error(local_ray):
+    from tierstack.errors import InvalidArgumentError
+    from tierstack.worker.ray_workers import train_with_ray
+    with pytest.raises(InvalidArgumentError, match="3 ranks need 3 CPU but the Ray cluster has 2"):
+        train_with_ray(PartitionedSpec(), 3, use_gpu=False)
+
+
+def test_tierstack_train_with_ranks_starts_an_embedded_ray(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "tierstack.cli", "train", "--ranks", "2", "--steps", "4",
+         "--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "32", "--batch-size", "4",
+         "--cpu-pool-size", "1MiB", "--nvme-path", str(tmp_path / "nvme")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = out.stdout.replace("\n", " ")
+    assert "done: 4 steps on 2 ranks" in summary
+    first, last = summary.split("loss ")[-1].split(",")[0].split(" -> ")
+    assert float(last) < float(first)

@@ -1,0 +1,101 @@
+"""torch.distributed set-up for partitioned training, with or without Ray.
+
+Ranks learn their place torchrun-style, from RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
+and MASTER_PORT; the Ray actors (worker/ray_workers.py), `torchrun` and the plain
+multiprocessing launcher below all set exactly these, so the partitioned engine runs
+the same under each. The backend is NCCL when the rank has a GPU, else gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tierstack.errors import InvalidArgumentError
+
+# A rank whose peer died waits this long in a collective before failing, instead of forever.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where one rank stands: torchrun's environment variables as plain data."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls, environ: dict | None = None) -> "RankEnv":
+        env = os.environ if environ is None else environ
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise InvalidArgumentError(
+                f"{', '.join(missing)} not set: start ranks with torchrun, tierstack train "
+                f"--ranks N, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
+        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])),
+                   env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+
+    def to_environ(self) -> dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(self.local_rank), "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port)}
+
+
+def rank_device(env: RankEnv, device: str | None = None) -> torch.device:
+    """This rank's device: its local GPU when there are GPUs, else the CPU."""
+    if device:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        # Ray sets CUDA_VISIBLE_DEVICES to the actor's one GPU; torchrun leaves all visible.
+        return torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(env: RankEnv | None = None, device: torch.device | None = None,
+                       timeout: timedelta = DEFAULT_TIMEOUT) -> RankEnv:
+    """Join the job's process group (NCCL on a GPU, gloo on the CPU); returns the rank's env."""
+    env = env or RankEnv.from_environ()
+    device = device or rank_device(env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # env:// rather than tcp://: under torchrun the agent already hosts the rendezvous
+    # store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), and env:// joins it as a client.
+    os.environ.update(env.to_environ())
+    dist.init_process_group(backend, init_method="env://",
+                            rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _run_rank(index: int, fn: Callable, world: int, port: int, args: tuple) -> None:
+    env = RankEnv(index, world, index, "127.0.0.1", port)
+    os.environ.update(env.to_environ())
+    fn(env, *args)
+
+
+def launch_local(fn: Callable, world: int, *args) -> None:
+    """Run `fn(rank_env, *args)` in `world` fresh processes on this machine, without Ray.
+
+    `fn` must be importable (a module-level function): processes are spawned, not forked,
+    so no thread or CUDA state of the caller leaks into the ranks.
+    """
+    import torch.multiprocessing as mp
+
+    mp.spawn(_run_rank, args=(fn, world, free_port(), args), nprocs=world, join=True)

@@ -1,0 +1,230 @@
+"""One rank of a partitioned training run: what every launcher runs.
+
+`run_rank(env, spec)` joins the process group, finds (or starts) its node's tier manager,
+trains the GPT of `spec` with its blocks partitioned over the ranks and its slice of
+every global batch, and returns per-step figures: the global loss, the step time, and
+the bytes this rank read from each tier. The Ray actors (`tierstack train --ranks N`),
+the plain multiprocessing launcher and `torchrun` (the GPU machine has no Ray) all call
+it, so every way of starting ranks trains the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tierstack.config import MiB, OptimizerConfig, TierManagerConfig, config_dict, load_config
+from tierstack.errors import InvalidArgumentError
+from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+from tierstack.worker.corpus import ByteBatches, stdlib_bytes
+from tierstack.worker.distributed import RankEnv, init_process_group, rank_device
+from tierstack.worker.gpt import GPT, GPTConfig
+from tierstack.worker.layers import layer_tensors
+from tierstack.worker.layout import LayerLayout
+from tierstack.worker.sharded_engine import ShardedEngine
+from tierstack.worker.sharded_store import ShardedLayerStore
+
+
+@dataclass
+class PartitionedSpec:
+    """What to train and where its state lives; the same on every rank."""
+
+    gpt: GPTConfig = field(default_factory=GPTConfig)
+    steps: int = 10
+    global_batch: int = 8
+    seed: int = 0
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: str = "fp32"
+    prefetch_depth: int = 2
+    device_budget_layers: int = 3
+    device_budget: int = 0        # bytes; 0: device_budget_layers layers' worth
+    device: str | None = None
+    job: str = ""
+    data: str = "stdlib"          # "stdlib" (the byte corpus) or "random" tokens
+    tier_manager: str | None = None
+    """The node's tier-manager address; None: each rank starts its own embedded one."""
+    embedded: dict | None = None
+    """tier_manager config (as config_dict gives) for the embedded daemons; paths get a per-rank suffix."""
+    collect_state: bool = False   # gather the trained weights into the result (tests)
+    cpu_threads: int = 0          # torch intra-op threads per rank on the CPU; 0: torch's default
+
+
+@dataclass
+class StepFigures:
+    loss: float
+    seconds: float
+    cpu_pool_read: int   # bytes this rank read from its tier manager's CPU pool
+    cpu_pool_written: int
+    nvme_read: int       # bytes its tier manager read from NVMe (its own daemon only)
+    gathered: int        # bytes received from the other ranks by all-gathers
+
+
+@dataclass
+class RankResult:
+    rank: int
+    world_size: int
+    node: str
+    device: str
+    steps: list[StepFigures]
+    state: dict | None = None  # {"blocks": [{name: tensor}], "persistent": {name: tensor}}
+
+
+def global_batches(spec: PartitionedSpec):
+    """The run's global batches, identical on every rank (same seed)."""
+    if spec.data == "stdlib":
+        batches = ByteBatches(stdlib_bytes(), spec.gpt.seq_len, spec.global_batch, seed=spec.seed)
+        while True:
+            yield batches.next()
+    elif spec.data == "random":
+        g = torch.Generator().manual_seed(spec.seed + 1)
+        shape = (spec.global_batch, spec.gpt.seq_len)
+        while True:
+            yield (torch.randint(0, spec.gpt.vocab_size, shape, generator=g),
+                   torch.randint(0, spec.gpt.vocab_size, shape, generator=g))
+    else:
+        raise InvalidArgumentError(f"data {spec.data!r}: use 'stdlib' or 'random'")
+
+
+def rank_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's equal share of the global batch's rows."""
+    if batch.shape[0] % world:
+        raise InvalidArgumentError(
+            f"global batch of {batch.shape[0]} does not split evenly over {world} ranks; "
+            f"use a multiple of {world}")
+    per = batch.shape[0] // world
+    return batch[rank * per:(rank + 1) * per]
+
+
+def run_rank(env: RankEnv, spec: PartitionedSpec) -> RankResult:
+    """Train this rank's part of `spec`; see the module docstring."""
+    device = rank_device(env, spec.device)
+    if spec.cpu_threads:
+        torch.set_num_threads(spec.cpu_threads)
+    init_process_group(env, device)
+    try:
+        if spec.tier_manager is not None:
+            return _train(env, spec, device, spec.tier_manager)
+        tm = load_config({"tier_manager": spec.embedded or {}}).tier_manager
+        tmp = tempfile.mkdtemp(prefix=f"tierstack-rank{env.rank}-")
+        # Per-rank directories: ranks of one machine stand for nodes with their own drives.
+        tm.nvme_pool.paths = [os.path.join(p, f"{os.path.basename(tmp)}-{i}")
+                              for i, p in enumerate(tm.nvme_pool.paths)] or [tmp]
+        tm.manifest_path = os.path.join(tm.nvme_pool.paths[0], "manifest.sqlite")
+        try:
+            with EmbeddedTierManager(tm) as daemon:
+                return _train(env, spec, device, daemon.address)
+        finally:
+            for path in tm.nvme_pool.paths + [tmp]:
+                shutil.rmtree(path, ignore_errors=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: str) -> RankResult:
+    torch.manual_seed(spec.seed)  # every rank builds the same initial model
+    model = GPT(spec.gpt)
+    layer_bytes = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes
+    job = spec.job or f"train-{uuid.uuid4().hex[:8]}"
+    budget = spec.device_budget or spec.device_budget_layers * layer_bytes
+    store = ShardedLayerStore(job, device=device, device_budget=budget,
+                              address=address, durable=False)
+    try:
+        engine = ShardedEngine(model, store, spec.optimizer, prefetch_depth=spec.prefetch_depth,
+                               precision=spec.precision)
+        steps = []
+        batches = global_batches(spec)
+        for _ in range(spec.steps):
+            x, y = next(batches)
+            x, y = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
+            before = (store.local.bytes_read, store.local.bytes_written,
+                      store.client.stats().nvme_bytes_read, store.bytes_gathered)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            loss = engine.train_step(x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+            after = (store.local.bytes_read, store.local.bytes_written,
+                     store.client.stats().nvme_bytes_read, store.bytes_gathered)
+            steps.append(StepFigures(loss, seconds, *(a - b for a, b in zip(after, before))))
+        state = None
+        if spec.collect_state:
+            state = {"blocks": [store.read_layer(i) for i in range(len(store.layouts))],
+                     "persistent": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
+        node = os.uname().nodename
+        return RankResult(env.rank, env.world_size, node, str(device), steps, state)
+    finally:
+        store.close()
+
+
+def spec_from_dict(data: dict) -> PartitionedSpec:
+    """A spec from plain data (JSON on a command line)."""
+    data = dict(data)
+    gpt = GPTConfig(**data.pop("gpt", {}))
+    optimizer = load_config({"train": {"optimizer": data.pop("optimizer", {})}}).train.optimizer
+    return PartitionedSpec(gpt=gpt, optimizer=optimizer, **data)
+
+
+def small_embedded_node(size_mib: int = 64) -> dict:
+    """A tier_manager config for an embedded per-rank daemon (CPU pool + NVMe)."""
+    tm = TierManagerConfig()
+    tm.cpu_pool.size = size_mib * MiB
+    tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
+    tm.nvme_pool.paths = ["/var/tmp/tierstack/partitioned"]
+    tm.nvme_pool.size = 1024 * MiB
+    return config_dict(tm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank under torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_*).
+
+    torchrun --nproc-per-node 2 -m tierstack.worker.partitioned_job --spec '{"steps": 5}'
+    Each rank starts its own embedded tier manager unless the spec names one
+    ("tier_manager"); every rank prints one JSON line with its per-step figures.
+    """
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="one rank of a partitioned training run")
+    parser.add_argument("--spec", default="{}", help="PartitionedSpec fields as JSON")
+    args = parser.parse_args(argv)
+    spec = spec_from_dict(json.loads(args.spec))
+    if spec.tier_manager is None and spec.embedded is None:
+        spec.embedded = small_embedded_node()
+    result = run_rank(RankEnv.from_environ(), spec)
+    steps = result.steps[1:] or result.steps
+    median = lambda f: sorted(getattr(s, f) for s in steps)[len(steps) // 2]  # noqa: E731
+    print(json.dumps({"rank": result.rank, "world_size": result.world_size, "device": result.device,
+                      "losses": [round(s.loss, 5) for s in result.steps],
+                      "step_s": median("seconds"), "cpu_pool_read": median("cpu_pool_read"),
+                      "nvme_read": median("nvme_read"), "gathered": median("gathered")}), flush=True)
+    return 0
+
+
+def _run_rank_to_file(env: RankEnv, spec: PartitionedSpec, out_dir: str) -> None:
+    torch.save(run_rank(env, spec), os.path.join(out_dir, f"rank{env.rank}.pt"))
+
+
+def launch_partitioned(spec: PartitionedSpec, world: int) -> list[RankResult]:
+    """Run `spec` on `world` local processes (no Ray); every rank's result, by rank."""
+    from tierstack.worker.distributed import launch_local
+
+    out_dir = tempfile.mkdtemp(prefix="tierstack-ranks-")
+    try:
+        launch_local(_run_rank_to_file, world, spec, out_dir)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+                for r in range(world)]
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

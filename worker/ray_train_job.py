@@ -1,0 +1,88 @@
+"""`tierstack train --ranks N` / `--address`: partitioned training on Ray actors.
+
+Without `--address`, Ray starts embedded on this machine (`ray.init()` with a small
+object store: the actors exchange nothing through it but their results) and one
+embedded tier manager serves every rank, as the one daemon of this one node. With
+`--address` (`auto`, or `host:port` of the head), the job joins that Ray cluster and
+each rank uses its own node's tier manager, started by deploy/cluster.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import uuid
+
+from rich.console import Console
+from rich.table import Table
+
+from tierstack.config import MiB, TierstackConfig, parse_size
+from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+from tierstack.worker.gpt import GPTConfig
+from tierstack.worker.partitioned_job import PartitionedSpec, RankResult
+
+console = Console()
+EMBEDDED_OBJECT_STORE = 256 * MiB
+
+
+def run(args: argparse.Namespace, config: TierstackConfig) -> int:
+    import ray
+
+    from tierstack.worker.ray_workers import train_with_ray
+
+    spec = PartitionedSpec(
+        gpt=GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads),
+        steps=args.steps, global_batch=args.batch_size, seed=args.seed,
+        optimizer=config.train.optimizer, precision=config.train.precision,
+        device=args.device, job=f"train-{uuid.uuid4().hex[:8]}",
+        device_budget=parse_size(args.device_budget, "--device-budget") if args.device_budget else 0)
+    console.print(f"[bold]tierstack train[/]: GPT {args.layers} x {args.dim} over {args.ranks} "
+                  f"data-parallel ranks (Ray actors), each keeping 1/{args.ranks} of every block; "
+                  f"global batch {args.batch_size}")
+    if args.address:
+        ray.init(address=args.address, log_to_driver=True)
+        try:
+            return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
+        finally:
+            ray.shutdown()
+    tm = config.tier_manager
+    tm.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
+    tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
+    run_dir = os.path.join(args.nvme_path, uuid.uuid4().hex[:8])
+    tm.nvme_pool.paths = [run_dir]
+    tm.nvme_pool.size = max(tm.nvme_pool.size, 1024 * MiB)
+    tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
+    ray.init(num_cpus=max(args.ranks, os.cpu_count() or 1), object_store_memory=EMBEDDED_OBJECT_STORE,
+             include_dashboard=False, log_to_driver=True)
+    try:
+        if args.tier_manager:
+            spec.tier_manager = args.tier_manager
+            return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
+        with EmbeddedTierManager(tm) as daemon:
+            spec.tier_manager = daemon.address
+            return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _report(results: list[RankResult], args: argparse.Namespace) -> int:
+    losses = [s.loss for s in results[0].steps]
+    table = Table(title="per rank, per step (medians after the first step)")
+    for column in ("rank", "node", "device", "step s", "CPU pool read MB", "node NVMe read MB",
+                   "all-gather in MB"):
+        table.add_column(column)
+    for r in results:
+        later = r.steps[1:] or r.steps
+        med = lambda f: sorted(getattr(s, f) for s in later)[len(later) // 2]  # noqa: E731
+        table.add_row(str(r.rank), r.node, r.device, f"{med('seconds'):.3f}",
+                      f"{med('cpu_pool_read') / 1e6:.1f}", f"{med('nvme_read') / 1e6:.1f}",
+                      f"{med('gathered') / 1e6:.1f}")
+    console.print(table)
+    seconds = sum(s.seconds for s in results[0].steps)
+    tokens = args.batch_size * args.seq_len * len(losses)
+    console.print(f"[bold]done[/]: {len(losses)} steps on {len(results)} ranks, loss {losses[0]:.3f} -> "
+                  f"{losses[-1]:.3f}, {tokens / seconds:,.0f} tokens/s")
+    return 0
+

@@ -1,0 +1,100 @@
+"""GPU workers as Ray actors: one rank per actor, placed by Ray, trained by `run_rank`.
+
+`train_with_ray(spec, ranks)` reserves one bundle per rank in a placement group (a GPU
+each when the cluster has enough, else a CPU: the tests' CPU-only actors), starts a
+`RankActor` in each, gives them torchrun's environment (rank 0's node address and a
+free port there as MASTER_ADDR/PORT), and runs `partitioned_job.run_rank` in all of
+them at once. Each actor talks to its own node's tier manager: the one `tierstack
+ray-node` runs next to the node's raylet (deploy/cluster.yaml), found from the actor's
+node IP, unless the caller passes one address for all (a single machine).
+
+Why actors with our own process group rather than Ray Train's TorchTrainer: the rank
+code must also run where there is no Ray (the GPU machine: torchrun or the plain
+launcher), so it owns its torch.distributed set-up either way; TorchTrainer would add
+ray[train]'s dependencies, its own run/checkpoint storage and a second way of setting up
+the same process group, for nothing the actors need. Placement and GPU assignment, the
+parts Ray is good at, still come from Ray (placement groups, num_gpus=1 per actor).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tierstack.errors import InvalidArgumentError
+from tierstack.worker.distributed import RankEnv, free_port
+from tierstack.worker.partitioned_job import PartitionedSpec, RankResult, run_rank
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+
+
+@ray.remote
+class RankActor:
+    """One data-parallel rank, on the node and GPU Ray placed it on."""
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return free_port(ray.util.get_node_ip_address())
+
+    def run(self, env: RankEnv, spec: PartitionedSpec) -> RankResult:
+        if spec.tier_manager is None and spec.embedded is None:
+            from tierstack.services.ray_node import tier_manager_address
+
+            spec.tier_manager = tier_manager_address(ray.util.get_node_ip_address())
+        result = run_rank(env, spec)
+        result.node = ray.util.get_node_ip_address()
+        return result
+
+
+def train_with_ray(spec: PartitionedSpec, ranks: int, use_gpu: bool | None = None,
+                   placement: str = "SPREAD", timeout: float | None = None) -> list[RankResult]:
+    """Train `spec` on `ranks` Ray actors of the connected cluster; results by rank."""
+    if not ray.is_initialized():
+        raise InvalidArgumentError("connect to Ray first (ray.init) or use `tierstack train --ranks N`")
+    if placement not in PLACEMENTS:
+        raise InvalidArgumentError(f"placement {placement!r}: use one of {', '.join(PLACEMENTS)}")
+    if ranks < 1:
+        raise InvalidArgumentError(f"ranks must be at least 1, got {ranks}")
+    resources = ray.cluster_resources()
+    if use_gpu is None:
+        use_gpu = resources.get("GPU", 0) >= ranks
+    bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+    for name, need in bundle.items():
+        if resources.get(name, 0) < need * ranks:
+            raise InvalidArgumentError(
+                f"{ranks} ranks need {need * ranks:g} {name} but the Ray cluster has "
+                f"{resources.get(name, 0):g}; use fewer --ranks or add nodes")
+    group = placement_group([dict(bundle)] * ranks, strategy=placement)
+    try:
+        if not _wait(group.ready(), timeout or 300):
+            raise InvalidArgumentError(
+                f"Ray could not place {ranks} ranks of {bundle} with strategy {placement} within "
+                f"{timeout or 300:.0f} s (cluster: {resources}); check `ray status`")
+        actors = [RankActor.options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r),
+        ).remote() for r in range(ranks)]
+        master = ray.get(actors[0].node_ip.remote())
+        port = ray.get(actors[0].free_port.remote())
+        nodes = ray.get([a.node_ip.remote() for a in actors])
+        log.info("ranks on nodes %s; rendezvous at %s:%d", nodes, master, port)
+        # LOCAL_RANK 0: Ray gives each actor exactly one GPU (CUDA_VISIBLE_DEVICES).
+        envs = [RankEnv(r, ranks, 0, master, port) for r in range(ranks)]
+        results = ray.get([a.run.remote(env, spec) for a, env in zip(actors, envs)], timeout=timeout)
+        for actor in actors:
+            ray.kill(actor)
+        return sorted(results, key=lambda r: r.rank)
+    finally:
+        remove_placement_group(group)
+
+
+def _wait(ref, timeout: float) -> bool:
+    ready, _ = ray.wait([ref], timeout=timeout)
+    return bool(ready)

@@ -1,0 +1,509 @@
+"""Bandwidth-centric partitioning: each data-parallel rank keeps 1/N of every layer.
+
+With N ranks, every layer's tensors are laid out as one flat array (`FlatLayout`) and
+split in N equal shards; rank r's node tier manager holds only shard r of the layer's
+parameters, gradients and optimizer states (an inner `LayerStore` per rank, whose
+"layers" are the shards). `ensure_layer(i)` loads the local shard (NVMe -> CPU pool ->
+device, as LayerStore does) and all-gathers the other N-1 shards from the peers into
+the full layer on the device, so each rank reads 1/N of the model from its own tiers
+and the aggregate tier bandwidth grows with N. A layer's gradients are reduce-scattered
+(averaged over the ranks), so each rank writes back only its shard's gradient, and
+`ShardedAdamW` updates only the local shard. Nothing but the all-gathers moves a
+parameter between ranks; the step needs no collective at all.
+
+`ShardedLayerStore` offers what `OffloadedBlocks` and the engine use of a `LayerStore`
+(register_layers, prefetch, ensure_layer, release_layer, write_back, read_layer), so
+the same offloaded blocks run partitioned.
+
+Ordering. Collectives must be issued in the same order on every rank. They all run on
+one communication thread per rank, in the order the caller asked for them (prefetch,
+ensure_layer, write_back, read_layer, all_reduce): the caller's program is the same on
+every rank, so the order is too. `prefetch(i)` queues layer i's local load at once and
+its all-gather behind the ones before it; both overlap the caller's compute. On CUDA
+the gather runs on its own stream and the compute stream waits on an event (NCCL);
+on CPU it is gloo.
+
+Layers must hold tensors of one dtype (fp32 or bf16 blocks: every model the engine
+trains); a mixed-dtype block is refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from tierstack.errors import InvalidArgumentError
+from tierstack.services.tier_manager.tensor_bytes import dtype_from_name, dtype_name
+from tierstack.worker.device_budget import DeviceBudget
+from tierstack.worker.layers import DEFAULT_DEVICE_BUDGET, LayerStore, layer_tensors
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Each tensor starts at a multiple of this many elements: 256 bytes in fp32, aligned for
+# vectorised kernels in any dtype, and the same element offsets for a layer's bf16
+# parameters and its fp32 masters and moments.
+ELEMENT_ALIGNMENT = 64
+
+# torch 2.13 renamed the flat collectives (*_single); older releases (the GPU machine's
+# 2.11) have only the *_tensor names. Same arguments, same semantics.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class FlatSlot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # in elements
+    numel: int
+    trainable: bool
+    dtype: str  # the layer's (one dtype per layer)
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """A layer's tensors as one flat array of `dtype`, cut into `world` shards of `shard_numel`."""
+
+    dtype: str
+    slots: tuple[FlatSlot, ...]
+    shard_numel: int
+    world: int
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor], trainable: set[str], world: int,
+           what: str = "layer") -> "FlatLayout":
+        dtypes = {dtype_name(t.dtype) for t in tensors.values()}
+        if len(dtypes) != 1:
+            raise InvalidArgumentError(
+                f"{what} mixes dtypes {sorted(dtypes)}: partitioned training splits each "
+                f"layer as one flat array of one dtype; cast the model (model.to(dtype)) first")
+        slots, offset = [], 0
+        for name, t in tensors.items():
+            slots.append(FlatSlot(name, tuple(t.shape), offset, t.numel(), name in trainable,
+                                  dtype_name(t.dtype)))
+            offset += -(-t.numel() // ELEMENT_ALIGNMENT) * ELEMENT_ALIGNMENT
+        per_rank = -(-offset // world)
+        shard = max(ELEMENT_ALIGNMENT, -(-per_rank // ELEMENT_ALIGNMENT) * ELEMENT_ALIGNMENT)
+        return cls(dtypes.pop(), tuple(slots), shard, world)
+
+    @property
+    def numel(self) -> int:
+        return self.shard_numel * self.world
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        return self.numel * (dtype or self.torch_dtype).itemsize
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def views(self, flat: torch.Tensor, suffix: str = "", trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Named tensors over a flat array of this layout (no copy)."""
+        return {s.name + suffix: flat[s.offset:s.offset + s.numel].view(s.shape)
+                for s in self.slots if s.trainable or not trainable_only}
+
+    def pack(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device,
+             suffix: str = "", require_all: bool = True) -> torch.Tensor:
+        """A flat array holding `tensors` (named `<slot><suffix>`); zeros where none is given."""
+        known = {s.name + suffix: s for s in self.slots}
+        unknown = sorted(set(tensors) - set(known))
+        missing = sorted(set(known) - set(tensors))
+        if unknown or (require_all and missing):
+            raise InvalidArgumentError(
+                f"layer tensors do not match the registered layout: missing {missing}, "
+                f"unexpected {unknown}")
+        flat = torch.zeros(self.numel, dtype=dtype, device=device)
+        for name, t in tensors.items():
+            s = known[name]
+            if tuple(t.shape) != s.shape:
+                raise InvalidArgumentError(
+                    f"tensor {name!r} has shape {list(t.shape)} but the layer was registered "
+                    f"with {list(s.shape)}")
+            flat[s.offset:s.offset + s.numel].copy_(t.reshape(-1), non_blocking=True)
+        return flat
+
+    def trainable_segments(self, rank: int) -> list[tuple[int, int]]:
+        """(start, end) ranges, local to shard `rank`, that hold trainable parameters."""
+        lo, hi = self.shard_range(rank)
+        segments = []
+        for s in self.slots:
+            start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if s.trainable and start < end:
+                segments.append((start - lo, end - lo))
+        return segments
+
+
+@dataclass
+class _Gathered:
+    """A full layer on the device, or on its way there."""
+
+    nbytes: int
+    buffer: torch.Tensor | None = None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+    gathered: object | None = None  # torch.cuda.Event on the communication stream
+    error: BaseException | None = None
+
+
+class ShardedLayerStore:
+    """One rank's shards of a job's layers, gathered into full layers on its device."""
+
+    def __init__(self, job: str, rank: int | None = None, world: int | None = None,
+                 group: dist.ProcessGroup | None = None, device: str | torch.device | None = None,
+                 device_budget: int = DEFAULT_DEVICE_BUDGET, address: str | None = None,
+                 reconnect_timeout: float = 60.0, durable: bool = True) -> None:
+        if not dist.is_initialized():
+            raise InvalidArgumentError(
+                "partitioned training needs torch.distributed: call "
+                "tierstack.worker.distributed.init_process_group() (or torchrun's "
+                "init_process_group) before building a ShardedLayerStore")
+        self.group = group
+        self.rank = dist.get_rank(group) if rank is None else rank
+        self.world = dist.get_world_size(group) if world is None else world
+        if not 0 <= self.rank < self.world:
+            raise InvalidArgumentError(f"rank {self.rank} is not in a world of {self.world}")
+        self.job = job
+        # Each rank's shards are a job of their own on its node's tier manager: ranks on
+        # one node share the daemon without sharing keys.
+        self.local = LayerStore(f"{job}.rank{self.rank}of{self.world}", device, device_budget,
+                                address, reconnect_timeout, durable)
+        self.device = self.local.device
+        self.cuda = self.local.cuda
+        self.client = self.local.client
+        self.budget = DeviceBudget(device_budget)  # full layers on the device
+        self.layouts: list[FlatLayout] = []
+        self._gathered: dict[int, _Gathered] = {}
+        self._lock = threading.Lock()
+        self._comm = ThreadPoolExecutor(1, thread_name_prefix="tierstack-collective")
+        self._comm_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stall_seconds = 0.0
+        # Layers gathered ahead of use (prefetch_ahead); OffloadedBlocks sets them. A
+        # scheduler plan would have to change them on every rank at the same layer, or
+        # the ranks' collectives would diverge: plans are not followed here yet.
+        self.prefetch_depth = 2
+        self.read_ahead = 2
+        # Squared L2 norm of each layer's stored (averaged) gradient shard, a device scalar:
+        # summed over the ranks, the global norm for gradient clipping.
+        self.grad_sq_norms: dict[int, torch.Tensor] = {}
+        self._early_writes: list[tuple] = []  # writes for a layer not laid out yet
+        self.bytes_gathered = 0  # bytes received from the other ranks by all-gathers
+        self.bytes_reduced = 0   # gradient bytes this rank sent into reduce-scatters
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def key(self, index: int, kind: str = "params") -> str:
+        return self.local.key(index, kind)
+
+    def place(self, index: int, params: str = "auto", state: str = "auto") -> None:
+        """Where this rank's shards of layer `index` live (LayerStore.place)."""
+        self.local.place(index, params, state)
+
+    def placement(self, index: int, kind: str = "params") -> int:
+        return self.local.placement(index, kind)
+
+    def set_access_order(self, layers: Sequence[int]) -> None:
+        """The cyclic order this rank's shards are loaded in (LayerStore.set_access_order)."""
+        self.local.set_access_order(layers)
+
+    def _collective(self, fn: Callable[[], T]) -> Future:
+        """Queue `fn` on the communication thread (every collective goes through here)."""
+        def run() -> T:
+            if self.cuda:
+                with torch.cuda.stream(self._comm_stream):
+                    return fn()
+            return fn()
+        return self._comm.submit(run)
+
+    def _after_caller(self) -> object | None:
+        """An event after the caller's queued work, for the communication stream to wait on."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _comm_wait(self, event) -> None:
+        if event is not None:
+            self._comm_stream.wait_event(event)
+
+    def _comm_done(self) -> None:
+        """Make the caller's stream wait for the communication stream's work so far."""
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self._comm_stream)
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    # ---- registering -------------------------------------------------------------------
+
+    def register_layers(self, layers: Sequence[torch.nn.Module | Mapping[str, torch.Tensor]],
+                        prepare: Callable[[int], None] | None = None,
+                        done: Callable[[int], None] | None = None) -> list[FlatLayout]:
+        """Store this rank's shard of every layer with the node's tier manager.
+
+        Every rank passes the same layers (same seed); each keeps only its own shard.
+        `prepare(i)` / `done(i)` as for LayerStore: one layer's tensors exist at a time.
+        """
+        self.layouts = []
+
+        def shards():
+            for i, layer in enumerate(layers):
+                if prepare is not None:
+                    prepare(i)  # may write_back this layer's masters before its layout exists
+                tensors = layer_tensors(layer)
+                trainable = ({n for n, p in layer.named_parameters() if p.requires_grad}
+                             if isinstance(layer, torch.nn.Module) else set(tensors))
+                layout = FlatLayout.of(tensors, trainable, self.world, f"layer {i}")
+                flat = layout.pack(tensors, layout.torch_dtype, "cpu")
+                lo, hi = layout.shard_range(self.rank)
+                self.layouts.append(layout)
+                early, self._early_writes = self._early_writes, []
+                for args in early:
+                    self.write_back(*args)
+                del tensors
+                yield {"shard": flat[lo:hi].clone()}
+
+        self.local.register_layers(shards(), done=done)
+        return self.layouts
+
+    # ---- the layer on the device ---------------------------------------------------------
+
+    def prefetch(self, index: int) -> bool:
+        """Start loading layer `index`'s shard and gathering the layer; False if it does not fit."""
+        return self._start(index, required=False) is not None
+
+    def prefetch_ahead(self, index: int, step: int = 1) -> None:
+        """Gather the next `prefetch_depth` layers after `index` (in direction `step`), and
+        hint the local shards of the ones up to `read_ahead` to the daemon."""
+        for k in range(1, max(self.prefetch_depth, self.read_ahead) + 1):
+            other = index + k * step
+            if not 0 <= other < len(self.layouts):
+                break
+            if k <= self.prefetch_depth:
+                if other not in self._gathered and not self.prefetch(other):
+                    break  # the device budget is full: the rest would not fit either
+            else:
+                self.local._hinter.submit(self.local._hint, self.local.key(other))
+
+    def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer `index`'s full tensors on the device, ready on the current stream."""
+        gathered = self._gathered.get(index)
+        if gathered is None or gathered.error is not None:
+            gathered = self._start(index, required=True)
+        if not gathered.ready.is_set():
+            start = time.perf_counter()
+            gathered.ready.wait()
+            self.stall_seconds += time.perf_counter() - start
+        if gathered.error is not None:
+            self._drop(index, gathered)
+            raise gathered.error
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(gathered.gathered)
+            gathered.buffer.record_stream(stream)
+        return gathered.tensors
+
+    def release_layer(self, index: int) -> None:
+        """Drop the full layer `index` from the device (the shards stay with the tiers)."""
+        with self._lock:
+            gathered = self._gathered.pop(index, None)
+        if gathered is not None:
+            gathered.ready.wait()
+            self.budget.free(gathered.nbytes)
+
+    def resident_layers(self) -> list[int]:
+        with self._lock:
+            return sorted(self._gathered)
+
+    def _drop(self, index: int, gathered: _Gathered) -> None:
+        with self._lock:
+            if self._gathered.get(index) is gathered:
+                del self._gathered[index]
+                self.budget.free(gathered.nbytes)
+
+    def _start(self, index: int, required: bool) -> _Gathered | None:
+        if not 0 <= index < len(self.layouts):
+            raise InvalidArgumentError(
+                f"layer {index} does not exist: {len(self.layouts)} layers are registered "
+                f"(register_layers first)")
+        layout = self.layouts[index]
+        nbytes = layout.nbytes()
+        with self._lock:
+            existing = self._gathered.get(index)
+            if existing is not None and existing.error is None:
+                return existing
+            if existing is not None:
+                del self._gathered[index]
+                self.budget.free(existing.nbytes)
+            # The budget decides from the caller's call sequence alone, which is the same
+            # on every rank, so every rank queues the same gathers in the same order.
+            if required:
+                self.budget.reserve(nbytes, f"layer {index}")
+            elif not self.budget.try_reserve(nbytes):
+                return None
+            gathered = _Gathered(nbytes)
+            self._gathered[index] = gathered
+        try:
+            gathered.buffer = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
+            gathered.tensors = layout.views(gathered.buffer)
+            allocated = self._after_caller()  # the buffer may reuse memory freed moments ago
+            self.local.prefetch(index)  # NVMe -> CPU pool -> device starts now
+        except BaseException:
+            self._drop(index, gathered)
+            raise
+        self._collective(lambda: self._gather(index, gathered, allocated))
+        return gathered
+
+    def _gather(self, index: int, gathered: _Gathered, allocated) -> None:
+        try:
+            self._comm_wait(allocated)
+            shard = self.local.ensure_layer(index)["shard"]  # waits for the local load
+            try:
+                _all_gather(gathered.buffer, shard, group=self.group)
+                if self.cuda:
+                    event = torch.cuda.Event()
+                    event.record(self._comm_stream)
+                    gathered.gathered = event
+            finally:
+                self.local.release_layer(index)
+            self.bytes_gathered += shard.numel() * shard.element_size() * (self.world - 1)
+        except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
+            gathered.error = e
+        finally:
+            gathered.ready.set()
+
+    # ---- gradients, optimizer state and reads ----------------------------------------------
+
+    def write_back(self, index: int, tensors: Mapping[str, torch.Tensor], kind: str = "params",
+                   durable: bool | None = None) -> None:
+        """Store a layer's tensors; each rank keeps its shard.
+
+        kind "grad": the ranks' gradients (named `<param>.grad`) are averaged by a
+        reduce-scatter and each rank stores its shard of the mean. Any other kind
+        (`<param>.<kind>`, or plain names for "params") holds the same values on every
+        rank, and each rank stores its slice without communicating.
+        """
+        if index >= len(self.layouts):  # during register_layers' prepare: stored with the layer
+            self._early_writes.append((index, dict(tensors), kind, durable))
+            return
+        layout = self.layouts[index]
+        suffix = "" if kind == "params" else f".{kind}"
+        dtype = next(iter(tensors.values())).dtype if tensors else layout.torch_dtype
+        device = next(iter(tensors.values())).device if tensors else self.device
+        full = layout.pack(tensors, dtype, device, suffix, require_all=kind == "params")
+        if kind == "params" and index in self._gathered:
+            self.release_layer(index)  # the gathered copy is stale now
+        if kind == "grad":
+            shard = self._reduce_scatter_mean(full)
+            self.grad_sq_norms[index] = shard.float().square().sum()
+        else:
+            lo, hi = layout.shard_range(self.rank)
+            shard = full[lo:hi]
+        self.local.write_back(index, {"shard": shard}, kind=kind, durable=durable)
+
+    def _reduce_scatter_mean(self, full: torch.Tensor) -> torch.Tensor:
+        before = self._after_caller()
+
+        def op() -> torch.Tensor:
+            self._comm_wait(before)
+            if self.cuda:  # made on the caller's stream, read here: not reused before that
+                full.record_stream(self._comm_stream)
+            out = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
+            _reduce_scatter(out, full, group=self.group)
+            out.div_(self.world)
+            self.bytes_reduced += full.numel() * full.element_size()
+            return out
+
+        shard = self._collective(op).result()
+        self._comm_done()
+        return shard
+
+    def read_shard(self, index: int, kind: str = "params") -> torch.Tensor:
+        """A CPU copy of this rank's flat shard of layer `index`'s `kind`."""
+        return self.local.read_layer(index, kind)["shard"]
+
+    def write_shard(self, index: int, shard: torch.Tensor, kind: str = "params",
+                    durable: bool | None = None) -> None:
+        """Store this rank's flat shard of layer `index`'s `kind` (no communication)."""
+        layout = self.layouts[index]
+        if shard.numel() != layout.shard_numel:
+            raise InvalidArgumentError(
+                f"layer {index}'s shards hold {layout.shard_numel} elements, got {shard.numel()}")
+        if kind == "params" and index in self._gathered:
+            self.release_layer(index)
+        self.local.write_back(index, {"shard": shard}, kind=kind, durable=durable)
+
+    def has_shard(self, index: int, kind: str) -> bool:
+        try:
+            self.client.describe(self.key(index, kind))
+            return True
+        except Exception:  # noqa: BLE001 - NOT_FOUND
+            return False
+
+    def read_layer(self, index: int, kind: str = "params") -> dict[str, torch.Tensor]:
+        """A CPU copy of the full layer's `kind`, gathered from every rank (a collective)."""
+        layout = self.layouts[index]
+        shard = self.read_shard(index, kind)
+
+        def op() -> torch.Tensor:
+            local = shard.to(self.device)
+            full = torch.empty(layout.numel, dtype=shard.dtype, device=self.device)
+            _all_gather(full, local, group=self.group)
+            return full.cpu()
+
+        full = self._collective(op).result()
+        if kind == "params":
+            return layout.views(full)
+        return layout.views(full, f".{kind}", trainable_only=True)
+
+    def all_reduce_mean_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Average `tensors` over the ranks in place (persistent parameters' gradients)."""
+        if not tensors:
+            return
+        before = self._after_caller()
+
+        def op() -> None:
+            self._comm_wait(before)
+            if self.cuda:
+                for t in tensors:
+                    t.record_stream(self._comm_stream)
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.world)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+        self._collective(op).result()
+        self._comm_done()
+
+    def all_reduce_mean(self, value: float) -> float:
+        """The mean of a number over the ranks (the global batch's loss)."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self.all_reduce_mean_([t])
+        return float(t.item())
+
+    def close(self) -> None:
+        self._comm.shutdown(wait=True)
+        with self._lock:
+            for gathered in self._gathered.values():
+                self.budget.free(gathered.nbytes)
+            self._gathered.clear()
+        self.local.close()
+
+    def __enter__(self) -> "ShardedLayerStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
