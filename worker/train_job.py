@@ -25,6 +25,7 @@ from tierstack.worker.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
 
 console = Console()
+LOCAL_NODE = "local"  # the embedded default's one node, as the scheduler knows it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-budget", default="", help="default: 3 layers' worth")
     parser.add_argument("--nvme-path", default="/var/tmp/tierstack/train-nvme")
     parser.add_argument("--tier-manager", help="use this running tier manager instead of starting one")
+    parser.add_argument("--no-scheduler", action="store_true",
+                        help="do not start the embedded scheduler (fixed prefetch depth)")
     parser.add_argument("--ranks", type=int, default=1,
                         help="data-parallel ranks, each a Ray actor keeping 1/N of every block "
                              "(partitioned training); --batch-size is the global batch")
@@ -86,8 +89,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.tier_manager:
             return _train(args, model, device, budget, args.tier_manager, data, config)
-        with EmbeddedTierManager(tm) as daemon:
-            return _train(args, model, device, budget, daemon.address, data, config)
+        if args.no_scheduler:
+            with EmbeddedTierManager(tm) as daemon:
+                return _train(args, model, device, budget, daemon.address, data, config)
+        # The embedded single-node default: a scheduler, and a tier manager registered
+        # with it; the job reports its first iteration and follows the plans it gets.
+        from tierstack.services.scheduler.embedded import EmbeddedScheduler
+        with EmbeddedScheduler(config.scheduler) as scheduler:
+            tm.scheduler_address, tm.node_id = scheduler.address, LOCAL_NODE
+            with EmbeddedTierManager(tm) as daemon:
+                return _train(args, model, device, budget, daemon.address, data, config,
+                              scheduler.address)
     finally:
         import shutil
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -101,12 +113,16 @@ def _device_counters(store: LayerStore) -> tuple[int, int, float]:
     return m.cpu_to_device_bytes, m.device_to_cpu_bytes, store.stall_seconds
 
 
-def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatches, config) -> int:
+def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatches, config,
+           scheduler: str = "") -> int:
     store = LayerStore(f"train-{uuid.uuid4().hex[:8]}", device=device, device_budget=budget,
                        address=address, durable=False)
-    engine = None
+    engine = follower = None
     try:
         engine = OffloadEngine.from_config(model, store, config.train)
+        if scheduler:  # records the first iteration's layer uses for the trace
+            from tierstack.worker.plan_follower import PlanFollower
+            follower = PlanFollower(store, scheduler, node_id=LOCAL_NODE)
         tokens_per_step = args.batch_size * args.seq_len
         url = store.dashboard_url()
         if url:
@@ -121,6 +137,12 @@ def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatche
             for step in range(args.steps):
                 x, y = data.next()
                 losses.append(engine.train_step(x, y))
+                if follower is not None and step == 0:
+                    plan = follower.report_trace()
+                    mine = plan.nodes[LOCAL_NODE]
+                    console.print(f"scheduler plan v{plan.version}: prefetch depth "
+                                  f"{mine.prefetch_depth}, NVMe read-ahead {mine.read_ahead}, "
+                                  f"predicted step {plan.predicted_step_seconds:.3f} s")
                 now, stats = time.perf_counter(), store.client.stats()
                 dt = now - last[1]
                 read = (stats.nvme_bytes_read - last[0].nvme_bytes_read) / dt / 1e9
@@ -148,6 +170,8 @@ def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatche
             f"device budget peak {store.budget.peak / MiB:.0f} of {store.budget.capacity / MiB:.0f} MiB")
         return 0
     finally:
+        if follower is not None:
+            follower.close()
         if engine is not None:
             engine.close()
         store.close()
