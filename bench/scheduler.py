@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -91,6 +92,14 @@ def sim_vs_measured(layers: int = 16, layer_mib: int = 8, iterations: int = 5, r
     x = torch.randn(rows, side, device=device)
     out = [torch.empty(rows, side, device=device)]
     tmp = Path(tempfile.mkdtemp(prefix="tierstack-bench-"))
+    try:
+        return _measure(layers, layer_mib, rows, iterations, device, x, out, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # its NVMe pool is preallocated: ~0.8 GB
+
+
+def _measure(layers, layer_mib, rows, iterations, device, x, out, tmp: Path) -> dict:
+    side = x.shape[1]
     with EmbeddedScheduler(SchedulerConfig(report_interval_seconds=0.5, replan_after_seconds=3600)) as sched:
         config = load_config({"tier_manager": {
             # Room for STAGING layers: every use streams its layer from the NVMe pool, as
