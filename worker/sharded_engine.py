@@ -16,135 +16,55 @@ summation order differs (see tests/worker/test_sharded.py for the tolerance).
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
-from torch.optim import adamw
 
 from tierstack.config import OptimizerConfig
 from tierstack.errors import InvalidArgumentError
+from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.worker.engine import OffloadEngine
+from tierstack.worker.layout import LayerLayout
 from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.sharded_store import ShardedLayerStore
+from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
+class ShardedAdamW(TieredAdamW):
+    """AdamW over this rank's shard of every offloaded block, run by this rank's tier
+    manager where the shard's state is (`AdamWStep`, as for `TieredAdamW`).
 
-class ShardedAdamW:
-    """AdamW over this rank's shard of every offloaded block; state stays in the tiers.
-
-    Per block: read the shards of parameters (or fp32 masters), gradient and moments from
-    this rank's tier manager, run PyTorch's AdamW kernel on the trainable ranges of the
-    shard (padding and buffers are left alone), write the shards back. Reading block i+1
-    and writing block i-1 overlap the update of block i, as in `TieredAdamW`.
+    Each rank's daemon holds flat shards (kind "params", the averaged gradient "grad",
+    fp32 "master", the moments), one slot named "shard" at offset 0; the request names
+    the trainable ranges of the shard (padding and buffers are left alone). No
+    communication: the reduce-scatter in backward already left the gradient shard there.
     """
 
     def __init__(self, blocks: OffloadedBlocks, config: OptimizerConfig | None = None,
-                 fused: bool = True, masters: bool = False) -> None:
+                 masters: bool = False) -> None:
         if not isinstance(blocks.store, ShardedLayerStore):
             raise InvalidArgumentError("ShardedAdamW needs blocks registered with a ShardedLayerStore")
-        self.blocks = blocks
         self.store: ShardedLayerStore = blocks.store
-        self.masters = masters
-        self.config = config or OptimizerConfig()
-        self.config.validate("optimizer")
-        self.fused = fused
-        self.steps = 0
-        self._has_moments: set[int] = set()
-        self._started: dict[int, Future] = {}
-        self._background = ThreadPoolExecutor(1, thread_name_prefix="tierstack-shard-adamw")
+        super().__init__(blocks, config, masters)
 
-    def start_block(self, index: int) -> None:
-        """Update block `index`'s shard now (its gradient shard of this window is stored):
-        called from the backward, so the update overlaps the earlier blocks' backward."""
-        if index not in self._started:
-            self._started[index] = self._background.submit(self._step_block, index, self.steps + 1)
-
-    def _step_block(self, index: int, step: int, grad_scale: float = 1.0) -> None:
-        state = self._read(index)
-        self._update(state, step, grad_scale)
-        self._write(index, state)
-
-    def abandon_started(self) -> None:
-        """After a failed backward: wait for the blocks already started and forget them."""
-        started, self._started = self._started, {}
-        for f in started.values():
-            f.exception()
-
-    def step(self, grad_scale: float = 1.0) -> None:
-        count = len(self.blocks.blocks)
-        try:
-            missing = [i for i in range(count) if not self.blocks.has_gradients(i)]
-            if missing:
-                raise InvalidArgumentError(
-                    f"blocks {missing} have no gradients since the last zero_grad: run a "
-                    f"backward through every offloaded block before the optimizer step")
-            if grad_scale != 1.0 and self._started:
-                raise InvalidArgumentError("blocks were stepped during the backward without "
-                                           "the clipping scale; clip before starting any block")
-            step = self.steps + 1
-            rest = [i for i in range(count) if i not in self._started]
-            writes = []
-            with ThreadPoolExecutor(2, thread_name_prefix="tierstack-adam-io") as io:
-                pending = io.submit(self._read, rest[0]) if rest else None
-                for n, i in enumerate(rest):
-                    state = pending.result()
-                    if n + 1 < len(rest):
-                        pending = io.submit(self._read, rest[n + 1])
-                    self._update(state, step, grad_scale)
-                    writes.append(io.submit(self._write, i, state))
-                for w in writes:
-                    w.result()
-        finally:
-            started, self._started = self._started, {}
-            errors = [e for e in (f.exception() for f in started.values()) if e is not None]
-        if errors:
-            raise errors[0]
-        self._has_moments.update(range(count))
-        self.steps = step
-        self.blocks.new_gradients()
-
-    def close(self) -> None:
-        self._background.shutdown(wait=True)
-
-    def _read(self, i: int) -> dict:
-        store = self.store
-        layout = store.layouts[i]
-        params = store.read_shard(i)
-        target = store.read_shard(i, "master") if self.masters else params
-        grad = store.read_shard(i, "grad").float()
-        if i in self._has_moments:
-            moments = {kind: store.read_shard(i, kind) for kind in MOMENTS}
-        else:
-            moments = {kind: torch.zeros(layout.shard_numel, dtype=torch.float32) for kind in MOMENTS}
-        segments = layout.trainable_segments(store.rank)
-        return {"params": params, "target": target, "grad": grad, "moments": moments,
-                "segments": segments}
-
-    def _update(self, state: dict, step: int, grad_scale: float = 1.0) -> None:
-        segments = state["segments"]
-        if not segments:  # this rank's shard of the block is padding or buffers only
-            return
-        if grad_scale != 1.0:
-            state["grad"].mul_(grad_scale)
-        cut = lambda t: [t[a:b] for a, b in segments]  # noqa: E731 - views, updated in place
-        beta1, beta2 = self.config.betas
-        counters = [torch.tensor(float(step - 1)) for _ in segments]
-        adamw.adamw(cut(state["target"]), cut(state["grad"]), cut(state["moments"]["exp_avg"]),
-                    cut(state["moments"]["exp_avg_sq"]), [], counters, foreach=False,
-                    fused=self.fused, amsgrad=False, beta1=beta1, beta2=beta2, lr=self.config.lr,
-                    weight_decay=self.config.weight_decay, eps=self.config.eps, maximize=False)
-        if self.masters:
-            for a, b in segments:
-                state["params"][a:b].copy_(state["target"][a:b])  # rounded to the layer's dtype
-
-    def _write(self, i: int, state: dict) -> None:
-        store = self.store
-        if self.masters:
-            store.write_shard(i, state["target"], "master")
-        store.write_shard(i, state["params"])
+    def _prepare_block(self, i: int) -> pb.AdamWBlock:
+        local, layout = self.store.local, self.store.layouts[i]
+        itemsize = layout.torch_dtype.itemsize
+        if not self.masters and layout.dtype != "float32":
+            raise InvalidArgumentError(
+                f"block {i} has {layout.dtype} parameters: AdamW needs float32 master weights "
+                f"(train with precision bf16, which keeps them)")
+        state = LayerLayout.of({"shard": torch.empty(layout.shard_numel, dtype=torch.float32,
+                                                     device="meta")})
         for kind in MOMENTS:
-            store.write_shard(i, state["moments"][kind], kind)
+            local.declare_layout(i, kind, state)
+        return pb.AdamWBlock(
+            params=local.key(i), grads=local.key(i, "grad"),
+            master=local.key(i, "master") if self.masters else "",
+            exp_avg=local.key(i, "exp_avg"), exp_avg_sq=local.key(i, "exp_avg_sq"),
+            param_dtype=layout.dtype, grad_dtype=layout.dtype, state_nbytes=state.nbytes,
+            state_placement=local.placement(i, "state"),
+            segments=[pb.AdamWSegment(numel=b - a, param_offset=a * itemsize,
+                                      grad_offset=a * itemsize, state_offset=a * 4)
+                      for a, b in layout.trainable_segments(self.store.rank)])
 
 
 class ShardedEngine(OffloadEngine):

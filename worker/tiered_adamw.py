@@ -52,17 +52,17 @@ class TieredAdamW:
         self.steps = 0
         self.update_seconds = 0.0  # daemon time in the AdamW kernel, all steps
         self.wait_seconds = 0.0  # daemon time waiting for state to be read
-        store = blocks.store
-        self._requests = []
-        for i in range(len(blocks.blocks)):
-            trainable = blocks.trainable(i)
-            kinds = MOMENTS + (("master",) if masters else ())
-            for kind in kinds:
-                store.declare_layout(i, kind, state_layout(trainable, kind))
-            self._requests.append(self._block_request(i, trainable))
+        self._requests = [self._prepare_block(i) for i in range(len(blocks.blocks))]
         self._pending: dict[int, Future] = {}
         # Two in flight: the daemon reads one block's state while it updates another.
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="tierstack-adamw")
+
+    def _prepare_block(self, i: int) -> pb.AdamWBlock:
+        """Declare block i's state layouts with the store; its part of every request."""
+        trainable = self.blocks.trainable(i)
+        for kind in MOMENTS + (("master",) if self.masters else ()):
+            self.blocks.store.declare_layout(i, kind, state_layout(trainable, kind))
+        return self._block_request(i, trainable)
 
     def _block_request(self, i: int, trainable) -> pb.AdamWBlock:
         store = self.blocks.store
