@@ -8,14 +8,10 @@ layer store uses to remap arenas and redo interrupted work.
 
 from __future__ import annotations
 
-import threading
-import time
-
-import grpc
-
-from tierstack.errors import ERRORS_BY_STATUS, TierManagerUnavailableError, TierstackError
+from tierstack.errors import TierManagerUnavailableError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
+from tierstack.rpc import RpcClient
 from tierstack.services.tier_manager.daemon import default_address, grpc_target
 
 
@@ -26,44 +22,22 @@ IDEMPOTENT = frozenset({"GetNode", "Prefetch", "Describe", "GetStats", "SetAcces
                         "Evict", "Delete"})
 
 
-class TierManagerClient:
+class TierManagerClient(RpcClient):
     """Typed calls to the TierManager service."""
 
+    service, command = "tier manager", "tierstack tier-manager"
+    unavailable = TierManagerUnavailableError
+    idempotent = IDEMPOTENT
+
     def __init__(self, address: str | None = None, reconnect_timeout: float = 60.0) -> None:
-        self.target = grpc_target(address or default_address())
-        self.reconnect_timeout = reconnect_timeout
-        self._channel = grpc.insecure_channel(self.target, options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            # Reconnect quickly after a daemon restart instead of backing off for seconds.
-            ("grpc.initial_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 500),
-        ])
-        self._stub = pb_grpc.TierManagerStub(self._channel)
-        self._lock = threading.Lock()
-
-    def call(self, method: str, request, timeout: float | None = None):
-        """Invoke an RPC; waits for a restarting daemon; raises project exceptions."""
-        deadline = time.monotonic() + (timeout or self.reconnect_timeout)
-        while True:
-            try:
-                return getattr(self._stub, method)(
-                    request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
-            except grpc.RpcError as e:
-                dropped = e.code() == grpc.StatusCode.UNAVAILABLE
-                if dropped and method in IDEMPOTENT and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                raise self._translate(method, e) from None
-
-    def _translate(self, method: str, e: grpc.RpcError) -> TierstackError:
-        code = e.code()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                    grpc.StatusCode.CANCELLED):
-            return TierManagerUnavailableError(
-                f"tier manager at {self.target} did not answer {method} "
-                f"({code.name}: {e.details()}); is `tierstack tier-manager` running there?")
-        cls = ERRORS_BY_STATUS.get(code.name, TierstackError)
-        return cls(e.details())
+        super().__init__(grpc_target(address or default_address()), pb_grpc.TierManagerStub,
+                         reconnect_timeout, options=[
+                             ("grpc.max_receive_message_length", 64 << 20),
+                             # Reconnect quickly after a daemon restart instead of backing
+                             # off for seconds.
+                             ("grpc.initial_reconnect_backoff_ms", 50),
+                             ("grpc.max_reconnect_backoff_ms", 500),
+                         ])
 
     # ---- the service's calls, typed ---------------------------------------------------
 
@@ -115,5 +89,3 @@ class TierManagerClient:
         """Yield NodeStats every `interval` seconds until the iterator is closed."""
         return self._stub.WatchStats(pb.WatchStatsRequest(interval_seconds=interval))
 
-    def close(self) -> None:
-        self._channel.close()

@@ -10,11 +10,10 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-import grpc
-
-from tierstack.errors import ERRORS_BY_STATUS, SchedulerUnavailableError, TierstackError
+from tierstack.errors import SchedulerUnavailableError
 from tierstack.proto import scheduler_pb2 as pb
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
+from tierstack.rpc import RpcClient
 from tierstack.services.scheduler.daemon import default_address
 from tierstack.services.scheduler.model import Bandwidths, JobTrace, NodeSpec, Plan
 from tierstack.services.scheduler.wire import (
@@ -25,41 +24,22 @@ from tierstack.services.tier_manager.daemon import grpc_target
 IDEMPOTENT = frozenset({"RegisterNode", "ListNodes", "GetPlan", "ForgetJob"})
 
 
-class SchedulerClient:
+class SchedulerClient(RpcClient):
     """Typed calls to the Scheduler service."""
 
+    service, command = "scheduler", "tierstack scheduler"
+    unavailable = SchedulerUnavailableError
+    idempotent = IDEMPOTENT
+    retry_seconds = 0.1
+
     def __init__(self, address: str | None = None, timeout: float = 30.0) -> None:
-        self.target = grpc_target(address or default_address())
-        self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.target, options=[
-            ("grpc.max_receive_message_length", 256 << 20),
-            ("grpc.max_send_message_length", 256 << 20),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ])
-        self._stub = pb_grpc.SchedulerStub(self._channel)
-
-    def call(self, method: str, request, timeout: float | None = None):
-        deadline = time.monotonic() + (timeout or self.timeout)
-        while True:
-            try:
-                return getattr(self._stub, method)(
-                    request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
-            except grpc.RpcError as e:
-                if (e.code() == grpc.StatusCode.UNAVAILABLE and method in IDEMPOTENT
-                        and time.monotonic() < deadline):
-                    time.sleep(0.1)
-                    continue
-                raise self._translate(method, e) from None
-
-    def _translate(self, method: str, e: grpc.RpcError) -> TierstackError:
-        code = e.code()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                    grpc.StatusCode.CANCELLED):
-            return SchedulerUnavailableError(
-                f"scheduler at {self.target} did not answer {method} ({code.name}: "
-                f"{e.details()}); is `tierstack scheduler` running there?")
-        return ERRORS_BY_STATUS.get(code.name, TierstackError)(e.details())
+        super().__init__(grpc_target(address or default_address()), pb_grpc.SchedulerStub,
+                         timeout, options=[
+                             ("grpc.max_receive_message_length", 256 << 20),
+                             ("grpc.max_send_message_length", 256 << 20),
+                             ("grpc.initial_reconnect_backoff_ms", 100),
+                             ("grpc.max_reconnect_backoff_ms", 1000),
+                         ])
 
     def register_node(self, node: NodeSpec, instance_id: str = "", metrics_url: str = "") -> float:
         """Register (or re-register) a node; returns the report interval in seconds."""
@@ -97,6 +77,3 @@ class SchedulerClient:
 
     def forget_job(self, job: str) -> None:
         self.call("ForgetJob", pb.ForgetJobRequest(job=job))
-
-    def close(self) -> None:
-        self._channel.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierstack.config import SchedulerConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
+from tierstack.rpc import serve_until_signalled
 from tierstack.services.scheduler.server import SchedulerServicer
 from tierstack.services.scheduler.telemetry import SchedulerTelemetry
 from tierstack.services.tier_manager.daemon import clear_stale_socket, grpc_target, unix_socket_path
@@ -93,17 +93,10 @@ class SchedulerDaemon:
 def serve(config: SchedulerConfig) -> None:
     """Run the scheduler in the foreground until SIGTERM or SIGINT."""
     daemon = SchedulerDaemon(config)
-    stop_requested = threading.Event()
 
-    def on_signal(signum, frame):
-        log.info("signal %d: shutting down", signum)
-        stop_requested.set()
+    def banner() -> list[str]:
+        url = daemon.telemetry.url
+        return [f"scheduler listening on {daemon.target}"] + (
+            [f"cluster metrics and dashboard on {url}/dashboard/"] if url else [])
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    daemon.start()
-    print(f"scheduler listening on {daemon.target}", flush=True)
-    if daemon.telemetry.url:
-        print(f"cluster metrics and dashboard on {daemon.telemetry.url}/dashboard/", flush=True)
-    stop_requested.wait()
-    daemon.stop()
+    serve_until_signalled(daemon, banner)

@@ -1,44 +1,23 @@
 """The Scheduler gRPC servicer: the cluster state's operations as RPCs.
 
-Project exceptions become gRPC status codes here with their message unchanged, the way
-the tier manager's servicer does it.
+Project exceptions become gRPC status codes with their message unchanged
+(`tierstack.rpc.rpc_method`, as in the tier manager's servicer).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import threading
 
-import grpc
-
 from tierstack.config import SchedulerConfig
-from tierstack.errors import InvalidArgumentError, TierstackError
+from tierstack.errors import InvalidArgumentError
 from tierstack.proto import scheduler_pb2 as pb
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
+from tierstack.rpc import rpc_method
 from tierstack.services.scheduler.cluster import ClusterState
 from tierstack.services.scheduler.wire import (
     bandwidths_from, bandwidths_pb, node_from, node_pb, plan_pb, trace_from)
 
-log = logging.getLogger(__name__)
-
 MAX_WAIT_SECONDS = 3600.0
-
-
-def _rpc(method):
-    """Run an RPC body, turning project errors into gRPC statuses."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except TierstackError as e:
-            context.abort(getattr(grpc.StatusCode, e.grpc_status), str(e))
-        except Exception as e:  # noqa: BLE001 - a bug: say so, keep the scheduler up
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
-
-    return wrapper
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
@@ -49,17 +28,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.cluster = ClusterState(config)
         self._stopping = threading.Event()
 
-    @_rpc
+    @rpc_method
     def RegisterNode(self, request, context):
         self.cluster.register_node(node_from(request), request.instance_id, request.metrics_url)
         return pb.RegisterNodeResponse(report_interval_seconds=self.config.report_interval_seconds)
 
-    @_rpc
+    @rpc_method
     def ReportBandwidth(self, request, context):
         jobs = self.cluster.report_bandwidth(request.node_id, bandwidths_from(request.measured))
         return pb.BandwidthReportResponse(replanned_jobs=jobs)
 
-    @_rpc
+    @rpc_method
     def ListNodes(self, request, context):
         records = self.cluster.node_records()
         return pb.ListNodesResponse(nodes=[
@@ -67,12 +46,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                          last_measured=bandwidths_pb(r.last_measured), last_report=r.last_report)
             for r in records])
 
-    @_rpc
+    @rpc_method
     def ReportTrace(self, request, context):
         plan = self.cluster.report_trace(trace_from(request))
         return plan_pb(plan, [t.key for t in request.tensors])
 
-    @_rpc
+    @rpc_method
     def GetPlan(self, request, context):
         if not request.newer_than:
             return plan_pb(*self.cluster.plan(request.job))
@@ -94,7 +73,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             version = plan.version
             yield plan_pb(plan, keys)
 
-    @_rpc
+    @rpc_method
     def ForgetJob(self, request, context):
         self.cluster.forget_job(request.job)
         return pb.ForgetJobResponse()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierstack.config import TierManagerConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
+from tierstack.rpc import serve_until_signalled
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.server import TierManagerServicer
 from tierstack.services.tier_manager.telemetry import NodeTelemetry
@@ -146,17 +146,10 @@ class TierManagerDaemon:
 def serve(config: TierManagerConfig) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
     daemon = TierManagerDaemon(config)
-    stop_requested = threading.Event()
 
-    def on_signal(signum, frame):
-        log.info("signal %d: shutting down", signum)
-        stop_requested.set()
+    def banner() -> list[str]:
+        url = daemon.telemetry.url
+        return [f"tier manager listening on {daemon.target}"] + (
+            [f"metrics and dashboard on {url}/dashboard/"] if url else [])
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    daemon.start()
-    print(f"tier manager listening on {daemon.target}", flush=True)
-    if daemon.telemetry.url:
-        print(f"metrics and dashboard on {daemon.telemetry.url}/dashboard/", flush=True)
-    stop_requested.wait()
-    daemon.stop()
+    serve_until_signalled(daemon, banner)

@@ -7,18 +7,16 @@ place, with their message unchanged (it already says what to do).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
-
 from tierstack.errors import InvalidArgumentError, TierstackError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
+from tierstack.rpc import rpc_method
 from tierstack.services.tier_manager.adamw import AdamWBlock, AdamWHyper, AdamWSegment, AdamWStepper
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
 from tierstack.services.tier_manager.registry import TensorInfo, TierRegistry
@@ -26,26 +24,13 @@ from tierstack.services.tier_manager.registry import TensorInfo, TierRegistry
 log = logging.getLogger(__name__)
 
 
-class _ClientGone(Exception):
+class _ClientGone(TierstackError):
     """The caller's deadline passed or it disconnected while the call ran."""
 
+    grpc_status = "CANCELLED"
 
-def _rpc(method):
-    """Run an RPC body, turning project errors into gRPC statuses."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except TierstackError as e:
-            context.abort(getattr(grpc.StatusCode, e.grpc_status), str(e))
-        except _ClientGone:
-            context.abort(grpc.StatusCode.CANCELLED, "the client went away; its pins were released")
-        except Exception as e:  # noqa: BLE001 - a bug: say so, keep the daemon up
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
-
-    return wrapper
+    def __init__(self) -> None:
+        super().__init__("the client went away; its pins were released")
 
 
 PLACEMENTS = {pb.PLACEMENT_AUTO: "auto", pb.PLACEMENT_CPU: "cpu", pb.PLACEMENT_NVME: "nvme"}
@@ -101,7 +86,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     # ---- node -----------------------------------------------------------------------
 
-    @_rpc
+    @rpc_method
     def GetNode(self, request, context):
         pool = self.registry.cpu_pool
         return pb.NodeInfo(
@@ -112,7 +97,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     # ---- writes -----------------------------------------------------------------------
 
-    @_rpc
+    @rpc_method
     def AllocateBuffer(self, request, context):
         buffer = self.registry.allocate_buffer(request.nbytes)
         with self._lock:
@@ -138,12 +123,12 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             self._lease_deadlines.pop(lease_id, None)
             return self._leases.pop(lease_id)
 
-    @_rpc
+    @rpc_method
     def CancelBuffer(self, request, context):
         self.registry.free_buffer(self._take_lease(request.lease_id))
         return pb.CancelBufferResponse()
 
-    @_rpc
+    @rpc_method
     def Commit(self, request, context):
         buffer = self._take_lease(request.lease_id)
         try:
@@ -162,7 +147,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     # ---- reads ------------------------------------------------------------------------
 
-    @_rpc
+    @rpc_method
     def Fetch(self, request, context):
         out, fetched = [], []
         try:
@@ -191,7 +176,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         except TierstackError as e:
             log.warning("prefetch of %r failed: %s", key, e)
 
-    @_rpc
+    @rpc_method
     def Prefetch(self, request, context):
         for key in request.keys:
             self.registry.info(key)  # unknown keys fail now, not silently later
@@ -199,7 +184,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             self._prefetcher.submit(self._prefetch_one, key)
         return pb.PrefetchResponse(queued=len(request.keys))
 
-    @_rpc
+    @rpc_method
     def Release(self, request, context):
         version = request.version or self.registry.info(request.key).version
         with self._lock:
@@ -214,28 +199,28 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         self.registry.release(request.key, version)
         return pb.ReleaseResponse()
 
-    @_rpc
+    @rpc_method
     def Evict(self, request, context):
         return pb.EvictResponse(tensors=[tensor_info_pb(self.registry.evict(k)) for k in request.keys])
 
-    @_rpc
+    @rpc_method
     def Delete(self, request, context):
         for key in request.keys:
             self.registry.delete(key)
         return pb.DeleteResponse()
 
-    @_rpc
+    @rpc_method
     def Describe(self, request, context):
         return tensor_info_pb(self.registry.info(request.key))
 
-    @_rpc
+    @rpc_method
     def SetAccessOrder(self, request, context):
         self.registry.set_access_order(list(request.keys))
         return pb.SetAccessOrderResponse()
 
     # ---- optimizer ----------------------------------------------------------------------
 
-    @_rpc
+    @rpc_method
     def AdamWStep(self, request, context):
         hyper = AdamWHyper(step=request.step, lr=request.lr, beta1=request.beta1,
                            beta2=request.beta2, eps=request.eps, weight_decay=request.weight_decay,
@@ -259,7 +244,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             nvme_bytes_written=s.nvme_bytes_written, evictions=s.evictions,
             checksum_failures=s.checksum_failures, leases=leases, pinned=s.pinned)
 
-    @_rpc
+    @rpc_method
     def GetStats(self, request, context):
         return self._stats()
 
