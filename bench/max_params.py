@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from tierstack.config import GiB, MiB, OptimizerConfig, TierManagerConfig, parse_size
+from tierstack.config import GiB, OptimizerConfig, TierManagerConfig, parse_size
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.gpt import GPT, GPTConfig

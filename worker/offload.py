@@ -144,7 +144,6 @@ class OffloadedBlocks(torch.nn.Module):
         # plain list: these are not the model's modules any more
         self.blocks = [module_list[p] for p in self.positions]
         self.store = store
-        self.prefetch_depth = prefetch_depth
         # The store's depths until a scheduler plan replaces them (PlanFollower).
         store.prefetch_depth = store.read_ahead = prefetch_depth
         for i, block in enumerate(self.blocks):

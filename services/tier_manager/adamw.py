@@ -118,7 +118,7 @@ class AdamWStepper:
         try:
             for i, block in enumerate(blocks):
                 start = time.perf_counter()
-                held = self._next(pending, block, hyper)
+                held = pending.result()
                 pending = None
                 result.wait_seconds += time.perf_counter() - start
                 if i + 1 < len(blocks):
@@ -147,9 +147,6 @@ class AdamWStepper:
         if errors:
             raise errors[0]
         return result
-
-    def _next(self, pending: Future, block: AdamWBlock, hyper: AdamWHyper) -> _Held:
-        return pending.result()
 
     def _acquire(self, block: AdamWBlock, hyper: AdamWHyper) -> _Held:
         """Hold the block's state. A CPU pool too full for it while other blocks are held

@@ -447,9 +447,7 @@ class TierRegistry:
             if record.nvme is not None and record.nvme.stripes and not record.durable:
                 # Its NVMe copy is about to go stale and nobody else reads it: give its room
                 # back now, not at end_update, so evictions during a step find space.
-                self.manifest.delete(key)
-                self.nvme_pool.free(record.nvme)
-                record.nvme, record.checksums = None, ()
+                self._drop_nvme_copy(record)
         return info, buffer
 
     def end_update(self, info: TensorInfo, changed: bool, durable: bool = False) -> TensorInfo:
@@ -537,15 +535,19 @@ class TierRegistry:
                        and not r.durable and r.pins == 0 and r.updating is None]
             doubles.sort(key=lambda r: self._distance(r.key))  # soonest needed first
             for record in doubles:
-                self.manifest.delete(record.key)
-                self.nvme_pool.free(record.nvme)
+                self._drop_nvme_copy(record)
                 freed += record.nbytes
-                record.nvme, record.checksums = None, ()
                 if freed >= 2 * nbytes:  # extents are not contiguous: leave some slack
                     break
         if freed:
             log.info("NVMe pool full: dropped %d bytes of NVMe copies of CPU-resident tensors", freed)
         return freed > 0
+
+    def _drop_nvme_copy(self, record: _Record) -> None:
+        """Forget the NVMe copy of a record that keeps its CPU copy (lock held)."""
+        self.manifest.delete(record.key)
+        self.nvme_pool.free(record.nvme)
+        record.nvme, record.checksums = None, ()
 
     def set_access_order(self, keys: list[str]) -> None:
         """Declare the cyclic order in which keys will be fetched (e.g. layer order; a

@@ -36,6 +36,17 @@ def metrics_daemon(tmp_path: Path, shm_dir: Path):
     proc.kill()
 
 
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    """`predicate()`'s first true value, polled until `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def get(url: str, path: str, parse: bool = True):
     with urllib.request.urlopen(url + path, timeout=10) as response:
         body = response.read()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import urllib.error
 
 import grpc
@@ -12,20 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import DaemonProcess
-from tests.metrics.conftest import LAYERS, Traffic, get
+from tests.metrics.conftest import LAYERS, Traffic, get, wait_for
 from tierstack import metric_catalog as mc
 from tierstack.proto import node_metrics_pb2 as pb
 from tierstack.proto import node_metrics_pb2_grpc as pb_grpc
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

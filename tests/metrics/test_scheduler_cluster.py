@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import DaemonProcess
-from tests.metrics.conftest import get
+from tests.metrics.conftest import get, wait_for
 from tierstack.config import SchedulerConfig
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
-
-
-def _wait(predicate, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _node(tmp_path, shm_dir, name: str, scheduler: str) -> DaemonProcess:
@@ -39,15 +28,16 @@ def _node(tmp_path, shm_dir, name: str, scheduler: str) -> DaemonProcess:
 
 def test_the_scheduler_serves_its_metrics_and_the_cluster_of_its_nodes(tmp_path, shm_dir):
     with EmbeddedScheduler(SchedulerConfig(metrics_listen="127.0.0.1:0")) as scheduler:
-        url = _wait(lambda: (m := re.search(r"cluster metrics and dashboard on (\S+)/dashboard/",
-                                            scheduler.log_text())) and m.group(1), "the scheduler's URL")
+        url = wait_for(lambda: (m := re.search(r"cluster metrics and dashboard on (\S+)/dashboard/",
+                                               scheduler.log_text())) and m.group(1),
+                       what="the scheduler's URL", timeout=60.0)
         nodes = [_node(tmp_path, shm_dir, name, scheduler.address) for name in ("node-a", "node-b")]
         try:
             def both():
                 c = get(url, "/api/v1/cluster")
                 return c if len(c["nodes"]) == 2 else None
 
-            cluster = _wait(both, "both nodes in the cluster view")
+            cluster = wait_for(both, what="both nodes in the cluster view", timeout=60.0)
             assert sorted(n["node"] for n in cluster["nodes"]) == ["node-a", "node-b"]
             assert cluster["tiers"]["cpu"]["capacity_bytes"] == 2 * (16 << 20)
             assert cluster["tiers"]["nvme"]["capacity_bytes"] == 2 * (64 << 20)

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from tests.worker.test_offload import TinyGPT
+from tests.worker.test_offload import TinyGPT, assert_hf_steps_match
 from tierstack.config import load_config
 from tierstack.errors import ConfigError
 from tierstack.worker.engine import OffloadEngine, block_tiers
@@ -133,18 +133,7 @@ def test_hugging_face_llama_twenty_steps_with_state_on_nvme_match_plain_adamw(da
     try:
         engine = OffloadEngine.from_config(model, store, train, blocks_attr="model.layers")
         assert engine.tiers == ["nvme"] * 4
-        data = torch.Generator().manual_seed(2)
-        for step in range(20):
-            ids = torch.randint(0, 256, (2, 32), generator=data)
-            ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
-            ref_opt.zero_grad()
-            ref_loss.backward()
-            ref_opt.step()
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            engine.zero_grad()
-            loss.backward()
-            engine.step()
-            assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), step
+        assert_hf_steps_match(reference, ref_opt, model, engine, steps=20, seq=32)
         stats = store.client.stats()
         assert stats.nvme_bytes_read > 0 and stats.cpu_used <= stats.cpu_capacity
         assert store.budget.peak <= store.budget.capacity
