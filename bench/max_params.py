@@ -23,7 +23,7 @@ import torch
 from tierstack.config import GiB, OptimizerConfig, TierManagerConfig, parse_size
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.gpt import GPT, GPTConfig
+from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
 
 

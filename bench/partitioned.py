@@ -26,8 +26,8 @@ import statistics
 import torch
 
 from tierstack.config import MiB, OptimizerConfig, TierManagerConfig, config_dict, parse_size
-from tierstack.worker.gpt import GPTConfig
-from tierstack.worker.partitioned_job import PartitionedSpec, launch_partitioned
+from tierstack.worker.jobs.gpt import GPTConfig
+from tierstack.worker.jobs.partitioned_job import PartitionedSpec, launch_partitioned
 
 
 def main() -> None:

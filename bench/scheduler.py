@@ -36,20 +36,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from tests.scheduler.traces import node, transformer_trace  # noqa: E402
-from tierstack.config import MiB, SchedulerConfig, load_config  # noqa: E402
-from tierstack.services.scheduler import estimator  # noqa: E402
-from tierstack.services.scheduler.baselines import all_policies  # noqa: E402
-from tierstack.services.scheduler.client import SchedulerClient  # noqa: E402
-from tierstack.services.scheduler.embedded import EmbeddedScheduler  # noqa: E402
-from tierstack.services.scheduler.model import NVME, Bandwidths  # noqa: E402
-from tierstack.services.scheduler.planner import plan_job  # noqa: E402
-from tierstack.services.scheduler.simulator import simulate  # noqa: E402
-from tierstack.services.tier_manager.embedded import EmbeddedTierManager  # noqa: E402
-from tierstack.worker.layers import LayerStore  # noqa: E402
-from tierstack.worker.plan_follower import PlanFollower  # noqa: E402
+from tierstack.config import MiB, SchedulerConfig, load_config
+from tierstack.services.scheduler import estimator
+from tierstack.services.scheduler.baselines import all_policies
+from tierstack.services.scheduler.client import SchedulerClient
+from tierstack.services.scheduler.embedded import EmbeddedScheduler
+from tierstack.services.scheduler.model import NVME, Bandwidths
+from tierstack.services.scheduler.planner import plan_job
+from tierstack.services.scheduler.simulator import simulate
+from tierstack.services.scheduler.synthetic import node, transformer_trace
+from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+from tierstack.worker.layers import LayerStore
+from tierstack.worker.plan_follower import PlanFollower
 
 
 STAGING = 3

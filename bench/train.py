@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tierstack.config import GiB, MiB, OptimizerConfig, TierManagerConfig
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.gpt import GPT, GPTConfig
+from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tierstack.config import KiB, MiB, CpuPoolConfig, NvmePoolConfig, TierManagerConfig, AioConfig
+from tierstack.service_process import ServiceProcess
 
 
 @pytest.fixture
@@ -85,57 +87,18 @@ def hugetlbfs(mounted):
         path.write_text(str(old))
 
 
-class DaemonProcess:
-    """A real `tierstack tier-manager` process on a unix socket, restartable."""
-
-    def __init__(self, config_path: Path, socket_path: Path) -> None:
-        self.config_path = config_path
-        self.address = f"unix:{socket_path}"
-        self.proc: subprocess.Popen | None = None
-        self.log = config_path.parent / "daemon.log"
-
-    def start(self, timeout: float = 60.0) -> "DaemonProcess":
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-        import sys
-        import time
-        log = open(self.log, "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tierstack.cli", "tier-manager", "--config", str(self.config_path),
-             "--listen", self.address], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.time() + timeout
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"tier manager exited: {self.log.read_text()[-3000:]}")
-                try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1, wait_for_ready=True)
-                    if status.status == health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                except grpc.RpcError:
-                    pass
-                if time.time() > deadline:
-                    raise TimeoutError(f"tier manager not serving after {timeout}s")
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, no cleanup."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> int:
-        """SIGTERM: a graceful shutdown; returns the exit code."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            return self.proc.wait(timeout=60)
-        return self.proc.returncode if self.proc else 0
+def tier_manager_process(config_path: Path, socket_path: Path) -> ServiceProcess:
+    """A real `tierstack tier-manager` on a unix socket, from a config file's tier_manager
+    section (not started yet); restartable; its log is kept beside the socket."""
+    section = json.loads(config_path.read_text())["tier_manager"]
+    return ServiceProcess("tier-manager", "tier_manager", section, name="tier manager",
+                          listen=f"unix:{socket_path}",
+                          workdir=socket_path.parent / f"{socket_path.stem}-daemon")
 
 
 @pytest.fixture
 def daemon_config(tmp_path: Path, shm_dir: Path) -> Path:
     """A node config: 16 MiB CPU pool, 256 MiB NVMe pool on the real disk."""
-    import json
     path = tmp_path / "tier-manager.json"
     path.write_text(json.dumps({"tier_manager": {
         "cpu_pool": {"size": "16MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
@@ -149,6 +112,6 @@ def daemon_config(tmp_path: Path, shm_dir: Path) -> Path:
 @pytest.fixture
 def daemon(daemon_config: Path, tmp_path: Path):
     """A running tier-manager daemon; killed at the end of the test."""
-    proc = DaemonProcess(daemon_config, tmp_path / "tm.sock").start()
+    proc = tier_manager_process(daemon_config, tmp_path / "tm.sock").start()
     yield proc
     proc.kill()

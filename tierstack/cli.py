@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     train = sub.add_parser("train", help="train a byte-level GPT with its state offloaded (the main job)")
-    from tierstack.worker.train_job import add_arguments, run as run_train
+    from tierstack.worker.jobs.train_job import add_arguments, run as run_train
     add_arguments(train)
     train.set_defaults(func=run_train)
 
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     tm.set_defaults(func=_tier_manager)
 
     ray_node = sub.add_parser("ray-node", help="this Ray node's tierstack services (deploy/cluster.yaml)")
-    from tierstack.services.ray_node import add_arguments as add_ray_node, run as run_ray_node
+    from tierstack.deploy.ray_node import add_arguments as add_ray_node, run as run_ray_node
     add_ray_node(ray_node)
     ray_node.set_defaults(func=run_ray_node)
     sched = sub.add_parser("scheduler", help="run the cluster scheduler (gRPC): plans from traces and bandwidth")

@@ -1,22 +1,29 @@
 """gRPC plumbing the services share: project errors become statuses in a servicer,
-statuses become project errors in a client, and a daemon serves until SIGTERM.
+statuses become project errors in a client, a daemon's server listens on its address
+with health checks (`ServiceEndpoint`), and a daemon serves until SIGTERM.
 
 One place for each, so the tier manager and the scheduler (and their clients) map
-errors, retry and shut down the same way.
+errors, retry, listen and shut down the same way.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tierstack.errors import ERRORS_BY_STATUS, TierstackError
+from tierstack.addresses import grpc_target, unix_socket_path
+from tierstack.errors import ERRORS_BY_STATUS, InvalidArgumentError, TierstackError
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +104,84 @@ def serve_until_signalled(daemon, banner: Callable[[], list[str]]) -> None:
         print(line, flush=True)
     stop_requested.wait()
     daemon.stop()
+
+
+def clear_stale_socket(path: Path, what: str, env: str) -> None:
+    """Remove a socket file left by a crashed daemon; refuse if a daemon still answers."""
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()
+        log.warning("removed stale socket %s left by a previous daemon", path)
+        return
+    finally:
+        probe.close()
+    raise InvalidArgumentError(
+        f"{what} is already listening on {path}; stop it, or give this one another "
+        f"address (--listen or ${env})")
+
+
+class ServiceEndpoint:
+    """A daemon's gRPC server on its address, with the standard health service.
+
+    A unix socket's directory is created private (0700) and the socket itself 0600 (the
+    workers run as the daemon's user); a socket left by a crashed daemon is removed, one
+    a live daemon answers on is an error. Health reports SERVING between `start` and
+    `stop`, for the whole server and for `service_name`.
+    """
+
+    def __init__(self, address: str, service_name: str, what: str, env: str) -> None:
+        """Claim the address: done first, before the daemon opens anything of its node."""
+        self.target = grpc_target(address)
+        self.service_name = service_name
+        self.what = what
+        self.socket_path = unix_socket_path(self.target)
+        if self.socket_path is not None:
+            self.socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            clear_stale_socket(self.socket_path, what, env)
+        self.server: grpc.Server | None = None
+        self.health = health.HealthServicer()
+
+    def build_server(self, max_workers: int, thread_prefix: str,
+                     interceptors: list | None = None) -> grpc.Server:
+        """The gRPC server (health service added) for the daemon to add its servicers to."""
+        self.server = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix=thread_prefix),
+                                  options=[("grpc.so_reuseport", 0)], interceptors=interceptors or [])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        return self.server
+
+    def bind(self) -> int:
+        """Listen on the address (after the servicers are added); returns the port."""
+        try:
+            port = self.server.add_insecure_port(self.target)
+        except RuntimeError:  # grpcio >= 1.5x raises instead of returning 0
+            port = 0
+        if port == 0:
+            raise InvalidArgumentError(
+                f"cannot listen on {self.target}: the address is in use or invalid; give "
+                f"{self.what} another with --listen (unix:/path/to.sock or host:port)")
+        if self.socket_path is not None:
+            os.chmod(self.socket_path, 0o600)
+        return port
+
+    def start(self) -> None:
+        self.server.start()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def stop_serving(self) -> None:
+        """Health says NOT_SERVING: load balancers and waiting clients look elsewhere."""
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def stop(self, grace: float) -> None:
+        """Refuse new calls, let in-flight ones finish within `grace` s, remove the socket."""
+        self.stop_serving()
+        self.server.stop(grace=grace).wait()
+        if self.socket_path is not None and self.socket_path.exists():
+            self.socket_path.unlink()
+
+    def _set_health(self, status) -> None:
+        for name in ("", self.service_name):
+            self.health.set(name, status)

@@ -29,7 +29,7 @@ import torch
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError, TierManagerUnavailableError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.worker.arenas import ArenaMap
-from tierstack.worker.client import TierManagerClient
+from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.worker.device_budget import DeviceBudget
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.metrics import WorkerMetrics, WorkerReporter, new_worker_id

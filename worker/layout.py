@@ -13,7 +13,7 @@ from typing import Mapping
 import torch
 
 from tierstack.errors import InvalidArgumentError
-from tierstack.services.tier_manager.tensor_bytes import dtype_from_name, dtype_name
+from tierstack.dtypes import dtype_from_name, dtype_name
 
 SLOT_ALIGNMENT = 256
 

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from tierstack.errors import InvalidArgumentError
-from tierstack.services.tier_manager.tensor_bytes import dtype_from_name
+from tierstack.dtypes import dtype_from_name
 from tierstack.worker.layers import LayerStore
 
 

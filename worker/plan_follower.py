@@ -25,7 +25,7 @@ from typing import Mapping
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.model import NVME, JobTrace, Plan, TensorSpec
-from tierstack.services.scheduler.plan_watcher import PlanWatcher
+from tierstack.worker.plan_watcher import PlanWatcher
 from tierstack.worker.layers import LayerStore
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tierstack.errors import InvalidArgumentError
-from tierstack.services.tier_manager.tensor_bytes import dtype_from_name, dtype_name
+from tierstack.dtypes import dtype_from_name, dtype_name
 from tierstack.worker.device_budget import DeviceBudget
 from tierstack.worker.layers import DEFAULT_DEVICE_BUDGET, LayerStore, layer_tensors
 

@@ -26,7 +26,7 @@ import torch
 from tierstack.config import OptimizerConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.proto import tier_manager_pb2 as pb
-from tierstack.services.tier_manager.tensor_bytes import dtype_name
+from tierstack.dtypes import dtype_name
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.offload import OffloadedBlocks
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
+from tierstack.addresses import default_scheduler_address, grpc_target
 from tierstack.errors import SchedulerUnavailableError
 from tierstack.proto import scheduler_pb2 as pb
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
 from tierstack.rpc import RpcClient
-from tierstack.services.scheduler.daemon import default_address
 from tierstack.services.scheduler.model import Bandwidths, JobTrace, NodeSpec, Plan
 from tierstack.services.scheduler.wire import (
     bandwidths_from, bandwidths_pb, node_from, node_pb, plan_from, trace_pb)
-from tierstack.services.tier_manager.daemon import grpc_target
 
 # Calls that can be sent again after a dropped connection without changing anything.
 IDEMPOTENT = frozenset({"RegisterNode", "ListNodes", "GetPlan", "ForgetJob"})
@@ -33,7 +32,7 @@ class SchedulerClient(RpcClient):
     retry_seconds = 0.1
 
     def __init__(self, address: str | None = None, timeout: float = 30.0) -> None:
-        super().__init__(grpc_target(address or default_address()), pb_grpc.SchedulerStub,
+        super().__init__(grpc_target(address or default_scheduler_address()), pb_grpc.SchedulerStub,
                          timeout, options=[
                              ("grpc.max_receive_message_length", 256 << 20),
                              ("grpc.max_send_message_length", 256 << 20),

@@ -1,28 +1,21 @@
-"""An embedded scheduler: a `tierstack scheduler` process started for one machine's jobs."""
+"""An embedded scheduler: `tierstack scheduler` started for one machine's jobs.
+
+Part of the scheduler's face: it starts the daemon as a process and imports none of its
+code.
+"""
 
 from __future__ import annotations
 
 from tierstack.config import SchedulerConfig, config_dict
-from tierstack.embedded_service import EmbeddedService
-from tierstack.services.scheduler.client import SchedulerClient
+from tierstack.service_process import ServiceProcess
 
 
-class EmbeddedScheduler(EmbeddedService):
-    """Starts `tierstack scheduler` on a private unix socket; stops it on exit."""
+class EmbeddedScheduler(ServiceProcess):
+    """The scheduler on a private unix socket (unless `listen` says otherwise); stopped
+    and its private directory removed on exit."""
 
-    name = command = section = "scheduler"
-    stop_timeout = 30.0
-
-    def __init__(self, config: SchedulerConfig | None = None, startup_timeout: float = 60.0) -> None:
-        super().__init__(startup_timeout)
-        self.config = config or SchedulerConfig()
-
-    def config_section(self) -> dict:
-        return config_dict(self.config)
-
-    def wait_ready(self) -> None:
-        client = SchedulerClient(self.address, timeout=self.startup_timeout)
-        try:
-            client.list_nodes()
-        finally:
-            client.close()
+    def __init__(self, config: SchedulerConfig | None = None, **options) -> None:
+        options.setdefault("stop_timeout", 30.0)
+        options.setdefault("startup_timeout", 60.0)
+        super().__init__("scheduler", "scheduler", config_dict(config or SchedulerConfig()),
+                         **options)

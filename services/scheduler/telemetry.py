@@ -59,8 +59,8 @@ class SchedulerTelemetry:
         if not self.config.metrics_listen:
             return
         try:
-            from tierstack.services.scheduler.cluster_view import ClusterView, RemoteNode
-            from tierstack.services.tier_manager.http_api import HttpServer, create_app
+            from tierstack.dashboards.cluster_view import ClusterView, RemoteNode
+            from tierstack.dashboards.http_api import HttpServer, create_app
         except ImportError as e:
             log.warning("no HTTP API or dashboard: %s (pip install fastapi uvicorn)", e)
             return
@@ -75,7 +75,7 @@ class SchedulerTelemetry:
 
         app = create_app(ClusterView(nodes), self._serving.is_set, registry=self.registry,
                          name="scheduler")
-        self.http = HttpServer(app, self.config.metrics_listen)
+        self.http = HttpServer(app, self.config.metrics_listen, "scheduler.metrics_listen")
         self.http.start()
         log.info("cluster metrics and dashboard on %s/dashboard/", self.http.url)
 

@@ -32,7 +32,7 @@ from tierstack.services.tier_manager.registry import (
     tensor_view,
     validate_placement,
 )
-from tierstack.services.tier_manager.tensor_bytes import dtype_from_name
+from tierstack.dtypes import dtype_from_name
 
 log = logging.getLogger(__name__)
 

@@ -1,29 +1,21 @@
-"""An embedded tier manager: a daemon process started for one job on a single machine."""
+"""An embedded tier manager: `tierstack tier-manager` started for one machine's jobs.
+
+Part of the tier manager's face: it starts the daemon as a process and imports none of
+its code.
+"""
 
 from __future__ import annotations
 
 from tierstack.config import TierManagerConfig, config_dict
-from tierstack.embedded_service import EmbeddedService
-from tierstack.worker.client import TierManagerClient
+from tierstack.service_process import ServiceProcess
 
 
-class EmbeddedTierManager(EmbeddedService):
-    """Starts `tierstack tier-manager` on a private unix socket; stops it on exit."""
+class EmbeddedTierManager(ServiceProcess):
+    """The daemon on a private unix socket (unless `listen` says otherwise); stopped and
+    its private directory removed on exit."""
 
-    name, command, section = "tier manager", "tier-manager", "tier_manager"
-
-    def __init__(self, config: TierManagerConfig, startup_timeout: float = 120.0) -> None:
-        super().__init__(startup_timeout)
-        self.config = config
-
-    def config_section(self) -> dict:
-        tier_manager = config_dict(self.config)
-        tier_manager["manifest_path"] = str(self.config.resolved_manifest_path())
-        return tier_manager
-
-    def wait_ready(self) -> None:
-        client = TierManagerClient(self.address, reconnect_timeout=self.startup_timeout)
-        try:
-            client.node()
-        finally:
-            client.close()
+    def __init__(self, config: TierManagerConfig, **options) -> None:
+        section = config_dict(config)
+        # Resolved here: the daemon's working directory is not the caller's.
+        section["manifest_path"] = str(config.resolved_manifest_path())
+        super().__init__("tier-manager", "tier_manager", section, name="tier manager", **options)

@@ -22,7 +22,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 
 from tierstack import metric_catalog as mc
 from tierstack.config import MetricsConfig
-from tierstack.services.tier_manager.node_snapshot import (History, HistorySample, LinkFigures,
+from tierstack.dashboards.snapshots import (History, HistorySample, LinkFigures,
                                                            NodeSnapshot, PlanFigures, TierFigures,
                                                            WorkerFigures)
 from tierstack.services.tier_manager.rpc_metrics import RpcMetrics

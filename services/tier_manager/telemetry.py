@@ -51,17 +51,18 @@ class NodeTelemetry:
         if not self.config.http_listen:
             return
         try:
-            from tierstack.services.scheduler.cluster_view import ClusterView, LocalNode, RemoteNode
-            from tierstack.services.tier_manager.http_api import HttpServer, create_app
+            from tierstack.dashboards.cluster_view import ClusterView, LocalNode, RemoteNode
+            from tierstack.dashboards.http_api import HttpServer, create_app
         except ImportError as e:
             log.warning("no HTTP API or dashboard: %s (pip install fastapi uvicorn)", e)
             return
         local = LocalNode(self.metrics)
         peers = [RemoteNode(url) for url in self.config.cluster_nodes]
-        # The seam for the scheduler: it will hand ClusterView its own node list.
+        # The scheduler serves the view over every node it knows; a node alone sees itself
+        # and the peers its config names.
         cluster = ClusterView(lambda: [local, *peers])
         self.http = HttpServer(create_app(cluster, self._serving.is_set, node=self.metrics),
-                               self.config.http_listen)
+                               self.config.http_listen, "tier_manager.metrics.http_listen")
         self.http.start()
         self.metrics.url = self.http.url
         log.info("metrics and dashboard on %s/dashboard/", self.http.url)

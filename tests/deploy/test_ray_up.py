@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tierstack.services.ray_node import node_dir, ray_node_ip, scheduler_address, tier_manager_address
-from tierstack.worker.client import TierManagerClient
+from tierstack.addresses import node_dir, node_tier_manager_address as tier_manager_address
+from tierstack.deploy.ray_node import ray_node_ip, scheduler_address
+from tierstack.services.tier_manager.client import TierManagerClient
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = REPO / ".venv" / "bin" / "ray"

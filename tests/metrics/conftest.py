@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 
-from tests.conftest import DaemonProcess
+from tests.conftest import tier_manager_process
 from tierstack.proto import node_metrics_pb2 as pb
 from tierstack.proto import node_metrics_pb2_grpc as pb_grpc
 
@@ -28,7 +28,7 @@ def metrics_daemon(tmp_path: Path, shm_dir: Path):
         "manifest_path": str(tmp_path / "manifest.sqlite"),
         "metrics": {"http_listen": "127.0.0.1:0", "node_name": "test-node",
                     "sample_interval_seconds": 0.25, "worker_stale_seconds": 5}}}))
-    proc = DaemonProcess(config, tmp_path / "tm.sock").start()
+    proc = tier_manager_process(config, tmp_path / "tm.sock").start()
     with grpc.insecure_channel(proc.address) as channel:
         proc.url = pb_grpc.NodeMetricsStub(channel).GetHttpEndpoint(
             pb.GetHttpEndpointRequest(), timeout=10).url

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import DaemonProcess
+from tests.conftest import tier_manager_process
 from tests.metrics.conftest import LAYERS, Traffic, get, wait_for
 from tierstack import metric_catalog as mc
 from tierstack.proto import node_metrics_pb2 as pb
@@ -146,7 +146,7 @@ def test_cluster_view_adds_up_nodes_and_names_the_one_that_does_not_answer(
         "manifest_path": str(tmp_path / "second.sqlite"),
         "metrics": {"http_listen": "127.0.0.1:0", "node_name": "second",
                     "cluster_nodes": [metrics_daemon.url, dead]}}}))
-    second = DaemonProcess(config, tmp_path / "second.sock").start()
+    second = tier_manager_process(config, tmp_path / "second.sock").start()
     try:
         with grpc.insecure_channel(second.address) as channel:
             url = pb_grpc.NodeMetricsStub(channel).GetHttpEndpoint(pb.GetHttpEndpointRequest()).url
@@ -192,7 +192,7 @@ def test_with_metrics_disabled_the_daemon_serves_and_workers_still_train(tmp_pat
         "cpu_pool": {"size": "16MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "128MiB"},
         "manifest_path": str(tmp_path / "off.sqlite"), "metrics": {"enabled": False}}}))
-    daemon = DaemonProcess(config, tmp_path / "off.sock").start()
+    daemon = tier_manager_process(config, tmp_path / "off.sock").start()
     try:
         traffic = Traffic(daemon.address)
         traffic.one_pass()
@@ -208,8 +208,8 @@ def test_a_cluster_only_app_as_the_scheduler_will_serve_it(metrics_daemon, traff
     from prometheus_client import CollectorRegistry, Gauge
 
     from tierstack.metric_catalog import SCHEDULER_NODES
-    from tierstack.services.scheduler.cluster_view import ClusterView, RemoteNode
-    from tierstack.services.tier_manager.http_api import HttpServer, create_app
+    from tierstack.dashboards.cluster_view import ClusterView, RemoteNode
+    from tierstack.dashboards.http_api import HttpServer, create_app
 
     traffic.one_pass()
     traffic.store._reporter.send()
@@ -217,7 +217,7 @@ def test_a_cluster_only_app_as_the_scheduler_will_serve_it(metrics_daemon, traff
     Gauge(SCHEDULER_NODES.name, SCHEDULER_NODES.help, registry=registry).set(1)
     nodes = [RemoteNode(metrics_daemon.url)]
     server = HttpServer(create_app(ClusterView(lambda: nodes), lambda: True, registry=registry),
-                        "127.0.0.1:0")
+                        "127.0.0.1:0", "scheduler.metrics_listen")
     server.start()
     try:
         cluster = get(server.url, "/api/v1/cluster")

@@ -7,13 +7,14 @@ import re
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import DaemonProcess
+from tests.conftest import tier_manager_process
 from tests.metrics.conftest import get, wait_for
 from tierstack.config import SchedulerConfig
+from tierstack.service_process import ServiceProcess
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
 
 
-def _node(tmp_path, shm_dir, name: str, scheduler: str) -> DaemonProcess:
+def _node(tmp_path, shm_dir, name: str, scheduler: str) -> ServiceProcess:
     config = tmp_path / f"{name}.json"
     config.write_text(json.dumps({"tier_manager": {
         "cpu_pool": {"size": "16MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
@@ -23,7 +24,7 @@ def _node(tmp_path, shm_dir, name: str, scheduler: str) -> DaemonProcess:
         "scheduler_address": scheduler, "node_id": name,
         "metrics": {"http_listen": "127.0.0.1:0", "node_name": name,
                     "sample_interval_seconds": 0.25}}}))
-    return DaemonProcess(config, tmp_path / f"{name}.sock").start()
+    return tier_manager_process(config, tmp_path / f"{name}.sock").start()
 
 
 def test_the_scheduler_serves_its_metrics_and_the_cluster_of_its_nodes(tmp_path, shm_dir):

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.scheduler.traces import node, transformer_trace
+from tierstack.services.scheduler.synthetic import node, transformer_trace
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.scheduler.baselines import all_policies, planned
 from tierstack.services.scheduler.model import CPU, GPU, NVME, Bandwidths

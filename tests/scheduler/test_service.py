@@ -10,15 +10,15 @@ import time
 import pytest
 import torch
 
-from tests.conftest import DaemonProcess
-from tests.scheduler.traces import node, transformer_trace
+from tests.conftest import tier_manager_process
+from tierstack.services.scheduler.synthetic import node, transformer_trace
 from tests.worker.pass_worker import bit_equal, make_layer
 from tierstack.config import SchedulerConfig
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.services.scheduler.model import Bandwidths
-from tierstack.services.scheduler.plan_watcher import PlanWatcher
+from tierstack.worker.plan_watcher import PlanWatcher
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.plan_follower import PlanFollower
 
@@ -89,7 +89,7 @@ def _tier_manager(tmp_path, daemon_config, scheduler_address, node_id):
     data = json.loads(daemon_config.read_text())
     data["tier_manager"].update(scheduler_address=scheduler_address, node_id=node_id)
     daemon_config.write_text(json.dumps(data))
-    return DaemonProcess(daemon_config, tmp_path / "tm.sock").start()
+    return tier_manager_process(daemon_config, tmp_path / "tm.sock").start()
 
 
 def test_tier_manager_registers_its_probed_node_and_reports_disk_bandwidth(scheduler, tmp_path, daemon_config):
@@ -205,18 +205,14 @@ def test_worker_switches_plans_mid_run_without_losing_or_corrupting_a_layer(sche
 
 
 def test_worker_reports_its_trace_again_after_the_scheduler_restarts(daemon, tmp_path):
-    import subprocess
-    import sys
-
     address = f"unix:{tmp_path / 'scheduler.sock'}"
+    process = EmbeddedScheduler(listen=address, workdir=tmp_path / "scheduler")
 
     def start():
-        proc = subprocess.Popen([sys.executable, "-m", "tierstack.cli", "scheduler", "--listen", address],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process.start()
         client = SchedulerClient(address)
-        client.list_nodes()  # waits until it serves
         client.register_node(node("node-a", gpu_gb=0.1, cpu_gb=0.1))  # as its tier manager would
-        return proc, client
+        return process, client
 
     proc, client = start()
     layers, seed = 6, 5
@@ -227,7 +223,6 @@ def test_worker_reports_its_trace_again_after_the_scheduler_restarts(daemon, tmp
         _iteration(store, layers, seed, errors, lambda: None)
         assert follower.report_trace().version == 1
         proc.kill()  # a crash: the scheduler forgets every node and job
-        proc.wait()
         client.close()
         proc, client = start()
         try:

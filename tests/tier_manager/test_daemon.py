@@ -9,7 +9,7 @@ import torch
 
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError, PoolExhaustedError
 from tierstack.worker.arenas import ArenaMap
-from tierstack.worker.client import TierManagerClient
+from tierstack.services.tier_manager.client import TierManagerClient
 
 
 def write(client: TierManagerClient, arenas: ArenaMap, key: str, data: torch.Tensor, durable=True):
@@ -143,13 +143,13 @@ def test_a_second_daemon_on_the_same_socket_is_refused(daemon, daemon_config):
 def test_sigterm_lets_an_in_flight_durable_write_finish(tmp_path, shm_dir):
     import json
     import time
-    from tests.conftest import DaemonProcess
+    from tests.conftest import tier_manager_process
     config = tmp_path / "big.json"
     config.write_text(json.dumps({"tier_manager": {
         "cpu_pool": {"size": "320MiB", "arena_size": "320MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "640MiB"},
         "manifest_path": str(tmp_path / "m.sqlite"), "shutdown_grace_seconds": 60}}))
-    daemon = DaemonProcess(config, tmp_path / "big.sock").start()
+    daemon = tier_manager_process(config, tmp_path / "big.sock").start()
     try:
         client = TierManagerClient(daemon.address)
         arenas = ArenaMap(client.node(), pin_for_cuda=False)
@@ -184,13 +184,13 @@ def test_sigterm_lets_an_in_flight_durable_write_finish(tmp_path, shm_dir):
 def test_a_lease_never_committed_is_freed_after_its_timeout(tmp_path, shm_dir):
     import json
     import time
-    from tests.conftest import DaemonProcess
+    from tests.conftest import tier_manager_process
     config = tmp_path / "lease.json"
     config.write_text(json.dumps({"tier_manager": {
         "cpu_pool": {"size": "8MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "64MiB"},
         "manifest_path": str(tmp_path / "m.sqlite"), "lease_timeout_seconds": 0.5}}))
-    daemon = DaemonProcess(config, tmp_path / "lease.sock").start()
+    daemon = tier_manager_process(config, tmp_path / "lease.sock").start()
     try:
         client = TierManagerClient(daemon.address)
         lease = client.allocate(4 << 20)  # a worker that then dies

@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from tierstack.worker.gpt import GPT, GPTConfig
+from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tierstack.config import OptimizerConfig
-from tierstack.worker.gpt import GPT, GPTConfig
-from tierstack.worker.partitioned_job import PartitionedSpec, global_batches, small_embedded_node
+from tierstack.worker.jobs.gpt import GPT, GPTConfig
+from tierstack.worker.jobs.partitioned_job import PartitionedSpec, global_batches, small_embedded_node
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def local_ray():
 
 
 def test_two_cpu_actors_train_like_plain_pytorch_on_the_global_batch(local_ray):
-    from tierstack.worker.ray_workers import train_with_ray
+    from tierstack.worker.jobs.ray_workers import train_with_ray
     spec = PartitionedSpec(gpt=GPTConfig(vocab_size=256, seq_len=16, dim=32, heads=2, layers=3),
                            steps=3, global_batch=4, seed=5, data="random",
                            optimizer=OptimizerConfig(lr=1e-3), device="cpu",
@@ -54,7 +54,7 @@ def test_two_cpu_actors_train_like_plain_pytorch_on_the_global_batch(local_ray):
 
 def test_too_many_ranks_for_the_cluster_is_a_clear_error(local_ray):
     from tierstack.errors import InvalidArgumentError
-    from tierstack.worker.ray_workers import train_with_ray
+    from tierstack.worker.jobs.ray_workers import train_with_ray
     with pytest.raises(InvalidArgumentError, match="3 ranks need 3 CPU but the Ray cluster has 2"):
         train_with_ray(PartitionedSpec(), 3, use_gpu=False)
 

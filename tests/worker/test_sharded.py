@@ -10,8 +10,8 @@ import torch
 
 from tierstack.config import MiB, OptimizerConfig
 from tierstack.errors import InvalidArgumentError
-from tierstack.worker.gpt import GPT, GPTConfig
-from tierstack.worker.partitioned_job import (PartitionedSpec, global_batches, launch_partitioned,
+from tierstack.worker.jobs.gpt import GPT, GPTConfig
+from tierstack.worker.jobs.partitioned_job import (PartitionedSpec, global_batches, launch_partitioned,
                                               small_embedded_node)
 from tierstack.worker.sharded_store import ELEMENT_ALIGNMENT, FlatLayout
 
@@ -141,7 +141,7 @@ def test_ranks_run_under_torchrun_without_ray(tmp_path):
     spec["embedded"]["nvme_pool"]["paths"] = [str(tmp_path / "nvme")]
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "-m", "tierstack.worker.partitioned_job", "--spec", json.dumps(spec)],
+         "-m", "tierstack.worker.jobs.partitioned_job", "--spec", json.dumps(spec)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -158,7 +158,7 @@ def _llama_rank(env, out_dir: str, steps: int) -> None:
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
     from tierstack.config import load_config
     from tierstack.worker.distributed import init_process_group
-    from tierstack.worker.partitioned_job import rank_slice
+    from tierstack.worker.jobs.partitioned_job import rank_slice
     from tierstack.worker.sharded_engine import ShardedEngine
     from tierstack.worker.sharded_store import ShardedLayerStore
 

@@ -19,9 +19,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierstack.config import MiB, TierManagerConfig, load_config, parse_size
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.corpus import ByteBatches, stdlib_bytes
+from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.gpt import GPT, GPTConfig
+from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
 
 console = Console()
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.precision:
         config.train.precision = args.precision
     if args.ranks > 1 or args.address:
-        from tierstack.worker.ray_train_job import run as run_on_ray
+        from tierstack.worker.jobs.ray_train_job import run as run_on_ray
         return run_on_ray(args, config)
     torch.manual_seed(args.seed)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

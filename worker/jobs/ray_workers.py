@@ -24,9 +24,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tierstack.addresses import node_tier_manager_address
 from tierstack.errors import InvalidArgumentError
 from tierstack.worker.distributed import RankEnv, free_port
-from tierstack.worker.partitioned_job import PartitionedSpec, RankResult, run_rank
+from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult, run_rank
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,7 @@ class RankActor:
 
     def run(self, env: RankEnv, spec: PartitionedSpec) -> RankResult:
         if spec.tier_manager is None and spec.embedded is None:
-            from tierstack.services.ray_node import tier_manager_address
-
-            spec.tier_manager = tier_manager_address(ray.util.get_node_ip_address())
+            spec.tier_manager = node_tier_manager_address(ray.util.get_node_ip_address())
         result = run_rank(env, spec)
         result.node = ray.util.get_node_ip_address()
         return result

@@ -8,11 +8,11 @@ layer store uses to remap arenas and redo interrupted work.
 
 from __future__ import annotations
 
+from tierstack.addresses import default_tier_manager_address, grpc_target
 from tierstack.errors import TierManagerUnavailableError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import RpcClient
-from tierstack.services.tier_manager.daemon import default_address, grpc_target
 
 
 # Calls that can simply be sent again when a connection drops mid-call (a daemon crash):
@@ -30,7 +30,7 @@ class TierManagerClient(RpcClient):
     idempotent = IDEMPOTENT
 
     def __init__(self, address: str | None = None, reconnect_timeout: float = 60.0) -> None:
-        super().__init__(grpc_target(address or default_address()), pb_grpc.TierManagerStub,
+        super().__init__(grpc_target(address or default_tier_manager_address()), pb_grpc.TierManagerStub,
                          reconnect_timeout, options=[
                              ("grpc.max_receive_message_length", 64 << 20),
                              # Reconnect quickly after a daemon restart instead of backing

@@ -1,10 +1,9 @@
 """The cluster view: every node's snapshot and history, and their totals.
 
-A `ClusterView` is given a function that lists the nodes to read (`NodeSource`s); this
-is the seam where the scheduler's node list plugs in. Until the scheduler serves it, a
-tier manager's HTTP API builds its own view from itself (`LocalNode`) and the URLs in
-`tier_manager.metrics.cluster_nodes` (`RemoteNode`, read over HTTP). A node that does
-not answer is listed as unreachable; the others still add up.
+A `ClusterView` is given a function that lists the nodes to read (`NodeSource`s). The
+scheduler's lists every node that registered (`RemoteNode`, read over HTTP); a tier
+manager's lists itself (`LocalNode`) and the URLs in `tier_manager.metrics.cluster_nodes`.
+A node that does not answer is listed as unreachable; the others still add up.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol, Sequence
 
 from tierstack import metric_catalog as mc
-from tierstack.services.tier_manager.node_snapshot import (ClusterHistory, ClusterSnapshot,
+from tierstack.dashboards.snapshots import (ClusterHistory, ClusterSnapshot,
                                                            History, HistorySample, LinkFigures,
                                                            NodeError, NodeSnapshot, TierFigures)
 

@@ -19,8 +19,8 @@ from rich.table import Table
 
 from tierstack.config import MiB, TierstackConfig, parse_size
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.gpt import GPTConfig
-from tierstack.worker.partitioned_job import PartitionedSpec, RankResult
+from tierstack.worker.jobs.gpt import GPTConfig
+from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult
 
 console = Console()
 EMBEDDED_OBJECT_STORE = 256 * MiB
@@ -29,7 +29,7 @@ EMBEDDED_OBJECT_STORE = 256 * MiB
 def run(args: argparse.Namespace, config: TierstackConfig) -> int:
     import ray
 
-    from tierstack.worker.ray_workers import train_with_ray
+    from tierstack.worker.jobs.ray_workers import train_with_ray
 
     spec = PartitionedSpec(
         gpt=GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads),

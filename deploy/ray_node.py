@@ -1,8 +1,8 @@
 """The tierstack services of one Ray node, started by deploy/cluster.yaml's start commands.
 
 `tierstack ray-node --role head|worker --node-ip IP` runs this node's tier manager (and,
-on the head, the cluster's scheduler and dashboard when this tierstack has those
-commands) and stops them when this node's Ray stops: it watches the node's raylet, so
+on the head, the cluster's scheduler, which serves the cluster's dashboard) and stops
+them when this node's Ray stops: it watches the node's raylet, so
 `ray down`, which runs `ray stop`, stops them too. Per-node paths carry the node's IP,
 so several "nodes" can share one host (the end-to-end test runs two on loopback
 addresses), and a Ray actor finds its node's daemon from its own node IP alone.
@@ -11,27 +11,21 @@ addresses), and a Ray actor finds its node's daemon from its own node IP alone.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tierstack.addresses import TIER_MANAGER_ENV, node_dir, node_tier_manager_address
 from tierstack.config import config_dict, load_config
-from tierstack.errors import InvalidArgumentError
+from tierstack.service_process import ServiceProcess
 
 log = logging.getLogger(__name__)
 
-# Services the head runs once per cluster, as `tierstack <name>`, started when this
-# install has the subcommand. The scheduler (issue 5) and the dashboard (issue 6) plug
-# in here by adding their subcommand; each gets the head's tier-manager address through
-# $TIERSTACK_TIER_MANAGER.
-HEAD_SERVICES = ("scheduler", "dashboard")
-# The head's scheduler listens on this port of the head's address; every node's tier
-# manager registers there (tier_manager.scheduler_address, when this tierstack has it).
+# The head's scheduler (which also serves the cluster's metrics and dashboard) listens on
+# this port of the head's address; every node's tier manager registers there.
 SCHEDULER_PORT = 6390
 POLL_SECONDS = 1.0
 
@@ -47,18 +41,6 @@ def ray_node_ip(address: str) -> str:
 
         return ray.util.get_node_ip_address()
     return address
-
-
-def node_dir(node_ip: str) -> Path:
-    """This node's state directory: sockets, configs, logs, the supervisor's pid."""
-    if not node_ip or "/" in node_ip or node_ip.startswith("."):
-        raise InvalidArgumentError(f"node IP {node_ip!r} is not an address")
-    return Path(f"/tmp/tierstack-{os.getuid()}") / f"node-{node_ip}"
-
-
-def tier_manager_address(node_ip: str) -> str:
-    """The gRPC address of the tier manager of the node with this IP (a unix socket)."""
-    return f"unix:{node_dir(node_ip) / 'tier-manager.sock'}"
 
 
 def find_raylet(node_ip: str) -> int | None:
@@ -96,32 +78,24 @@ def scheduler_address(head_ip: str) -> str:
 def node_tier_manager_config(config_path: str | None, node_ip: str, head_ip: str | None = None) -> dict:
     """The node config's tier_manager section with per-node paths and this node's socket.
 
-    With a scheduler in this install, the daemon registers with the head's scheduler
-    under the node's IP (unique even for nodes sharing a host).
+    The daemon registers with the head's scheduler under the node's IP (unique even for
+    nodes sharing a host).
     """
     tm = load_config(config_path).tier_manager
-    if head_ip and hasattr(tm, "scheduler_address") and "scheduler" in _head_services():
+    if head_ip:
         tm.scheduler_address = tm.scheduler_address or scheduler_address(head_ip)
-        if hasattr(tm, "node_id"):
-            tm.node_id = tm.node_id or node_ip
+        tm.node_id = tm.node_id or node_ip
     tm.nvme_pool.paths = [str(Path(p) / f"node-{node_ip}") for p in tm.nvme_pool.paths]
     if not tm.manifest_path:
         tm.manifest_path = str(Path(tm.nvme_pool.paths[0]) / "manifest.sqlite")
-    tm.listen = tier_manager_address(node_ip)
+    tm.listen = node_tier_manager_address(node_ip)
     tm.validate()
     return config_dict(tm)
 
 
-def _head_services() -> list[str]:
-    from tierstack.cli import build_parser
-
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return [name for name in HEAD_SERVICES if name in sub.choices]
-
-
 class NodeServices:
-    """The node's daemons as child processes, stopped together."""
+    """The node's daemons as child processes (`ServiceProcess`), stopped together. Their
+    configs and logs stay in the node's directory."""
 
     def __init__(self, role: str, node_ip: str, config_path: str | None,
                  head_ip: str | None = None) -> None:
@@ -130,46 +104,38 @@ class NodeServices:
         self.dir = node_dir(node_ip)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config_path = config_path
-        self.children: dict[str, subprocess.Popen] = {}
+        self.children: dict[str, ServiceProcess] = {}
 
     def start(self) -> None:
+        env = {TIER_MANAGER_ENV: node_tier_manager_address(self.node_ip)}
         if self.role == "head":  # the scheduler first: the tier managers register with it
-            for name in _head_services():
-                extra = ["--listen", scheduler_address(self.node_ip)] if name == "scheduler" else []
-                self._spawn(name, [name, *extra])
+            scheduler = load_config(self.config_path).scheduler
+            self._start(ServiceProcess("scheduler", "scheduler", config_dict(scheduler),
+                                       listen=scheduler_address(self.node_ip), workdir=self.dir,
+                                       env=env))
         tm = node_tier_manager_config(self.config_path, self.node_ip, self.head_ip)
         for path in tm["nvme_pool"]["paths"]:
             Path(path).mkdir(parents=True, exist_ok=True)
-        config_file = self.dir / "tier-manager.json"
-        config_file.write_text(json.dumps({"tier_manager": tm}))
-        self._spawn("tier-manager", ["tier-manager", "--config", str(config_file)])
+        self._start(ServiceProcess("tier-manager", "tier_manager", tm, name="tier manager",
+                                   listen=tm["listen"], workdir=self.dir, env=env))
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        env = dict(os.environ, TIERSTACK_TIER_MANAGER=tier_manager_address(self.node_ip))
-        out = open(self.dir / f"{name}.log", "ab")
-        self.children[name] = subprocess.Popen(
-            [sys.executable, "-m", "tierstack.cli", *argv], stdin=subprocess.DEVNULL,
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.dir)
-        log.info("started %s (pid %d)", name, self.children[name].pid)
+    def _start(self, service: ServiceProcess) -> None:
+        self.children[service.command] = service
+        service.start()
+        log.info("started %s (pid %d)", service.name, service.proc.pid)
 
     def exited(self) -> str | None:
-        for name, proc in self.children.items():
-            if proc.poll() is not None:
-                return f"{name} exited with status {proc.returncode}"
+        for name, service in self.children.items():
+            if not service.running():
+                return f"{name} exited with status {service.proc.returncode}"
         return None
 
     def stop(self, grace: float = 60.0) -> None:
-        for proc in self.children.values():
-            if proc.poll() is None:
-                proc.terminate()  # the tier manager finishes in-flight writes on SIGTERM
-        deadline = time.monotonic() + grace
-        for name, proc in self.children.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s: killing it", name, grace)
-                proc.kill()
-                proc.wait()
+        for service in self.children.values():
+            if service.running():
+                service.proc.terminate()  # the tier manager finishes in-flight writes on SIGTERM
+        for service in self.children.values():
+            service.stop(timeout=grace)
 
 
 def supervise(role: str, node_ip: str, config_path: str | None, head_ip: str | None = None,
@@ -220,10 +186,10 @@ def supervise(role: str, node_ip: str, config_path: str | None, head_ip: str | N
 
 def wait_ready(node_ip: str, timeout: float) -> int:
     """Wait until the node's tier manager answers; 0 when it does."""
-    from tierstack.worker.client import TierManagerClient
+    from tierstack.services.tier_manager.client import TierManagerClient
 
     node_ip = ray_node_ip(node_ip)
-    client = TierManagerClient(tier_manager_address(node_ip), reconnect_timeout=timeout)
+    client = TierManagerClient(node_tier_manager_address(node_ip), reconnect_timeout=timeout)
     try:
         node = client.node()
     except Exception as e:  # noqa: BLE001 - reported with the log to read

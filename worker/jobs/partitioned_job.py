@@ -23,9 +23,9 @@ import torch.distributed as dist
 from tierstack.config import MiB, OptimizerConfig, TierManagerConfig, config_dict, load_config
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.corpus import ByteBatches, stdlib_bytes
+from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.distributed import RankEnv, init_process_group, rank_device
-from tierstack.worker.gpt import GPT, GPTConfig
+from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.layers import layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.sharded_engine import ShardedEngine
@@ -186,7 +186,7 @@ def small_embedded_node(size_mib: int = 64) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """One rank under torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_*).
 
-    torchrun --nproc-per-node 2 -m tierstack.worker.partitioned_job --spec '{"steps": 5}'
+    torchrun --nproc-per-node 2 -m tierstack.worker.jobs.partitioned_job --spec '{"steps": 5}'
     Each rank starts its own embedded tier manager unless the spec names one
     ("tier_manager"); every rank prints one JSON line with its per-step figures.
     """

@@ -1,4 +1,7 @@
-"""The node's HTTP API (FastAPI, served by uvicorn on a thread of the daemon).
+"""The HTTP API both services serve (FastAPI, run by uvicorn on a thread of the daemon).
+
+A tier manager serves its node's figures and a cluster view; the scheduler serves the
+cluster view over every registered node. Both serve the same dashboard.
 
 Routes:
   /metrics                     Prometheus text format (every tierstack_* metric of the node)
@@ -20,22 +23,34 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from tierstack.dashboards.cluster_view import ClusterView
+from tierstack.dashboards.snapshots import (ClusterHistory, ClusterSnapshot, History, NodeSnapshot,
+                                            PlanFigures)
 from tierstack.errors import InvalidArgumentError
-from tierstack.services.scheduler.cluster_view import ClusterView
-from tierstack.services.tier_manager.metrics import NodeMetrics
-from tierstack.services.tier_manager.node_snapshot import (ClusterHistory, ClusterSnapshot, History,
-                                                           NodeSnapshot, PlanFigures)
 
 log = logging.getLogger(__name__)
 
 MAX_WINDOW_SECONDS = 24 * 3600.0
+
+
+class NodeFigures(Protocol):
+    """What a tier manager's metrics give its HTTP API (its NodeMetrics)."""
+
+    node: str
+    prometheus: CollectorRegistry
+
+    def snapshot(self) -> NodeSnapshot: ...
+
+    def history(self, window_seconds: float) -> History: ...
+
+    def plan(self) -> PlanFigures: ...
 
 
 def dashboard_dir() -> str:
@@ -43,7 +58,7 @@ def dashboard_dir() -> str:
     return str(importlib.resources.files("tierstack.dashboards") / "web")
 
 
-def create_app(cluster: ClusterView, serving: Callable[[], bool], node: NodeMetrics | None = None,
+def create_app(cluster: ClusterView, serving: Callable[[], bool], node: NodeFigures | None = None,
                registry: CollectorRegistry | None = None, name: str = "") -> FastAPI:
     """The FastAPI app of one process: its /metrics, the cluster view, the dashboard.
 
@@ -89,7 +104,7 @@ def create_app(cluster: ClusterView, serving: Callable[[], bool], node: NodeMetr
     return app
 
 
-def add_node_routes(app: FastAPI, node: NodeMetrics, window) -> None:
+def add_node_routes(app: FastAPI, node: NodeFigures, window) -> None:
     """/api/v1/node, its history and /api/v1/plan: one tier manager's own figures."""
 
     @app.get("/api/v1/node", response_model=NodeSnapshot, summary="This node's figures now")
@@ -106,8 +121,9 @@ def add_node_routes(app: FastAPI, node: NodeMetrics, window) -> None:
         return node.plan()
 
 
-def bind_listener(listen: str) -> socket.socket:
-    """A listening TCP socket on host:port; another free port if that one is taken."""
+def bind_listener(listen: str, setting: str) -> socket.socket:
+    """A listening TCP socket on host:port; another free port if that one is taken.
+    `setting` is the config key that gave `listen` (named in errors)."""
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -120,9 +136,9 @@ def bind_listener(listen: str) -> socket.socket:
             sock.close()
             raise InvalidArgumentError(
                 f"cannot serve HTTP on {listen}: {e.strerror}; set "
-                f"tier_manager.metrics.http_listen to host:port (or '' for no HTTP)") from None
-        log.warning("HTTP port %s is in use (another tier manager?): serving metrics and the "
-                    "dashboard on a free port instead; set tier_manager.metrics.http_listen", port)
+                f"{setting} to host:port (or '' for no HTTP)") from None
+        log.warning("HTTP port %s is in use (another tierstack service?): serving metrics and "
+                    "the dashboard on a free port instead; set %s", port, setting)
         sock.bind((host, 0))
     sock.listen(128)
     sock.setblocking(False)
@@ -139,10 +155,10 @@ def listener_url(sock: socket.socket) -> str:
 class HttpServer:
     """uvicorn serving an app on its own thread (its own event loop), stopped on request."""
 
-    def __init__(self, app: FastAPI, listen: str) -> None:
+    def __init__(self, app: FastAPI, listen: str, setting: str) -> None:
         import uvicorn
 
-        self._sock = bind_listener(listen)
+        self._sock = bind_listener(listen, setting)
         self.url = listener_url(self._sock)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)

@@ -1,0 +1,62 @@
+"""Where tierstack's services listen, and how an address becomes a gRPC target.
+
+A service listens on a unix socket by default (one per user: only its owner can talk to
+it) or on host:port for a cluster. The defaults are per user under /tmp, or the
+address in the service's environment variable. A Ray node's services live in a
+directory named after the node's IP, so several "nodes" can share one host.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tierstack.errors import InvalidArgumentError
+
+TIER_MANAGER_ENV = "TIERSTACK_TIER_MANAGER"
+SCHEDULER_ENV = "TIERSTACK_SCHEDULER"
+
+
+def user_dir() -> Path:
+    """The per-user directory of default sockets and node state."""
+    return Path(f"/tmp/tierstack-{os.getuid()}")
+
+
+def default_tier_manager_address() -> str:
+    """The node's tier manager: $TIERSTACK_TIER_MANAGER, else a per-user socket."""
+    return os.environ.get(TIER_MANAGER_ENV) or f"unix:{user_dir() / 'tier-manager.sock'}"
+
+
+def default_scheduler_address() -> str:
+    """The cluster's scheduler: $TIERSTACK_SCHEDULER, else a per-user socket."""
+    return os.environ.get(SCHEDULER_ENV) or f"unix:{user_dir() / 'scheduler.sock'}"
+
+
+def grpc_target(address: str) -> str:
+    """A gRPC target from an address: a bare path becomes a unix socket."""
+    if address.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith("/") or address.startswith("./"):
+        return f"unix:{os.path.abspath(address)}"
+    return address
+
+
+def unix_socket_path(target: str) -> Path | None:
+    """The socket file of a unix: target (None for a TCP one)."""
+    if target.startswith("unix://"):
+        return Path(target[len("unix://"):])
+    if target.startswith("unix:"):
+        return Path(target[len("unix:"):])
+    return None
+
+
+def node_dir(node_ip: str) -> Path:
+    """A Ray node's state directory: its sockets, configs, logs, the supervisor's pid."""
+    if not node_ip or "/" in node_ip or node_ip.startswith("."):
+        raise InvalidArgumentError(f"node IP {node_ip!r} is not an address")
+    return user_dir() / f"node-{node_ip}"
+
+
+def node_tier_manager_address(node_ip: str) -> str:
+    """The tier manager of the Ray node with this IP (a unix socket in its node_dir)."""
+    return f"unix:{node_dir(node_ip) / 'tier-manager.sock'}"

@@ -1,0 +1,139 @@
+"""A tierstack service run as a child process: `tierstack <command> --config FILE --listen ADDR`.
+
+The one way the project starts a daemon: the embedded single-node default of a job, a
+Ray node's supervisor (deploy/ray_node.py), the benchmarks and the tests all use
+`ServiceProcess`. The service's config section is written to a file in its working
+directory, its output goes to a log there, and it is ready once it answers gRPC health
+checks with SERVING (both services serve the standard health service). A private
+working directory (the default) is removed on `close`; a given one is kept (a Ray node
+keeps its logs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Self
+
+from tierstack.errors import TierstackError
+
+
+class ServiceStartError(TierstackError):
+    """A service process exited or did not serve within its start-up timeout."""
+
+    grpc_status = "UNAVAILABLE"
+
+
+class ServiceProcess:
+    """`tierstack <command>` as a child process: start, stop (SIGTERM), kill, restart."""
+
+    def __init__(self, command: str, section: str, config: dict, *, name: str = "",
+                 listen: str = "", workdir: str | Path | None = None,
+                 env: dict[str, str] | None = None, startup_timeout: float = 120.0,
+                 stop_timeout: float = 60.0) -> None:
+        self.command = command  # the CLI subcommand, also the name of its files
+        self.section = section  # the config section the service reads
+        self.config = config
+        self.name = name or command.replace("-", " ")  # how messages name it
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout  # a SIGTERM'ed service may finish in-flight work
+        self.env = env
+        self._private = workdir is None
+        self.workdir = Path(workdir) if workdir is not None else Path(
+            tempfile.mkdtemp(prefix=f"tierstack-{command}-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.address = listen or f"unix:{self.workdir / f'{command}.sock'}"
+        self.config_path = self.workdir / f"{command}.json"
+        self.log_path = self.workdir / f"{command}.log"
+        self.proc: subprocess.Popen | None = None
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    def start(self) -> Self:
+        """Start the process and return once it serves; raise with its log if it does not."""
+        self.config_path.write_text(json.dumps({self.section: self.config}))
+        with open(self.log_path, "a") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tierstack.cli", self.command, "--config",
+                 str(self.config_path), "--listen", self.address],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir,
+                env=None if self.env is None else {**os.environ, **self.env})
+        try:
+            self.wait_ready(self.startup_timeout)
+        except BaseException:
+            log_tail = self.log_text()[-3000:]
+            self.kill()
+            raise ServiceStartError(
+                f"the {self.name} did not start (log {self.log_path}):\n{log_tail}") from None
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the service answers its health check with SERVING."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise ServiceStartError(f"the {self.name} exited with status {self.proc.returncode}")
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1, wait_for_ready=True)
+                    if status.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServiceStartError(f"the {self.name} did not serve within {timeout:.0f} s")
+                time.sleep(0.05)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float | None = None) -> int:
+        """SIGTERM (a graceful stop: in-flight work finishes), then SIGKILL after `timeout`
+        seconds; returns the exit status."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=self.stop_timeout if timeout is None else timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no clean-up by the service."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        """Stop the service; remove a private working directory."""
+        self.stop()
+        if self._private:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
