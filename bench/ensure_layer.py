@@ -92,7 +92,7 @@ def arena_copy_gbps(store: LayerStore, layers: int) -> float:
     keys = [store.key(i) for i in range(layers)]
     response = store.client.fetch(keys)
     try:
-        srcs = [store._arenas.view(r.arena, r.offset, r.info.nbytes) for r in response.tensors]
+        srcs = [store.session.arenas.view(r.arena, r.offset, r.info.nbytes) for r in response.tensors]
         dst = torch.empty(srcs[0].numel(), dtype=torch.uint8, device=store.device)
         sync(store.device)
         start = time.perf_counter()
@@ -204,7 +204,7 @@ def main() -> None:
         store.release_layer(0)
         peak = store.budget.peak
         res = store.client.fetch([store.key(0)])
-        arena_pinned = store._arenas.view(res.tensors[0].arena, res.tensors[0].offset, 16).is_pinned()
+        arena_pinned = store.session.arenas.view(res.tensors[0].arena, res.tensors[0].offset, 16).is_pinned()
         store.client.release(store.key(0), res.tensors[0].info.version)
         cuda_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         store.close()

@@ -125,8 +125,7 @@ def _measure(layers, layer_mib, rows, iterations, device, x, out, tmp: Path) -> 
                 # Each timed iteration records its own compute times: on a shared machine
                 # the load changes between iterations, and the simulation of an iteration
                 # must use that iteration's compute, not an earlier one's.
-                store.uses.clear()
-                store.recording = True
+                follower.record()
                 start = time.perf_counter()
                 _iteration(store, layers, out, x)
                 steps.append(time.perf_counter() - start)

@@ -15,7 +15,7 @@ import os
 import torch
 
 from tierstack.errors import TierstackError
-from tierstack.proto import tier_manager_pb2 as pb
+from tierstack.services.tier_manager.types import NodeInfo
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class ArenaMap:
     """uint8 tensors over a daemon instance's arenas, page-locked on CUDA."""
 
-    def __init__(self, node: pb.NodeInfo, pin_for_cuda: bool) -> None:
+    def __init__(self, node: NodeInfo, pin_for_cuda: bool) -> None:
         self.instance_id = node.instance_id
         self._maps: list[mmap.mmap] = []
         self._tensors: list[torch.Tensor] = []

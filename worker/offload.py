@@ -145,7 +145,7 @@ class OffloadedBlocks(torch.nn.Module):
         self.blocks = [module_list[p] for p in self.positions]
         self.store = store
         # The store's depths until a scheduler plan replaces them (PlanFollower).
-        store.prefetch_depth = store.read_ahead = prefetch_depth
+        store.depths.set_fixed(prefetch_depth)
         for i, block in enumerate(self.blocks):
             _check_supported(i, block)
         self._anchor = torch.empty(0, requires_grad=True)

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from typing import Mapping
+
+import torch
 
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.services.scheduler.client import SchedulerClient
@@ -29,6 +32,25 @@ from tierstack.worker.plan_watcher import PlanWatcher
 from tierstack.worker.layers import LayerStore
 
 log = logging.getLogger(__name__)
+
+
+class UseRecorder:
+    """The layer uses of one iteration as a store sees them: [layer, ready, released]
+    (perf_counter seconds), the device synchronised at each release so that the span
+    is the layer's compute."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.uses: list[list] = []
+
+    def used(self, index: int) -> None:
+        self.uses.append([index, time.perf_counter(), None])
+
+    def released(self, index: int) -> None:
+        if self.uses and self.uses[-1][0] == index and self.uses[-1][2] is None:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the layer's compute
+            self.uses[-1][2] = time.perf_counter()
 
 
 class PlanFollower:
@@ -46,15 +68,18 @@ class PlanFollower:
         self.watcher: PlanWatcher | None = None
         self.plan: Plan | None = None
         self._trace: JobTrace | None = None
-        store.recording = True
-        store.uses.clear()
+        self.record()
+
+    def record(self) -> None:
+        """Start recording the store's layer uses afresh (the next iteration's trace)."""
+        self.recorder = self.store.recorder = UseRecorder(self.store.device)
 
     def trace(self, nodes: list[str] | None = None,
               tier_overrides: Mapping[str, str] | None = None) -> JobTrace:
         """The recorded iteration as a trace (stops recording)."""
         store = self.store
-        store.recording = False
-        uses = [u for u in store.uses if u[2] is not None]
+        store.recorder = None
+        uses = [u for u in self.recorder.uses if u[2] is not None]
         if not uses:
             raise InvalidArgumentError(
                 "no layer use was recorded: run one iteration (ensure_layer ... release_layer "

@@ -20,7 +20,7 @@ import torch
 
 from tierstack.config import OptimizerConfig
 from tierstack.errors import InvalidArgumentError
-from tierstack.proto import tier_manager_pb2 as pb
+from tierstack.services.tier_manager.types import AdamWBlock, AdamWSegment
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.offload import OffloadedBlocks
@@ -45,7 +45,7 @@ class ShardedAdamW(TieredAdamW):
         self.store: ShardedLayerStore = blocks.store
         super().__init__(blocks, config, masters)
 
-    def _prepare_block(self, i: int) -> pb.AdamWBlock:
+    def _prepare_block(self, i: int) -> AdamWBlock:
         local, layout = self.store.local, self.store.layouts[i]
         itemsize = layout.torch_dtype.itemsize
         if not self.masters and layout.dtype != "float32":
@@ -56,15 +56,15 @@ class ShardedAdamW(TieredAdamW):
                                                      device="meta")})
         for kind in MOMENTS:
             local.declare_layout(i, kind, state)
-        return pb.AdamWBlock(
+        return AdamWBlock(
             params=local.key(i), grads=local.key(i, "grad"),
             master=local.key(i, "master") if self.masters else "",
             exp_avg=local.key(i, "exp_avg"), exp_avg_sq=local.key(i, "exp_avg_sq"),
             param_dtype=layout.dtype, grad_dtype=layout.dtype, state_nbytes=state.nbytes,
             state_placement=local.placement(i, "state"),
-            segments=[pb.AdamWSegment(numel=b - a, param_offset=a * itemsize,
-                                      grad_offset=a * itemsize, state_offset=a * 4)
-                      for a, b in layout.trainable_segments(self.store.rank)])
+            segments=tuple(AdamWSegment(numel=b - a, param_offset=a * itemsize,
+                                        grad_offset=a * itemsize, state_offset=a * 4)
+                           for a, b in layout.trainable_segments(self.store.rank)))
 
 
 class ShardedEngine(OffloadEngine):

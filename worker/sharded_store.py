@@ -30,19 +30,18 @@ trains); a mixed-dtype block is refused by name.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from tierstack.errors import InvalidArgumentError
 from tierstack.dtypes import dtype_from_name, dtype_name
-from tierstack.worker.device_budget import DeviceBudget
+from tierstack.errors import InvalidArgumentError
 from tierstack.worker.layers import DEFAULT_DEVICE_BUDGET, LayerStore, layer_tensors
+from tierstack.worker.prefetch_depths import PrefetchDepths
+from tierstack.worker.residency import DeviceCopy, DeviceResidency
 
 log = logging.getLogger(__name__)
 
@@ -144,18 +143,6 @@ class FlatLayout:
         return segments
 
 
-@dataclass
-class _Gathered:
-    """A full layer on the device, or on its way there."""
-
-    nbytes: int
-    buffer: torch.Tensor | None = None
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    ready: threading.Event = field(default_factory=threading.Event)
-    gathered: object | None = None  # torch.cuda.Event on the communication stream
-    error: BaseException | None = None
-
-
 class ShardedLayerStore:
     """One rank's shards of a job's layers, gathered into full layers on its device."""
 
@@ -181,18 +168,15 @@ class ShardedLayerStore:
         self.device = self.local.device
         self.cuda = self.local.cuda
         self.client = self.local.client
-        self.budget = DeviceBudget(device_budget)  # full layers on the device
+        self.residency = DeviceResidency(self.device, device_budget, self)  # full layers
+        self.budget = self.residency.budget
         self.layouts: list[FlatLayout] = []
-        self._gathered: dict[int, _Gathered] = {}
-        self._lock = threading.Lock()
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="tierstack-collective")
         self._comm_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.stall_seconds = 0.0
         # Layers gathered ahead of use (prefetch_ahead); OffloadedBlocks sets them. A
         # scheduler plan would have to change them on every rank at the same layer, or
         # the ranks' collectives would diverge: plans are not followed here yet.
-        self.prefetch_depth = 2
-        self.read_ahead = 2
+        self.depths = PrefetchDepths()
         # Squared L2 norm of each layer's stored (averaged) gradient shard, a device scalar:
         # summed over the ranks, the global norm for gradient clipping.
         self.grad_sq_norms: dict[int, torch.Tensor] = {}
@@ -278,109 +262,67 @@ class ShardedLayerStore:
 
     # ---- the layer on the device ---------------------------------------------------------
 
+    @property
+    def stall_seconds(self) -> float:
+        """Time ensure_layer spent waiting for gathers."""
+        return self.residency.stall_seconds
+
     def prefetch(self, index: int) -> bool:
         """Start loading layer `index`'s shard and gathering the layer; False if it does not fit."""
-        return self._start(index, required=False) is not None
+        return self.residency.start(index, required=False) is not None
 
     def prefetch_ahead(self, index: int, step: int = 1) -> None:
         """Gather the next `prefetch_depth` layers after `index` (in direction `step`), and
         hint the local shards of the ones up to `read_ahead` to the daemon."""
-        for k in range(1, max(self.prefetch_depth, self.read_ahead) + 1):
-            other = index + k * step
-            if not 0 <= other < len(self.layouts):
-                break
-            if k <= self.prefetch_depth:
-                if other not in self._gathered and not self.prefetch(other):
-                    break  # the device budget is full: the rest would not fit either
-            else:
-                self.local._hinter.submit(self.local._hint, self.local.key(other))
+        self.residency.prefetch_ahead(index, step, self.depths.depth, self.depths.read_ahead,
+                                      self.local.hint)
 
     def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
         """Layer `index`'s full tensors on the device, ready on the current stream."""
-        gathered = self._gathered.get(index)
-        if gathered is None or gathered.error is not None:
-            gathered = self._start(index, required=True)
-        if not gathered.ready.is_set():
-            start = time.perf_counter()
-            gathered.ready.wait()
-            self.stall_seconds += time.perf_counter() - start
-        if gathered.error is not None:
-            self._drop(index, gathered)
-            raise gathered.error
-        if self.cuda:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(gathered.gathered)
-            gathered.buffer.record_stream(stream)
-        return gathered.tensors
+        return self.residency.ensure(index).tensors
 
     def release_layer(self, index: int) -> None:
         """Drop the full layer `index` from the device (the shards stay with the tiers)."""
-        with self._lock:
-            gathered = self._gathered.pop(index, None)
-        if gathered is not None:
-            gathered.ready.wait()
-            self.budget.free(gathered.nbytes)
+        self.residency.release(index)
 
     def resident_layers(self) -> list[int]:
-        with self._lock:
-            return sorted(self._gathered)
+        return self.residency.resident()
 
-    def _drop(self, index: int, gathered: _Gathered) -> None:
-        with self._lock:
-            if self._gathered.get(index) is gathered:
-                del self._gathered[index]
-                self.budget.free(gathered.nbytes)
+    # ---- DeviceResidency's source: a full layer is this rank's shard plus an all-gather --------
 
-    def _start(self, index: int, required: bool) -> _Gathered | None:
-        if not 0 <= index < len(self.layouts):
-            raise InvalidArgumentError(
-                f"layer {index} does not exist: {len(self.layouts)} layers are registered "
-                f"(register_layers first)")
+    def layer_count(self) -> int:
+        return len(self.layouts)
+
+    def layer_nbytes(self, index: int) -> int:
+        return self.layouts[index].nbytes()
+
+    def allocate(self, index: int, copy: DeviceCopy) -> None:
         layout = self.layouts[index]
-        nbytes = layout.nbytes()
-        with self._lock:
-            existing = self._gathered.get(index)
-            if existing is not None and existing.error is None:
-                return existing
-            if existing is not None:
-                del self._gathered[index]
-                self.budget.free(existing.nbytes)
-            # The budget decides from the caller's call sequence alone, which is the same
-            # on every rank, so every rank queues the same gathers in the same order.
-            if required:
-                self.budget.reserve(nbytes, f"layer {index}")
-            elif not self.budget.try_reserve(nbytes):
-                return None
-            gathered = _Gathered(nbytes)
-            self._gathered[index] = gathered
-        try:
-            gathered.buffer = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
-            gathered.tensors = layout.views(gathered.buffer)
-            allocated = self._after_caller()  # the buffer may reuse memory freed moments ago
-            self.local.prefetch(index)  # NVMe -> CPU pool -> device starts now
-        except BaseException:
-            self._drop(index, gathered)
-            raise
-        self._collective(lambda: self._gather(index, gathered, allocated))
-        return gathered
+        copy.buffer = torch.empty(layout.numel, dtype=layout.torch_dtype, device=self.device)
+        copy.tensors = layout.views(copy.buffer)
 
-    def _gather(self, index: int, gathered: _Gathered, allocated) -> None:
+    def fill(self, index: int, copy: DeviceCopy, allocated) -> None:
+        # The budget decided from the caller's call sequence alone, which is the same on
+        # every rank, so every rank queues the same gathers in the same order.
+        self.local.prefetch(index)  # NVMe -> CPU pool -> device starts now
+        self._collective(lambda: self._gather(index, copy, allocated))
+
+    def _gather(self, index: int, copy: DeviceCopy, allocated) -> None:
         try:
             self._comm_wait(allocated)
             shard = self.local.ensure_layer(index)["shard"]  # waits for the local load
+            gathered = None
             try:
-                _all_gather(gathered.buffer, shard, group=self.group)
+                _all_gather(copy.buffer, shard, group=self.group)
                 if self.cuda:
-                    event = torch.cuda.Event()
-                    event.record(self._comm_stream)
-                    gathered.gathered = event
+                    gathered = torch.cuda.Event()
+                    gathered.record(self._comm_stream)
             finally:
                 self.local.release_layer(index)
             self.bytes_gathered += shard.numel() * shard.element_size() * (self.world - 1)
+            copy.done(filled=gathered)
         except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
-            gathered.error = e
-        finally:
-            gathered.ready.set()
+            copy.done(error=e)
 
     # ---- gradients, optimizer state and reads ----------------------------------------------
 
@@ -401,7 +343,7 @@ class ShardedLayerStore:
         dtype = next(iter(tensors.values())).dtype if tensors else layout.torch_dtype
         device = next(iter(tensors.values())).device if tensors else self.device
         full = layout.pack(tensors, dtype, device, suffix, require_all=kind == "params")
-        if kind == "params" and index in self._gathered:
+        if kind == "params" and index in self.residency:
             self.release_layer(index)  # the gathered copy is stale now
         if kind == "grad":
             shard = self._reduce_scatter_mean(full)
@@ -439,7 +381,7 @@ class ShardedLayerStore:
         if shard.numel() != layout.shard_numel:
             raise InvalidArgumentError(
                 f"layer {index}'s shards hold {layout.shard_numel} elements, got {shard.numel()}")
-        if kind == "params" and index in self._gathered:
+        if kind == "params" and index in self.residency:
             self.release_layer(index)
         self.local.write_back(index, {"shard": shard}, kind=kind, durable=durable)
 
@@ -496,10 +438,7 @@ class ShardedLayerStore:
 
     def close(self) -> None:
         self._comm.shutdown(wait=True)
-        with self._lock:
-            for gathered in self._gathered.values():
-                self.budget.free(gathered.nbytes)
-            self._gathered.clear()
+        self.residency.clear()
         self.local.close()
 
     def __enter__(self) -> "ShardedLayerStore":

@@ -25,7 +25,7 @@ import torch
 
 from tierstack.config import OptimizerConfig
 from tierstack.errors import InvalidArgumentError
-from tierstack.proto import tier_manager_pb2 as pb
+from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
 from tierstack.dtypes import dtype_name
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.offload import OffloadedBlocks
@@ -57,14 +57,14 @@ class TieredAdamW:
         # Two in flight: the daemon reads one block's state while it updates another.
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="tierstack-adamw")
 
-    def _prepare_block(self, i: int) -> pb.AdamWBlock:
+    def _prepare_block(self, i: int) -> AdamWBlock:
         """Declare block i's state layouts with the store; its part of every request."""
         trainable = self.blocks.trainable(i)
         for kind in MOMENTS + (("master",) if self.masters else ()):
             self.blocks.store.declare_layout(i, kind, state_layout(trainable, kind))
         return self._block_request(i, trainable)
 
-    def _block_request(self, i: int, trainable) -> pb.AdamWBlock:
+    def _block_request(self, i: int, trainable) -> AdamWBlock:
         store = self.blocks.store
         params = {s.name: s for s in store.layouts[i].slots}
         if not trainable:
@@ -82,29 +82,26 @@ class TieredAdamW:
         grad = {s.name: s for s in state_layout(trainable, "grad", trainable[0][2]).slots}
         state = state_layout(trainable, "exp_avg")
         offsets = {s.name[:-len(".exp_avg")]: s.offset for s in state.slots}
-        return pb.AdamWBlock(
+        return AdamWBlock(
             params=store.key(i), grads=store.key(i, "grad"),
             master=store.key(i, "master") if self.masters else "",
             exp_avg=store.key(i, "exp_avg"), exp_avg_sq=store.key(i, "exp_avg_sq"),
             param_dtype=param_dtype, grad_dtype=dtype_name(trainable[0][2]),
             state_nbytes=state.nbytes, state_placement=store.placement(i, "state"),
-            segments=[pb.AdamWSegment(numel=math.prod(shape), param_offset=params[n].offset,
-                                      grad_offset=grad[f"{n}.grad"].offset,
-                                      state_offset=offsets[n])
-                      for n, shape, _ in trainable])
-
-    def _request(self, indices: list[int], grad_scale: float) -> pb.AdamWStepRequest:
-        beta1, beta2 = self.config.betas
-        return pb.AdamWStepRequest(
-            blocks=[self._requests[i] for i in indices], step=self.steps + 1, lr=self.config.lr,
-            beta1=beta1, beta2=beta2, eps=self.config.eps, weight_decay=self.config.weight_decay,
-            grad_scale=grad_scale, release_gradients=True)
+            segments=tuple(AdamWSegment(numel=math.prod(shape), param_offset=params[n].offset,
+                                        grad_offset=grad[f"{n}.grad"].offset,
+                                        state_offset=offsets[n])
+                           for n, shape, _ in trainable))
 
     def _run(self, indices: list[int], grad_scale: float = 1.0) -> None:
-        response = self.blocks.store.client.adamw_step(self._request(indices, grad_scale),
-                                                       timeout=STEP_TIMEOUT)
-        self.update_seconds += response.update_seconds
-        self.wait_seconds += response.wait_seconds
+        beta1, beta2 = self.config.betas
+        hyper = AdamWHyper(step=self.steps + 1, lr=self.config.lr, beta1=beta1, beta2=beta2,
+                           eps=self.config.eps, weight_decay=self.config.weight_decay,
+                           grad_scale=grad_scale, release_gradients=True)
+        result = self.blocks.store.client.adamw_step([self._requests[i] for i in indices], hyper,
+                                                     timeout=STEP_TIMEOUT)
+        self.update_seconds += result.update_seconds
+        self.wait_seconds += result.wait_seconds
 
     def start_block(self, index: int) -> None:
         """Start block `index`'s step now (its gradients of this window are stored)."""

@@ -24,65 +24,16 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import adamw
 
-from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
-from tierstack.services.tier_manager.registry import (
-    Placement,
-    TensorInfo,
-    TierRegistry,
-    tensor_view,
-    validate_placement,
-)
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError
+from tierstack.services.tier_manager.registry import TierRegistry, tensor_view, validate_placement
+from tierstack.services.tier_manager.types import (AdamWBlock, AdamWHyper, AdamWResult, TensorInfo)
+from tierstack.tiers import Placement
 from tierstack.dtypes import dtype_from_name
 
 log = logging.getLogger(__name__)
 
 _FLOAT = torch.float32
 _STATE_ITEMSIZE = 4
-
-
-@dataclass(frozen=True)
-class AdamWSegment:
-    """One tensor of a block: its element count and byte offset in each buffer."""
-
-    numel: int
-    param_offset: int
-    grad_offset: int
-    state_offset: int
-
-
-@dataclass(frozen=True)
-class AdamWBlock:
-    """The keys of one block's state and how its tensors lie in them."""
-
-    params: str
-    grads: str
-    master: str  # "" when params are float32 and updated directly
-    exp_avg: str
-    exp_avg_sq: str
-    param_dtype: str
-    grad_dtype: str
-    state_nbytes: int
-    segments: tuple[AdamWSegment, ...]
-    state_placement: Placement = "auto"
-
-
-@dataclass(frozen=True)
-class AdamWHyper:
-    step: int  # 1 for the first step
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    grad_scale: float = 1.0
-    release_gradients: bool = False  # delete each block's gradients once it is updated
-
-
-@dataclass
-class AdamWResult:
-    updated: list[TensorInfo] = field(default_factory=list)
-    update_seconds: float = 0.0
-    wait_seconds: float = 0.0
 
 
 @dataclass
@@ -93,7 +44,6 @@ class _Held:
     exclusive: list[TensorInfo] = field(default_factory=list)
     grads: TensorInfo | None = None
     views: dict[str, torch.Tensor] = field(default_factory=dict)
-    counted: bool = False  # in AdamWStepper._held
 
 
 class AdamWStepper:
@@ -104,8 +54,6 @@ class AdamWStepper:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-write")
         self._scratch = threading.local()  # float32 gradient buffer, reused per thread
-        self._held = 0  # blocks whose state this stepper holds now (all requests)
-        self._let_go = threading.Condition()
 
     def step(self, blocks: list[AdamWBlock], hyper: AdamWHyper, durable: bool = False) -> AdamWResult:
         """One AdamW step of `blocks`; returns the new versions and where time went."""
@@ -149,25 +97,12 @@ class AdamWStepper:
         return result
 
     def _acquire(self, block: AdamWBlock, hyper: AdamWHyper) -> _Held:
-        """Hold the block's state. A CPU pool too full for it while other blocks are held
-        (the one being updated, another request's) is waited out: they will let go. Only
-        a pool that cannot hold one block's state is an error."""
-        while True:
-            try:
-                held = self._acquire_once(block, hyper)
-            except CpuPoolFullError:
-                with self._let_go:
-                    if self._held == 0:
-                        raise
-                    self._let_go.wait(1.0)
-                continue
-            with self._let_go:
-                self._held += 1
-            held.counted = True
-            return held
+        """Hold the block's state; check every size before anything changes.
 
-    def _acquire_once(self, block: AdamWBlock, hyper: AdamWHyper) -> _Held:
-        """Hold the block's state; check every size before anything changes."""
+        A CPU pool too full for it while other blocks are held (the one being updated,
+        another request's) is waited out by the registry, which waits while tensors are
+        being updated in place (`begin_update`): they will let go. Only a pool that
+        cannot hold one block's state is an error."""
         registry = self.registry
         held = _Held(block)
         sizes = {"params": registry.info(block.params).nbytes, "grads": registry.info(block.grads).nbytes,
@@ -224,13 +159,9 @@ class AdamWStepper:
                 release_gradients: bool = False) -> list[TensorInfo]:
         """Give the block's state back: new versions when `changed`."""
         held.views.clear()  # no view of a buffer may outlive its hold
-        out, first_error = [], None
-        for info in held.exclusive:
-            try:
-                out.append(self.registry.end_update(info, changed, durable))
-            except Exception as e:  # noqa: BLE001 - finish every hold, then report
-                first_error = first_error or e
-        held.exclusive.clear()
+        # The gradients go first: while the block's other tensors are still being updated,
+        # an allocation that finds the pool full waits for them (see `_acquire`) rather
+        # than failing on the gradients' pin.
         if held.grads is not None:
             self.registry.release(held.grads.key, held.grads.version)
             if changed and release_gradients:  # used up: free their room in the pool
@@ -239,11 +170,13 @@ class AdamWStepper:
                 except KeyNotFoundError:
                     pass
             held.grads = None
-        if held.counted:
-            held.counted = False
-            with self._let_go:
-                self._held -= 1
-                self._let_go.notify_all()
+        out, first_error = [], None
+        for info in held.exclusive:
+            try:
+                out.append(self.registry.end_update(info, changed, durable))
+            except Exception as e:  # noqa: BLE001 - finish every hold, then report
+                first_error = first_error or e
+        held.exclusive.clear()
         if first_error is not None:
             raise first_error
         return out

@@ -1,23 +1,37 @@
-"""The worker's connection to its node's tier manager (gRPC, unix socket by default).
+"""Typed calls to a node's tier manager (gRPC, unix socket by default): the daemon's face.
 
 Calls wait for the daemon to be ready up to `reconnect_timeout` seconds, so a daemon
 restart looks like a pause rather than an error; statuses come back as the project's
-exceptions. `node()` tells whether the daemon restarted (a new instance id), which the
-layer store uses to remap arenas and redo interrupted work.
+exceptions, answers as the dataclasses of `types.py`. `node()` tells whether the daemon
+restarted (a new instance id), which the worker uses to remap arenas and redo
+interrupted work.
 """
 
 from __future__ import annotations
+
+from typing import Iterator
 
 from tierstack.addresses import default_tier_manager_address, grpc_target
 from tierstack.errors import TierManagerUnavailableError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import RpcClient
-
+from tierstack.services.tier_manager import wire
+from tierstack.services.tier_manager.types import (
+    AdamWBlock,
+    AdamWHyper,
+    AdamWResult,
+    BufferLease,
+    FetchResult,
+    NodeInfo,
+    NodeStats,
+    TensorInfo,
+)
+from tierstack.tiers import AUTO
 
 # Calls that can simply be sent again when a connection drops mid-call (a daemon crash):
 # repeating them changes nothing. The others (buffers, commits, pins) are redone as a
-# whole by the layer store, which first checks whether the daemon restarted.
+# whole by the worker, which first checks whether the daemon restarted.
 IDEMPOTENT = frozenset({"GetNode", "Prefetch", "Describe", "GetStats", "SetAccessOrder",
                         "Evict", "Delete"})
 
@@ -30,8 +44,8 @@ class TierManagerClient(RpcClient):
     idempotent = IDEMPOTENT
 
     def __init__(self, address: str | None = None, reconnect_timeout: float = 60.0) -> None:
-        super().__init__(grpc_target(address or default_tier_manager_address()), pb_grpc.TierManagerStub,
-                         reconnect_timeout, options=[
+        super().__init__(grpc_target(address or default_tier_manager_address()),
+                         pb_grpc.TierManagerStub, reconnect_timeout, options=[
                              ("grpc.max_receive_message_length", 64 << 20),
                              # Reconnect quickly after a daemon restart instead of backing
                              # off for seconds.
@@ -39,25 +53,27 @@ class TierManagerClient(RpcClient):
                              ("grpc.max_reconnect_backoff_ms", 500),
                          ])
 
-    # ---- the service's calls, typed ---------------------------------------------------
+    def node(self) -> NodeInfo:
+        return wire.node_info_from(self.call("GetNode", pb.GetNodeRequest()))
 
-    def node(self) -> pb.NodeInfo:
-        return self.call("GetNode", pb.GetNodeRequest())
-
-    def allocate(self, nbytes: int) -> pb.BufferLease:
-        return self.call("AllocateBuffer", pb.AllocateBufferRequest(nbytes=nbytes))
+    def allocate(self, nbytes: int) -> BufferLease:
+        """A CPU-pool buffer of `nbytes` to fill and then `commit` (or `cancel`)."""
+        return wire.lease_from(self.call("AllocateBuffer", pb.AllocateBufferRequest(nbytes=nbytes)))
 
     def cancel(self, lease_id: int) -> None:
         self.call("CancelBuffer", pb.CancelBufferRequest(lease_id=lease_id))
 
     def commit(self, key: str, lease_id: int, dtype: str, shape: tuple[int, ...],
-               durable: bool, placement: int = pb.PLACEMENT_AUTO) -> pb.TensorInfo:
-        return self.call("Commit", pb.CommitRequest(key=key, lease_id=lease_id, dtype=dtype,
-                                                    shape=list(shape), durable=durable,
-                                                    placement=placement))
+               durable: bool, placement: str = AUTO) -> TensorInfo:
+        """Make a filled buffer the new version of `key` (written through to NVMe first
+        with `durable`); `placement` is one of tierstack.tiers.PLACEMENTS."""
+        return wire.tensor_info_from(self.call("Commit", pb.CommitRequest(
+            key=key, lease_id=lease_id, dtype=dtype, shape=list(shape), durable=durable,
+            placement=wire.placement_pb(placement))))
 
-    def fetch(self, keys: list[str]) -> pb.FetchResponse:
-        return self.call("Fetch", pb.FetchRequest(keys=keys))
+    def fetch(self, keys: list[str]) -> FetchResult:
+        """Make `keys` resident in the CPU pool and pin them there until `release`."""
+        return wire.fetch_from(self.call("Fetch", pb.FetchRequest(keys=keys)))
 
     def prefetch(self, keys: list[str]) -> None:
         """Ask the daemon to start loading keys into its CPU pool; returns once queued."""
@@ -66,26 +82,28 @@ class TierManagerClient(RpcClient):
     def release(self, key: str, version: int) -> None:
         self.call("Release", pb.ReleaseRequest(key=key, version=version))
 
-    def evict(self, keys: list[str]) -> list[pb.TensorInfo]:
-        return list(self.call("Evict", pb.EvictRequest(keys=keys)).tensors)
+    def evict(self, keys: list[str]) -> list[TensorInfo]:
+        return [wire.tensor_info_from(t) for t in self.call("Evict", pb.EvictRequest(keys=keys)).tensors]
 
     def delete(self, keys: list[str]) -> None:
         self.call("Delete", pb.DeleteRequest(keys=keys))
 
-    def describe(self, key: str) -> pb.TensorInfo:
-        return self.call("Describe", pb.DescribeRequest(key=key))
+    def describe(self, key: str) -> TensorInfo:
+        return wire.tensor_info_from(self.call("Describe", pb.DescribeRequest(key=key)))
 
     def set_access_order(self, keys: list[str]) -> None:
         self.call("SetAccessOrder", pb.SetAccessOrderRequest(keys=keys))
 
-    def adamw_step(self, request: pb.AdamWStepRequest, timeout: float | None = None) -> pb.AdamWStepResponse:
+    def adamw_step(self, blocks: list[AdamWBlock], hyper: AdamWHyper, durable: bool = False,
+                   timeout: float | None = None) -> AdamWResult:
         """Run one AdamW step over state the daemon holds (not retried: it changes state)."""
-        return self.call("AdamWStep", request, timeout=timeout)
+        return wire.adamw_result_from(self.call(
+            "AdamWStep", wire.adamw_request_pb(blocks, hyper, durable), timeout=timeout))
 
-    def stats(self) -> pb.NodeStats:
-        return self.call("GetStats", pb.GetStatsRequest())
+    def stats(self) -> NodeStats:
+        return wire.stats_from(self.call("GetStats", pb.GetStatsRequest()))
 
-    def watch_stats(self, interval: float = 1.0):
-        """Yield NodeStats every `interval` seconds until the iterator is closed."""
-        return self._stub.WatchStats(pb.WatchStatsRequest(interval_seconds=interval))
-
+    def watch_stats(self, interval: float = 1.0) -> Iterator[NodeStats]:
+        """NodeStats every `interval` seconds until the iterator is closed."""
+        for msg in self._stub.WatchStats(pb.WatchStatsRequest(interval_seconds=interval)):
+            yield wire.stats_from(msg)

@@ -25,21 +25,13 @@ from pathlib import Path
 from typing import Callable
 
 from tierstack.services.tier_manager.extents import Extent, ExtentAllocator
+from tierstack.services.tier_manager.types import ArenaInfo
 from tierstack.config import CpuPoolConfig, parse_size
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, StorageIOError
 
 log = logging.getLogger(__name__)
 
 ARENA_PREFIX = "tierstack-arena-"
-
-
-@dataclass(frozen=True)
-class ArenaInfo:
-    """What a worker needs to map one arena: its file and size."""
-
-    index: int
-    path: str
-    size: int
 
 
 @dataclass(frozen=True)

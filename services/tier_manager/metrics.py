@@ -75,7 +75,7 @@ class NodeMetrics:
 
     def _read(self):
         """(NodeStats, worker totals, counters) read now."""
-        stats = self.servicer._stats()  # the NodeStats that GetStats answers
+        stats = self.servicer.stats()  # the NodeStats that GetStats answers
         totals = self.workers.totals()
         links = {"nvme->cpu": stats.nvme_bytes_read, "cpu->nvme": stats.nvme_bytes_written,
                  "cpu->device": totals.cpu_to_device_bytes,

@@ -33,6 +33,7 @@ import torch
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.manifest import Manifest, ManifestEntry
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent, NvmePool
+from tierstack.services.tier_manager.types import TensorInfo
 from tierstack.services.tier_manager.tensor_bytes import (
     copy_bytes,
     dtype_from_name,
@@ -54,19 +55,6 @@ _EVICTION_RANK = {"nvme": 0, "auto": 1}  # lower goes first; "cpu" is never evic
 MAX_KEY_BYTES = 1024
 VERSION_RESERVATION = 100_000  # versions reserved per durable manifest write
 FULL_POOL_WAIT_SECONDS = 30.0  # how long an allocation waits for pinned tensors to be let go
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What the registry knows of one tensor (plain data, safe to hand out)."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    version: int
-    in_cpu: bool
-    on_nvme: bool
 
 
 @dataclass(frozen=True)

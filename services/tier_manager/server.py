@@ -17,9 +17,12 @@ from tierstack.errors import InvalidArgumentError, TierstackError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import rpc_method
-from tierstack.services.tier_manager.adamw import AdamWBlock, AdamWHyper, AdamWSegment, AdamWStepper
+from tierstack.services.tier_manager import wire
+from tierstack.services.tier_manager.adamw import AdamWStepper
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
-from tierstack.services.tier_manager.registry import TensorInfo, TierRegistry
+from tierstack.services.tier_manager.registry import TierRegistry
+from tierstack.services.tier_manager.types import (BufferLease, FetchResult, NodeInfo, NodeStats,
+                                                   Resident)
 
 log = logging.getLogger(__name__)
 
@@ -31,31 +34,6 @@ class _ClientGone(TierstackError):
 
     def __init__(self) -> None:
         super().__init__("the client went away; its pins were released")
-
-
-PLACEMENTS = {pb.PLACEMENT_AUTO: "auto", pb.PLACEMENT_CPU: "cpu", pb.PLACEMENT_NVME: "nvme"}
-
-
-def placement_of(value: int) -> str:
-    try:
-        return PLACEMENTS[value]
-    except KeyError:
-        raise InvalidArgumentError(f"unknown placement {value}; use AUTO, CPU or NVME") from None
-
-
-def adamw_block(block: pb.AdamWBlock) -> AdamWBlock:
-    return AdamWBlock(
-        params=block.params, grads=block.grads, master=block.master, exp_avg=block.exp_avg,
-        exp_avg_sq=block.exp_avg_sq, param_dtype=block.param_dtype, grad_dtype=block.grad_dtype,
-        state_nbytes=block.state_nbytes, state_placement=placement_of(block.state_placement),
-        segments=tuple(AdamWSegment(s.numel, s.param_offset, s.grad_offset, s.state_offset)
-                       for s in block.segments))
-
-
-def tensor_info_pb(info: TensorInfo) -> pb.TensorInfo:
-    return pb.TensorInfo(key=info.key, dtype=info.dtype, shape=list(info.shape),
-                         nbytes=info.nbytes, version=info.version, in_cpu=info.in_cpu,
-                         on_nvme=info.on_nvme)
 
 
 class TierManagerServicer(pb_grpc.TierManagerServicer):
@@ -89,11 +67,9 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     @rpc_method
     def GetNode(self, request, context):
         pool = self.registry.cpu_pool
-        return pb.NodeInfo(
-            instance_id=pool.instance_id,
-            arenas=[pb.Arena(index=a.index, path=a.path, size=a.size) for a in pool.arenas],
-            cpu_capacity=pool.capacity, nvme_capacity=self.registry.nvme_pool.capacity,
-            block_size=self.registry.nvme_pool.block_size, alignment=pool.config.alignment)
+        return wire.node_info_pb(NodeInfo(
+            pool.instance_id, tuple(pool.arenas), pool.capacity, self.registry.nvme_pool.capacity,
+            self.registry.nvme_pool.block_size, pool.config.alignment))
 
     # ---- writes -----------------------------------------------------------------------
 
@@ -106,9 +82,8 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             self._lease_deadlines[lease_id] = time.monotonic() + self.lease_timeout
         instance = self.registry.cpu_pool.instance_id
         if buffer is None:
-            return pb.BufferLease(lease_id=lease_id, nbytes=0, instance_id=instance)
-        return pb.BufferLease(lease_id=lease_id, arena=buffer.arena, offset=buffer.offset,
-                              nbytes=buffer.nbytes, instance_id=instance)
+            return wire.lease_pb(BufferLease(lease_id, 0, 0, 0, instance))
+        return wire.lease_pb(BufferLease(lease_id, buffer.arena, buffer.offset, buffer.nbytes, instance))
 
     def _take_lease(self, lease_id: int) -> CpuBuffer | None:
         with self._lock:
@@ -134,7 +109,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         try:
             info = self.registry.adopt(request.key, buffer, request.dtype, tuple(request.shape),
                                        durable=request.durable,
-                                       placement=placement_of(request.placement))
+                                       placement=wire.placement_from(request.placement))
         except BaseException:
             if context.is_active():
                 with self._lock:  # the client may fix the request and commit again
@@ -143,7 +118,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             else:
                 self.registry.free_buffer(buffer)
             raise
-        return tensor_info_pb(info)
+        return wire.tensor_info_pb(info)
 
     # ---- reads ------------------------------------------------------------------------
 
@@ -154,9 +129,8 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             for key in request.keys:
                 info, buffer = self.registry.fetch(key)
                 fetched.append((key, info.version))
-                out.append(pb.Resident(info=tensor_info_pb(info),
-                                       arena=buffer.arena if buffer else 0,
-                                       offset=buffer.offset if buffer else 0))
+                out.append(Resident(info, buffer.arena if buffer else 0,
+                                    buffer.offset if buffer else 0))
             if not context.is_active():
                 raise _ClientGone()  # it timed out or went away: nobody would release these
         except BaseException:
@@ -167,7 +141,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         with self._lock:
             for pin in fetched:
                 self._pins.setdefault(pin, []).append(deadline)
-        return pb.FetchResponse(tensors=out, instance_id=self.registry.cpu_pool.instance_id)
+        return wire.fetch_pb(FetchResult(tuple(out), self.registry.cpu_pool.instance_id))
 
     def _prefetch_one(self, key: str) -> None:
         try:
@@ -201,7 +175,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     @rpc_method
     def Evict(self, request, context):
-        return pb.EvictResponse(tensors=[tensor_info_pb(self.registry.evict(k)) for k in request.keys])
+        return pb.EvictResponse(tensors=[wire.tensor_info_pb(self.registry.evict(k)) for k in request.keys])
 
     @rpc_method
     def Delete(self, request, context):
@@ -211,7 +185,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     @rpc_method
     def Describe(self, request, context):
-        return tensor_info_pb(self.registry.info(request.key))
+        return wire.tensor_info_pb(self.registry.info(request.key))
 
     @rpc_method
     def SetAccessOrder(self, request, context):
@@ -222,22 +196,17 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     @rpc_method
     def AdamWStep(self, request, context):
-        hyper = AdamWHyper(step=request.step, lr=request.lr, beta1=request.beta1,
-                           beta2=request.beta2, eps=request.eps, weight_decay=request.weight_decay,
-                           grad_scale=request.grad_scale or 1.0,
-                           release_gradients=request.release_gradients)
-        result = self.adamw.step([adamw_block(b) for b in request.blocks], hyper, request.durable)
-        return pb.AdamWStepResponse(updated=[tensor_info_pb(i) for i in result.updated],
-                                    update_seconds=result.update_seconds,
-                                    wait_seconds=result.wait_seconds)
+        blocks, hyper, durable = wire.adamw_request_from(request)
+        return wire.adamw_result_pb(self.adamw.step(blocks, hyper, durable))
 
     # ---- stats ------------------------------------------------------------------------
 
-    def _stats(self) -> pb.NodeStats:
+    def stats(self) -> NodeStats:
+        """The node's counters now: what GetStats answers, and what its metrics read."""
         s = self.registry.stats()
         with self._lock:
             leases = len(self._leases)
-        return pb.NodeStats(
+        return NodeStats(
             instance_id=self.registry.cpu_pool.instance_id, timestamp=time.time(),
             cpu_capacity=s.cpu_capacity, cpu_used=s.cpu_used, nvme_capacity=s.nvme_capacity,
             nvme_used=s.nvme_used, tensors=s.tensors, nvme_bytes_read=s.nvme_bytes_read,
@@ -246,12 +215,12 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     @rpc_method
     def GetStats(self, request, context):
-        return self._stats()
+        return wire.stats_pb(self.stats())
 
     def WatchStats(self, request, context):
         interval = max(0.05, request.interval_seconds or 1.0)
         while context.is_active() and not self._stopping.is_set():
-            yield self._stats()
+            yield wire.stats_pb(self.stats())
             self._stopping.wait(interval)
 
     def expire_leases(self) -> int:

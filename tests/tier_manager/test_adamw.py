@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError
-from tierstack.services.tier_manager.adamw import AdamWBlock, AdamWHyper, AdamWSegment, AdamWStepper
+from tierstack.services.tier_manager.adamw import AdamWStepper
+from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
 from tierstack.services.tier_manager.registry import TierRegistry
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -1,0 +1,140 @@
+"""What crosses the tier manager's boundary, as plain dataclasses (its face, with the client).
+
+The daemon's parts and its clients speak these; protobuf exists only at the wire
+(`wire.py`). Sizes and offsets are bytes, versions are registry-wide counters, a
+placement is one of tierstack.tiers.PLACEMENTS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierstack.tiers import AUTO, Placement
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    """What a worker needs to map one CPU-pool arena: its file and size."""
+
+    index: int
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One daemon instance: its arenas (a new instance means new arenas) and capacities."""
+
+    instance_id: str
+    arenas: tuple[ArenaInfo, ...]
+    cpu_capacity: int
+    nvme_capacity: int
+    block_size: int
+    alignment: int
+
+
+@dataclass(frozen=True)
+class BufferLease:
+    """A CPU-pool buffer granted for the client to fill and commit (or cancel).
+
+    `arena`/`offset` are in the arenas of instance `instance_id`; `nbytes` 0 for an
+    empty tensor (no buffer)."""
+
+    lease_id: int
+    arena: int
+    offset: int
+    nbytes: int
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the registry knows of one tensor."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    version: int
+    in_cpu: bool
+    on_nvme: bool
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A fetched tensor, pinned in the CPU pool at (arena, offset) until released."""
+
+    info: TensorInfo
+    arena: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    tensors: tuple[Resident, ...]
+    instance_id: str
+    """The daemon instance whose arenas the offsets refer to."""
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    """Occupancy and traffic counters of one node's tiers."""
+
+    instance_id: str
+    timestamp: float
+    cpu_capacity: int
+    cpu_used: int
+    nvme_capacity: int
+    nvme_used: int
+    tensors: int
+    nvme_bytes_read: int
+    nvme_bytes_written: int
+    evictions: int
+    checksum_failures: int
+    leases: int
+    pinned: int
+
+
+@dataclass(frozen=True)
+class AdamWSegment:
+    """One tensor of a block: its element count and byte offset in each buffer."""
+
+    numel: int
+    param_offset: int  # in `params`, of dtype param_dtype
+    grad_offset: int  # in `grads`, of dtype grad_dtype
+    state_offset: int  # in `master`, `exp_avg`, `exp_avg_sq` (float32)
+
+
+@dataclass(frozen=True)
+class AdamWBlock:
+    """The keys of one block's state and how its tensors lie in them."""
+
+    params: str
+    grads: str
+    master: str  # "" when params are float32 and updated directly
+    exp_avg: str  # created as zeros on step 1
+    exp_avg_sq: str
+    param_dtype: str
+    grad_dtype: str
+    state_nbytes: int  # bytes of each float32 state tensor
+    segments: tuple[AdamWSegment, ...]
+    state_placement: Placement = AUTO  # of exp_avg / exp_avg_sq created on step 1
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    step: int  # 1 for the first step
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_scale: float = 1.0  # gradients are multiplied by this first (global-norm clipping)
+    release_gradients: bool = False  # delete each block's gradients once it is updated
+
+
+@dataclass
+class AdamWResult:
+    updated: list[TensorInfo] = field(default_factory=list)
+    update_seconds: float = 0.0  # time in the AdamW kernel
+    wait_seconds: float = 0.0  # time waiting for state to be read into the CPU pool
