@@ -1,0 +1,80 @@
+"""The house's arrows, kept by a tool: import-linter's contracts in pyproject.toml.
+
+import-linter reads a package from the file system, so the check runs on a mirror of
+the package as it installs (tierstack/, with services/, worker/, ... inside it, as
+pyproject.toml's package-dir maps them). Every module of a service must be named in
+the contracts as face or internal, so a new module cannot slip past them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+FACES_CONTRACT = "A service's face imports none of its daemon code"
+SHARED_CONTRACT = "The shared modules of tierstack/ import no room"
+SERVICES = ("tier_manager", "scheduler")
+
+
+def _contract(name: str) -> dict:
+    (contract,) = [c for c in PYPROJECT["tool"]["importlinter"]["contracts"] if c["name"] == name]
+    return contract
+
+
+def _mirror(out: Path) -> None:
+    """Copy the package's modules into `out` in their installed layout."""
+    setup = PYPROJECT["tool"]["setuptools"]
+    dirs = setup["package-dir"]
+    for package in setup["packages"]:
+        parts = package.split(".")
+        prefix = next(".".join(parts[:i]) for i in range(len(parts), 0, -1)
+                      if ".".join(parts[:i]) in dirs)
+        source = ROOT / dirs[prefix] / Path(*parts[len(prefix.split(".")):])
+        target = out / Path(*parts)
+        target.mkdir(parents=True, exist_ok=True)
+        for module in source.glob("*.py"):
+            shutil.copy(module, target / module.name)
+
+
+def _modules(directory: Path, package: str) -> set[str]:
+    return {f"{package}.{p.stem}" for p in directory.glob("*.py") if p.stem != "__init__"}
+
+
+def test_import_contracts_are_kept(tmp_path):
+    _mirror(tmp_path)
+    lint = Path(sys.executable).with_name("lint-imports")
+    result = subprocess.run([str(lint), str(ROOT / "pyproject.toml")], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_every_module_of_a_service_is_named_face_or_internal(service):
+    package = f"tierstack.services.{service}"
+    contract = _contract(FACES_CONTRACT)
+    faces = {m for m in contract["source_modules"] if m.startswith(package + ".")}
+    internals = {m for m in contract["forbidden_modules"] if m.startswith(package + ".")}
+    assert not faces & internals
+    assert faces | internals == _modules(ROOT / "services" / service, package), (
+        f"list each module of services/{service}/ in pyproject.toml's contract "
+        f"{FACES_CONTRACT!r}: as a source (face) or as forbidden (internal)")
+    # The contract that keeps others out of the service forbids exactly its internals.
+    (outside,) = [c for c in PYPROJECT["tool"]["importlinter"]["contracts"]
+                  if c["name"].startswith("Outside the") and
+                  all(m.startswith(package + ".") for m in c["forbidden_modules"])]
+    assert set(outside["forbidden_modules"]) == internals
+
+
+def test_every_shared_module_is_kept_out_of_the_rooms():
+    shared = set(_contract(SHARED_CONTRACT)["source_modules"])
+    assert shared == _modules(ROOT / "tierstack", "tierstack") - {"tierstack.cli"}
