@@ -81,7 +81,7 @@ class LayerStore:
         # Bytes moved and waits, reported to the node's tier manager (worker/metrics.py).
         self.metrics = WorkerMetrics() if metrics else None
         self.worker_id = new_worker_id(job)
-        self._reporter = (WorkerReporter(self.client.target, self._metrics_report)
+        self._reporter = (WorkerReporter(self.client, self._metrics_report)
                           if metrics else None)
 
     # ---- keys and placement ----------------------------------------------------------------

@@ -19,11 +19,9 @@ import threading
 import time
 from typing import Callable
 
-import grpc
-
 from tierstack.metric_catalog import WAIT_BUCKETS
-from tierstack.proto import node_metrics_pb2 as pb
-from tierstack.proto import node_metrics_pb2_grpc as pb_grpc
+from tierstack.services.tier_manager.client import TierManagerClient
+from tierstack.services.tier_manager.types import WorkerReport
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +59,12 @@ class WorkerMetrics:
             self.device_to_cpu_bytes += nbytes
 
     def report(self, worker_id: str, job: str, device: str, stall_seconds: float, device_used: int,
-               device_capacity: int, loads_in_flight: int, prefetch_depth: int = 0) -> pb.WorkerReport:
-        return pb.WorkerReport(
+               device_capacity: int, loads_in_flight: int, prefetch_depth: int = 0) -> WorkerReport:
+        return WorkerReport(
             worker_id=worker_id, job=job, device=device, timestamp=time.time(),
             cpu_to_device_bytes=self.cpu_to_device_bytes,
             device_to_cpu_bytes=self.device_to_cpu_bytes, stall_seconds=stall_seconds,
-            wait_bucket_bounds=list(WAIT_BUCKETS), wait_bucket_counts=list(self.wait_counts),
+            wait_bucket_bounds=WAIT_BUCKETS, wait_bucket_counts=tuple(self.wait_counts),
             wait_seconds_sum=self.wait_sum, device_used_bytes=device_used,
             device_capacity_bytes=device_capacity, loads_in_flight=loads_in_flight,
             prefetch_depth=prefetch_depth)
@@ -75,16 +73,15 @@ class WorkerMetrics:
 class WorkerReporter:
     """Sends `make_report()` to the node's tier manager every `interval` seconds.
 
-    Stops by itself when the daemon does not serve metrics (UNIMPLEMENTED); other errors
-    (a restarting daemon) are retried at the next interval. `close` sends a last report.
+    Stops by itself when the daemon does not serve metrics; other errors (a restarting
+    daemon) are retried at the next interval. `close` sends a last report.
     """
 
-    def __init__(self, target: str, make_report: Callable[[], pb.WorkerReport],
+    def __init__(self, client: TierManagerClient, make_report: Callable[[], WorkerReport],
                  interval: float = 1.0) -> None:
+        self.client = client
         self.make_report = make_report
         self.interval = interval
-        self._channel = grpc.insecure_channel(target)
-        self._stub = pb_grpc.NodeMetricsStub(self._channel)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tierstack-metrics-report",
                                         daemon=True)
@@ -92,14 +89,10 @@ class WorkerReporter:
 
     def send(self) -> bool:
         """Report now; False when the daemon does not take reports."""
-        try:
-            self._stub.ReportWorker(self.make_report(), timeout=5)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                log.info("the tier manager does not collect metrics; worker reports stop")
-                return False
-            log.debug("worker metrics report failed: %s", e.code().name)
-        return True
+        if self.client.report_worker(self.make_report()):
+            return True
+        log.info("the tier manager does not collect metrics; worker reports stop")
+        return False
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -108,13 +101,10 @@ class WorkerReporter:
 
     def endpoint(self) -> str:
         """The node's HTTP URL (dashboard, /metrics), or '' when it serves none."""
-        try:
-            return self._stub.GetHttpEndpoint(pb.GetHttpEndpointRequest(), timeout=5).url
-        except grpc.RpcError:
-            return ""
+        return self.client.http_endpoint()
 
     def close(self) -> None:
+        """Stop reporting, after a last report (the node then has the final figures)."""
         self._stop.set()
         self._thread.join()
         self.send()
-        self._channel.close()

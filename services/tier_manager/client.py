@@ -9,10 +9,15 @@ interrupted work.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
+
+import grpc
 
 from tierstack.addresses import default_tier_manager_address, grpc_target
 from tierstack.errors import TierManagerUnavailableError
+from tierstack.proto import node_metrics_pb2 as metrics_pb
+from tierstack.proto import node_metrics_pb2_grpc as metrics_grpc
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import RpcClient
@@ -26,8 +31,11 @@ from tierstack.services.tier_manager.types import (
     NodeInfo,
     NodeStats,
     TensorInfo,
+    WorkerReport,
 )
 from tierstack.tiers import AUTO
+
+log = logging.getLogger(__name__)
 
 # Calls that can simply be sent again when a connection drops mid-call (a daemon crash):
 # repeating them changes nothing. The others (buffers, commits, pins) are redone as a
@@ -52,6 +60,7 @@ class TierManagerClient(RpcClient):
                              ("grpc.initial_reconnect_backoff_ms", 50),
                              ("grpc.max_reconnect_backoff_ms", 500),
                          ])
+        self._metrics = metrics_grpc.NodeMetricsStub(self._channel)
 
     def node(self) -> NodeInfo:
         return wire.node_info_from(self.call("GetNode", pb.GetNodeRequest()))
@@ -107,3 +116,24 @@ class TierManagerClient(RpcClient):
         """NodeStats every `interval` seconds until the iterator is closed."""
         for msg in self._stub.WatchStats(pb.WatchStatsRequest(interval_seconds=interval)):
             yield wire.stats_from(msg)
+
+    # ---- the node's metrics service: best effort, never in a worker's way -------------------
+
+    def report_worker(self, report: WorkerReport, timeout: float = 5.0) -> bool:
+        """Send a worker's counters; False when the daemon collects no metrics (a report
+        that fails otherwise, e.g. during a daemon restart, is only logged)."""
+        try:
+            self._metrics.ReportWorker(wire.worker_report_pb(report), timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return False
+            log.debug("worker metrics report failed: %s", e.code().name)
+        return True
+
+    def http_endpoint(self, timeout: float = 5.0) -> str:
+        """The node's HTTP URL (dashboard, /metrics), or '' when it serves none."""
+        try:
+            return self._metrics.GetHttpEndpoint(metrics_pb.GetHttpEndpointRequest(),
+                                                 timeout=timeout).url
+        except grpc.RpcError:
+            return ""

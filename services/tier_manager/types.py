@@ -138,3 +138,23 @@ class AdamWResult:
     updated: list[TensorInfo] = field(default_factory=list)
     update_seconds: float = 0.0  # time in the AdamW kernel
     wait_seconds: float = 0.0  # time waiting for state to be read into the CPU pool
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """A worker's cumulative counters, sent to its node's tier manager about once a second."""
+
+    worker_id: str  # unique per LayerStore (job, host, pid, counter)
+    job: str
+    device: str  # "cuda:0", "cpu"
+    timestamp: float  # unix seconds when the counters were read
+    cpu_to_device_bytes: int
+    device_to_cpu_bytes: int
+    stall_seconds: float  # time ensure_layer waited for layers
+    wait_bucket_bounds: tuple[float, ...]  # ensure_layer waits: upper bounds, seconds
+    wait_bucket_counts: tuple[int, ...]  # one count per bound plus +Inf, not cumulative
+    wait_seconds_sum: float
+    device_used_bytes: int
+    device_capacity_bytes: int
+    loads_in_flight: int
+    prefetch_depth: int  # layers the worker prefetches ahead (0: unknown)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tierstack.errors import InvalidArgumentError
+from tierstack.proto import node_metrics_pb2 as metrics_pb
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.services.tier_manager.types import (
     AdamWBlock,
@@ -16,6 +17,7 @@ from tierstack.services.tier_manager.types import (
     NodeStats,
     Resident,
     TensorInfo,
+    WorkerReport,
 )
 from tierstack.tiers import AUTO, CPU, NVME, Placement
 
@@ -135,3 +137,9 @@ def adamw_result_pb(result: AdamWResult) -> pb.AdamWStepResponse:
 def adamw_result_from(msg: pb.AdamWStepResponse) -> AdamWResult:
     return AdamWResult([tensor_info_from(i) for i in msg.updated], msg.update_seconds,
                        msg.wait_seconds)
+
+
+def worker_report_pb(report: WorkerReport) -> metrics_pb.WorkerReport:
+    fields = vars(report)
+    return metrics_pb.WorkerReport(**{**fields, "wait_bucket_bounds": list(report.wait_bucket_bounds),
+                                      "wait_bucket_counts": list(report.wait_bucket_counts)})

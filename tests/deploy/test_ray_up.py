@@ -154,15 +154,9 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
 
 
 def _check_registered_with_the_scheduler(nodes: list[str]) -> None:
-    """Each node's tier manager registered with the head's scheduler, under its node IP.
+    """Each node's tier manager registered with the head's scheduler, under its node IP."""
+    from tierstack.services.scheduler.client import SchedulerClient
 
-    Only where this install has the scheduler (issue 5); before it lands, `tierstack
-    ray-node` has no scheduler to start and the tier managers none to register with.
-    """
-    try:
-        from tierstack.services.scheduler.client import SchedulerClient
-    except ImportError:
-        return
     client = SchedulerClient(scheduler_address(nodes[0]))
     try:
         deadline = time.monotonic() + 60
