@@ -13,7 +13,7 @@ from tierstack.errors import InvalidArgumentError
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.jobs.partitioned_job import (PartitionedSpec, global_batches, launch_partitioned,
                                               small_embedded_node)
-from tierstack.worker.sharded_store import ELEMENT_ALIGNMENT, FlatLayout
+from tierstack.worker.flat_layout import ELEMENT_ALIGNMENT, FlatLayout
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
