@@ -25,6 +25,20 @@ from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
+from tierstack.worker.training import run_steps
+
+
+def random_batches(batch_size: int, seq_len: int):
+    """Endless random byte batches, seeded; the target is the input shifted by one."""
+    g = torch.Generator().manual_seed(0)
+    while True:
+        x = torch.randint(0, 256, (batch_size, seq_len), generator=g)
+        yield x, torch.roll(x, -1, 1)
+
+
+def pool_line(stats) -> str:
+    return (f"CPU pool {stats.cpu_used / GiB:.1f}/{stats.cpu_capacity / GiB:.1f} GiB, NVMe "
+            f"{stats.nvme_used / GiB:.1f} GiB")
 
 
 def main() -> None:
@@ -77,18 +91,13 @@ def main() -> None:
                                        tiers=tiers)
                 result["init_seconds"] = round(time.perf_counter() - start, 1)
                 print(f"built and stored in {result['init_seconds']} s", flush=True)
-                g = torch.Generator().manual_seed(0)
-                losses, times = [], []
-                for step in range(args.steps):
-                    x = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
-                    t0 = time.perf_counter()
-                    losses.append(engine.train_step(x, torch.roll(x, -1, 1)))
-                    times.append(time.perf_counter() - t0)
-                    stats = store.client.stats()
-                    print(f"step {step + 1}: loss {losses[-1]:.4f}, {times[-1]:.1f} s; CPU pool "
-                          f"{stats.cpu_used / GiB:.1f}/{stats.cpu_capacity / GiB:.1f} GiB, NVMe "
-                          f"{stats.nvme_used / GiB:.1f} GiB", flush=True)
-                result.update(losses=losses, step_seconds=[round(t, 2) for t in times],
+                steps = run_steps(engine.train_step, random_batches(args.batch_size, args.seq_len),
+                                  device, args.steps, on_step=lambda step: print(
+                                      f"step {step.index + 1}: loss {step.loss:.4f}, {step.seconds:.1f} s; "
+                                      f"{pool_line(store.client.stats())}", flush=True))
+                stats = store.client.stats()
+                losses = [step.loss for step in steps]
+                result.update(losses=losses, step_seconds=[round(step.seconds, 2) for step in steps],
                               cpu_pool_used=stats.cpu_used, nvme_used=stats.nvme_used,
                               nvme_bytes_read=stats.nvme_bytes_read,
                               nvme_bytes_written=stats.nvme_bytes_written,

@@ -22,7 +22,6 @@ import json
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,9 +32,10 @@ from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
+from tierstack.worker.training import run_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ensure_layer import disk_read_gbps, pinned_copy_gbps, sync  # noqa: E402
+from ensure_layer import disk_read_gbps, pinned_copy_gbps  # noqa: E402
 
 
 def batches(config: GPTConfig, batch: int, count: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -48,15 +48,8 @@ def batches(config: GPTConfig, batch: int, count: int, device) -> list[tuple[tor
 
 
 def time_steps(step, data, warmup: int, device) -> list[float]:
-    times = []
-    for i, (x, y) in enumerate(data):
-        sync(device)
-        start = time.perf_counter()
-        step(x, y)
-        sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+    """Seconds of each step after the first `warmup` (the SDK's one training loop)."""
+    return [r.seconds for r in run_steps(step, data, device)[warmup:]]
 
 
 def plain_step_fn(model: GPT, precision: str):
@@ -68,6 +61,7 @@ def plain_step_fn(model: GPT, precision: str):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        return loss.item()
 
     return step
 

@@ -1,4 +1,5 @@
 import json
+import logging
 
 import pytest
 
@@ -71,14 +72,20 @@ DEEPSPEED_NVME = {
 }
 
 
-def test_a_deepspeed_zero_infinity_config_is_accepted_as_is():
-    config = load_config(DEEPSPEED_NVME)
+def test_a_deepspeed_zero_infinity_config_is_accepted_as_is(caplog):
+    with caplog.at_level(logging.INFO, logger="tierstack.deepspeed_config"):
+        config = load_config(DEEPSPEED_NVME)
     train, tm = config.train, config.tier_manager
     assert (train.micro_batch_size, train.gradient_accumulation_steps) == (8, 2)
     assert train.precision == "bf16" and train.gradient_clipping == 1.0
     assert train.params.device == "nvme" and train.params.max_in_cpu == 0
-    assert train.params.buffer_size == 100_000_000
-    assert train.optimizer_state.device == "nvme" and train.optimizer_state.buffer_count == 4
+    assert (train.params.buffer_count, train.params.buffer_size) == (5, 100_000_000)
+    assert train.optimizer_state.device == "nvme"
+    # Keys whose job tierstack does itself are accepted and named once in the log.
+    decided = caplog.text.split("decided by tierstack instead: ")[1]
+    for key in ("offload_param.pin_memory", "offload_optimizer.pin_memory",
+                "offload_optimizer.buffer_count", "offload_optimizer.fast_init", "overlap_comm"):
+        assert f"zero_optimization.{key}" in decided, key
     assert train.optimizer.lr == 3e-4 and train.optimizer.betas == [0.9, 0.95]
     assert tm.nvme_pool.paths == ["/local_nvme"]
     # thread_count is honoured as written (DeepSpeed 0.19.8 ignored it).
@@ -151,3 +158,51 @@ def test_config_dict_round_trips_through_the_loader():
     from tierstack.config import config_dict
     config = load_config(DEEPSPEED_NVME)
     assert load_config(config_dict(config)) == config
+
+
+@pytest.mark.parametrize("section,key", [
+    ("params", "pin_memory"), ("optimizer_state", "pin_memory"),
+    ("optimizer_state", "buffer_count"), ("optimizer_state", "buffer_size"),
+])
+def test_settings_tierstack_has_no_use_for_are_not_in_its_own_format(section, key):
+    """The CPU pool is always page-locked and the daemon's AdamW pipelines two blocks: a
+    field for either would be parsed and never read. (DeepSpeed files may still carry them.)"""
+    with pytest.raises(ConfigError, match=rf"unknown config key train\.{section}\.{key}"):
+        load_config({"train": {section: {key: 1}}})
+
+
+def test_offload_optimizer_keys_deepspeed_does_not_have_are_unknown():
+    import copy
+    data = copy.deepcopy(DEEPSPEED_NVME)
+    data["zero_optimization"]["offload_optimizer"]["max_in_cpu"] = 0  # offload_param's key
+    with pytest.raises(ConfigError,
+                       match="unknown DeepSpeed key zero_optimization.offload_optimizer.max_in_cpu"):
+        load_config(data)
+
+
+@pytest.mark.parametrize("device,max_in_cpu,tier", [
+    ("none", 0, "gpu"), ("cpu", 0, "cpu"), ("nvme", 0, "nvme"), ("nvme", 1, "auto"),
+])
+def test_an_offload_device_names_a_tier(device, max_in_cpu, tier):
+    train = load_config({"train": {"params": {"device": device, "max_in_cpu": max_in_cpu},
+                                   "optimizer_state": {"device": device, "max_in_cpu": max_in_cpu}}}).train
+    assert train.params.tier() == tier and train.optimizer_state.tier() == tier
+
+
+def test_the_device_budget_defaults_to_three_layers_and_is_bytes_when_given():
+    assert load_config().train.device_budget_bytes(layer_bytes=1000) == 3000
+    assert load_config({"train": {"device_budget": "5MiB"}}).train.device_budget_bytes(1000) == 5 * MiB
+
+
+def test_a_deepspeed_train_batch_size_without_a_micro_batch_gives_the_micro_batch():
+    data = {"zero_optimization": {"stage": 3}, "train_batch_size": 12, "gradient_accumulation_steps": 3}
+    train = load_config(data).train
+    assert (train.micro_batch_size, train.gradient_accumulation_steps) == (4, 3)
+
+
+def test_a_zero_offload_deepspeed_config_loads():
+    """Optimizer state offloaded, parameters not (ZeRO-Offload): loads as is; the engine
+    says what it does with it (tests/worker/test_engine_tiers.py)."""
+    train = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu", "pin_memory": True, "buffer_count": 4}}}).train
+    assert (train.params.device, train.optimizer_state.device) == ("none", "cpu")

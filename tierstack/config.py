@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstack.errors import ConfigError
+from tierstack.tiers import AUTO, NVME, OFFLOAD_DEVICES, BlockTier
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -199,27 +200,51 @@ class TierManagerConfig:
         return Path(self.nvme_pool.paths[0]) / "manifest.sqlite"
 
 
-TIERS = ("gpu", "cpu", "nvme")
+def _offload_tier(device: str, max_in_cpu: int) -> BlockTier:
+    """The block tier an offload section asks for: DeepSpeed's device names, and 'nvme'
+    with max_in_cpu 0 meaning out of the CPU pool between uses."""
+    tier = OFFLOAD_DEVICES[device]
+    return AUTO if tier == NVME and max_in_cpu != 0 else tier
+
+
+def _validate_offload(prefix: str, device: str, max_in_cpu: int) -> None:
+    if device not in OFFLOAD_DEVICES:
+        raise ConfigError(f"{prefix}.device: {device!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
+    if max_in_cpu < 0:
+        raise ConfigError(f"{prefix}.max_in_cpu must be >= 0, got {max_in_cpu}")
 
 
 @dataclass
-class OffloadConfig:
-    """Where one kind of training state lives beyond the device (DeepSpeed's offload_*)."""
+class ParamOffloadConfig:
+    """Where the blocks' parameters live beyond the device (DeepSpeed's offload_param).
+
+    A block's tier is its `train.tier_overrides` pattern if one applies, else this
+    section's. DeepSpeed's `pin_memory` is not here: the CPU pool is always page-locked.
+    """
 
     device: str = "none"
-    """'none' (stays on the device), 'cpu' (the CPU pool) or 'nvme' (the NVMe pool)."""
-    pin_memory: bool = True
-    """Accepted for DeepSpeed compatibility: the CPU pool is always page-locked once."""
+    """'none' (blocks stay on the device and train there), 'cpu' (kept in the CPU pool,
+    never evicted) or 'nvme' (in the NVMe pool; see max_in_cpu)."""
     buffer_count: int = 5
-    """Layers of this state in flight at once (prefetch buffers)."""
+    """Blocks on the device at once while training: the one in use and buffer_count - 1
+    (at least 1) prefetched ahead of it. This is the starting prefetch depth (and NVMe
+    read-ahead); a scheduler plan replaces it. The device budget bounds the bytes either way."""
     buffer_size: int = 100_000_000
-    """Bytes per buffer: a layer larger than this is an error naming the layer."""
+    """Elements per staging buffer, as in DeepSpeed: with device 'cpu' or 'nvme', an
+    offloaded block holding a tensor of more elements than this is an error naming the
+    block, the tensor and both numbers (checked when the engine registers its blocks)."""
     max_in_cpu: int = 1_000_000_000
-    """With device 'nvme': bytes of this state that may stay in the CPU pool."""
+    """With device 'nvme': 0 sends the blocks out of the CPU pool between uses (evicted
+    before anything else); any other value lets the CPU pool keep what fits of them, the
+    rest on NVMe. Not a quota: the pool is shared by the node's jobs and bounded by
+    tier_manager.cpu_pool.size alone."""
+
+    def tier(self) -> BlockTier:
+        """The tier of a block with no override: 'gpu', 'cpu', 'nvme' or 'auto'."""
+        return _offload_tier(self.device, self.max_in_cpu)
 
     def validate(self, prefix: str) -> None:
-        if self.device not in ("none", "cpu", "nvme"):
-            raise ConfigError(f"{prefix}.device: {self.device!r} is not one of none, cpu, nvme")
+        _validate_offload(prefix, self.device, self.max_in_cpu)
         if self.buffer_count < 1:
             raise ConfigError(f"{prefix}.buffer_count must be at least 1, got {self.buffer_count}")
         if self.buffer_size <= 0:
@@ -227,10 +252,41 @@ class OffloadConfig:
 
 
 @dataclass
+class OptimizerOffloadConfig:
+    """Where offloaded blocks' optimizer state lives (DeepSpeed's offload_optimizer).
+
+    An offloaded block's AdamW runs in the tier manager over state kept there (moments,
+    fp32 masters, gradients), so this section places that state; a block on the device
+    keeps its state on the device whatever it says (offloading the optimizer state of
+    blocks that stay on the device is not supported: the engine logs a warning).
+    DeepSpeed's `buffer_count` and `pin_memory` are not here: the tier manager pipelines
+    the AdamW step two blocks at a time, and the CPU pool is always page-locked.
+    """
+
+    device: str = "none"
+    """'cpu' (kept in the CPU pool, never evicted), 'nvme' (see max_in_cpu), or 'none':
+    as DeepSpeed's default, nothing asked, so an offloaded block's state goes where its
+    parameters go."""
+    max_in_cpu: int = 1_000_000_000
+    """With device 'nvme': 0 sends the state out of the CPU pool between steps; any other
+    value lets the CPU pool keep what fits (as for params.max_in_cpu; not a quota)."""
+
+    def tier(self) -> BlockTier:
+        """The tier of an offloaded block's state with no override ('gpu' for 'none':
+        the engine puts it with the block's parameters)."""
+        return _offload_tier(self.device, self.max_in_cpu)
+
+    def validate(self, prefix: str) -> None:
+        _validate_offload(prefix, self.device, self.max_in_cpu)
+
+
+@dataclass
 class OptimizerConfig:
     """AdamW with fp32 master weights, run by the tier manager where the bytes are."""
 
     type: str = "adamw"
+    """'adamw', the one optimizer; 'adam' is accepted as DeepSpeed means it (AdamW unless
+    adam_w_mode is false, which the DeepSpeed loader refuses)."""
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
@@ -245,24 +301,38 @@ class OptimizerConfig:
             raise ConfigError(f"{prefix}: lr and eps must be positive and weight_decay >= 0")
 
 
+DEVICE_BUDGET_LAYERS = 3
+"""The device budget, in offloaded layers' worth, when none is given."""
+
+
 @dataclass
 class TrainConfig:
     """How a job trains: batch, precision, where each kind of state lives."""
 
     micro_batch_size: int = 8
+    """Rows per forward/backward. `tierstack train` trains on batches of
+    micro_batch_size x gradient_accumulation_steps rows unless --batch-size is given."""
     gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step: the engine's train_step splits each batch's rows
+    into this many equal parts, accumulates their gradients and steps once."""
     precision: str = "fp32"
     """'fp32' end to end, or 'bf16' on the device with fp32 masters ('fp16' is accepted by
     the loader but refused by the engine: it would need loss scaling)."""
     gradient_clipping: float = 0.0
     """Clip the global gradient norm to this (0: no clipping)."""
-    device_budget: int = 4 * GiB
-    """Device bytes that offloaded layers may hold at once."""
-    params: OffloadConfig = field(default_factory=OffloadConfig)
-    optimizer_state: OffloadConfig = field(default_factory=OffloadConfig)
+    device_budget: int = 0
+    """Device bytes that offloaded layers may hold at once; 0: three layers' worth
+    (DEVICE_BUDGET_LAYERS). `tierstack train --device-budget` overrides it."""
+    params: ParamOffloadConfig = field(default_factory=ParamOffloadConfig)
+    optimizer_state: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     tier_overrides: dict[str, str] = field(default_factory=dict)
-    """Module name pattern -> tier ('gpu', 'cpu', 'nvme'), e.g. "model.layers[3-]": "nvme"."""
+    """Module name pattern -> tier ('gpu', 'cpu', 'nvme') of all that module's state,
+    parameters and optimizer state alike, e.g. "model.layers[3-]": "nvme"."""
+
+    def device_budget_bytes(self, layer_bytes: int) -> int:
+        """The device budget in bytes, for a model whose offloaded layers are `layer_bytes`."""
+        return self.device_budget or DEVICE_BUDGET_LAYERS * layer_bytes
 
     def validate(self, prefix: str = "train") -> None:
         for name in ("micro_batch_size", "gradient_accumulation_steps"):
@@ -319,8 +389,8 @@ class TierstackConfig:
         self.tier_manager.validate("tier_manager")
         self.train.validate("train")
         self.scheduler.validate("scheduler")
-        uses_nvme = "nvme" in (self.train.params.device, self.train.optimizer_state.device)
-        uses_nvme = uses_nvme or "nvme" in self.train.tier_overrides.values()
+        uses_nvme = NVME in (self.train.params.device, self.train.optimizer_state.device)
+        uses_nvme = uses_nvme or NVME in self.train.tier_overrides.values()
         if uses_nvme and not self.tier_manager.nvme_pool.paths:
             raise ConfigError("train offloads to nvme but tier_manager.nvme_pool.paths is empty")
 

@@ -1,9 +1,15 @@
 """DeepSpeed JSON, accepted as is and translated into tierstack's typed config.
 
 Every DeepSpeed key is in one of three tables below: translated (it means the same
-thing here), decided by tierstack (a tuning knob whose job the scheduler does from
-measured bandwidth; accepted, logged once), or refused (a feature tierstack does not
-have: an error naming the key, never a silent no-op). Anything else is an unknown key.
+thing here), decided by tierstack (a knob whose job tierstack does itself: the scheduler
+from measured bandwidth, the tier manager's pools; accepted, logged once), or refused (a
+feature tierstack does not have: an error naming the key, never a silent no-op).
+Anything else is an unknown key.
+
+Offload sections: `device` (none, cpu, nvme) and `nvme_path` in both; `buffer_count`,
+`buffer_size` and `max_in_cpu` of offload_param mean what they mean in DeepSpeed (see
+tierstack/config.py's ParamOffloadConfig). offload_optimizer has no max_in_cpu in
+DeepSpeed, so its nvme state gets tierstack's default: the CPU pool keeps what fits.
 """
 
 from __future__ import annotations
@@ -12,11 +18,16 @@ import logging
 from typing import Any
 
 from tierstack.errors import ConfigError
+from tierstack.tiers import OFFLOAD_DEVICES
 
 log = logging.getLogger(__name__)
 
-# Tuning knobs the scheduler sets from measured bandwidth and the layer trace.
+# Knobs tierstack sets itself: the scheduler from measured bandwidth and the layer
+# trace; the tier manager's CPU pool (always page-locked, so pin_memory has no job); its
+# AdamW step (pipelined two blocks at a time, so the optimizer's swap buffers have none).
 _DECIDED_BY_TIERSTACK = {
+    "zero_optimization.offload_param.pin_memory", "zero_optimization.offload_optimizer.pin_memory",
+    "zero_optimization.offload_optimizer.buffer_count",
     "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
     "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
     "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
@@ -62,23 +73,31 @@ def is_deepspeed_config(data: dict) -> bool:
     return isinstance(data, dict) and "zero_optimization" in data
 
 
-def _offload(section: dict, key: str, nvme_paths: list[str]) -> dict:
+# The offload keys translated into train.params / train.optimizer_state, beyond device.
+_OFFLOAD_KEYS = {
+    "zero_optimization.offload_param": ("buffer_count", "buffer_size", "max_in_cpu"),
+    "zero_optimization.offload_optimizer": (),
+}
+
+
+def _offload(section: dict, key: str, nvme_paths: list[str], decided: list[str]) -> dict:
     out: dict[str, Any] = {}
     for name, value in section.items():
         full = f"{key}.{name}"
-        if _screened(full, []):
+        if _screened(full, decided):
             continue
         if name == "device":
-            if value not in (None, "none", "cpu", "nvme"):
-                raise ConfigError(f"{full}: {value!r} is not one of none, cpu, nvme")
-            out["device"] = "none" if value in (None, "none") else value
+            if value is not None and value not in OFFLOAD_DEVICES:
+                raise ConfigError(f"{full}: {value!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
+            out["device"] = "none" if value is None else value
         elif name == "nvme_path":
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{full}: expected a directory path, got {value!r}")
             if value not in nvme_paths:
                 nvme_paths.append(value)
-        elif name in ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu"):
-            out[name] = int(value) if name in ("buffer_size", "max_in_cpu") and isinstance(value, float) else value
+        elif name in _OFFLOAD_KEYS[key]:
+            # DeepSpeed files write counts as 1e8; a whole float is the integer it names.
+            out[name] = int(value) if isinstance(value, float) and value.is_integer() else value
         else:
             raise ConfigError(f"unknown DeepSpeed key {full}")
     if out.get("device") == "nvme" and "nvme_path" not in section:
@@ -109,9 +128,9 @@ def translate_deepspeed(ds: dict) -> dict:
                             f"zero_optimization.stage is {zvalue}: tierstack partitions parameters, "
                             f"gradients and optimizer states (stage 3); set it to 3")
                 elif zname == "offload_param":
-                    train["params"] = _offload(zvalue, full, nvme_paths)
+                    train["params"] = _offload(zvalue, full, nvme_paths, decided)
                 elif zname == "offload_optimizer":
-                    train["optimizer_state"] = _offload(zvalue, full, nvme_paths)
+                    train["optimizer_state"] = _offload(zvalue, full, nvme_paths, decided)
                 else:
                     raise ConfigError(f"unknown DeepSpeed key {full}")
         elif name == "aio":
@@ -130,7 +149,7 @@ def translate_deepspeed(ds: dict) -> dict:
         elif name == "gradient_accumulation_steps":
             train["gradient_accumulation_steps"] = value
         elif name == "train_batch_size":
-            pass  # checked below against micro batch x accumulation
+            pass  # below: checked against, or divided into, micro batch x accumulation
         elif name == "gradient_clipping":
             train["gradient_clipping"] = value
         elif name in ("bf16", "fp16"):
@@ -150,18 +169,22 @@ def translate_deepspeed(ds: dict) -> dict:
             raise ConfigError(f"unknown DeepSpeed key {name}")
     train["precision"] = precision
     if "train_batch_size" in ds:
+        # DeepSpeed: train_batch_size = micro batch x accumulation x data-parallel ranks.
         micro = train.get("micro_batch_size", 1)
         accum = train.get("gradient_accumulation_steps", 1)
         if ds["train_batch_size"] % (micro * accum):
             raise ConfigError(
                 f"train_batch_size {ds['train_batch_size']} is not a multiple of "
                 f"train_micro_batch_size_per_gpu x gradient_accumulation_steps ({micro} x {accum})")
+        if "micro_batch_size" not in train:
+            # The rank count is not known here; with one rank the micro batch is the rest.
+            train["micro_batch_size"] = ds["train_batch_size"] // accum
     if nvme_paths:
         tier_manager["nvme_pool"] = {"paths": nvme_paths}
     if aio:
         tier_manager.setdefault("nvme_pool", {})["aio"] = aio
     if decided:
-        log.info("DeepSpeed settings decided by tierstack's scheduler instead: %s", ", ".join(decided))
+        log.info("DeepSpeed settings decided by tierstack instead: %s", ", ".join(decided))
     out: dict[str, Any] = {"train": train}
     if tier_manager:
         out["tier_manager"] = tier_manager

@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 
 from tierstack.errors import ConfigError
+from tierstack.tiers import TIERS
 
-TIERS = ("gpu", "cpu", "nvme")
 _SEGMENT = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_]*|\*)(?:\[(?P<lo>\d+)(?P<dash>-)?(?P<hi>\d+)?\])?$")
 
 

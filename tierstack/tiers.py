@@ -29,7 +29,7 @@ first, "auto" in between (the tier manager never holds device memory)."""
 HOST_TIERS: tuple[Literal["cpu", "nvme"], ...] = (CPU, NVME)
 """The tier manager's own tiers."""
 
-OFFLOAD_DEVICES = {"none": GPU, "cpu": CPU, "nvme": NVME}
+OFFLOAD_DEVICES: dict[str, Tier] = {"none": GPU, "cpu": CPU, "nvme": NVME}
 """DeepSpeed's offload `device` names -> tiers."""
 
 METRIC_TIERS = ("device", CPU, NVME)

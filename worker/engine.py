@@ -5,10 +5,12 @@ device just in time), `TieredAdamW` (the blocks' optimizer step, run by the tier
 over the state it keeps), and a plain AdamW for the parameters that stay on the device
 (embeddings, final norm, head, and blocks placed on the "gpu" tier: small or hot).
 
-Where each block's state lives comes from `block_tiers` (the config's per-module
+Where each block's parameters live comes from `block_tiers` (the config's per-module
 overrides, else its `params` offload device): "gpu" (not offloaded), "cpu" (kept in the
 CPU pool, never evicted), "nvme" (out of the CPU pool between uses), or "auto" (the CPU
-pool keeps what fits, the rest goes to NVMe).
+pool keeps what fits, the rest goes to NVMe). An offloaded block's other state
+(gradients, moments, masters) goes to `state_tiers`: its override, else the
+`optimizer_state` device, else with its parameters.
 
 Precision: "fp32" end to end, or "bf16": the model computes in bf16 (blocks are stored
 and moved in bf16, half the bytes), while AdamW updates fp32 master weights, kept by the
@@ -18,33 +20,65 @@ fp16 would also need loss scaling and is refused.
 `train_step` overlaps the optimizer with the backward: each block's AdamW step starts
 in the tier manager as soon as its gradients are stored. With gradient clipping the
 global norm needs every gradient first, so the blocks are stepped after the backward.
+With gradient accumulation it splits the batch into micro-batches whose gradients add
+up in one window (the blocks' stored gradients, the persistent parameters' .grad), and
+only the last micro-batch's backward may start the blocks' steps.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from tierstack.config import OptimizerConfig, TrainConfig
-from tierstack.errors import ConfigError
+from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
+from tierstack.tiers import AUTO, BLOCK_TIERS, GPU, BlockTier
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.tiered_adamw import TieredAdamW
 
+log = logging.getLogger(__name__)
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-BLOCK_TIERS = ("gpu", "cpu", "nvme", "auto")
 
 
-def block_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[str]:
+def block_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[BlockTier]:
     """Each block's tier by the config: its module's override, else the params device
     ("none": stays on the GPU; "nvme" with max_in_cpu 0: out of the CPU pool between uses,
     else the CPU pool caches what fits)."""
     overrides = ModuleTiers(train.tier_overrides)
-    device = train.params.device
-    default = {"none": "gpu", "cpu": "cpu",
-               "nvme": "nvme" if train.params.max_in_cpu == 0 else "auto"}[device]
+    default = train.params.tier()
     return [overrides.tier_for(f"{blocks_attr}.{i}") or default for i in range(count)]
+
+
+def state_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[BlockTier]:
+    """Each block's tier for its gradients and optimizer state: its module's override
+    (all of a module's state), else the optimizer_state device, else ("none") its
+    parameters' tier. A block on the "gpu" tier keeps everything on the device."""
+    overrides = ModuleTiers(train.tier_overrides)
+    device_default = train.optimizer_state.tier()
+    tiers: list[BlockTier] = []
+    kept = []  # blocks the params device keeps on the device, with no override
+    for i, params_tier in enumerate(block_tiers(train, blocks_attr, count)):
+        override = overrides.tier_for(f"{blocks_attr}.{i}")
+        if params_tier == GPU:
+            tiers.append(GPU)
+            if override is None:
+                kept.append(i)
+        else:
+            tiers.append(override or (params_tier if device_default == GPU else device_default))
+    if kept and device_default != GPU:
+        # DeepSpeed's ZeRO-Offload (optimizer state offloaded, parameters not) needs a
+        # device-side step over host-resident state, which the engine does not have.
+        log.warning(
+            "train.optimizer_state.device is %r but train.params.device is 'none': blocks %s "
+            "of %s train on the device with their optimizer state there too (offloading the "
+            "optimizer state alone is not supported yet); set train.params.device to 'cpu' "
+            "or 'nvme' to offload both", train.optimizer_state.device, kept, blocks_attr)
+    return tiers
 
 
 def materialize(module: torch.nn.Module, device) -> None:
@@ -66,27 +100,43 @@ class OffloadEngine:
     def __init__(self, model: torch.nn.Module, store: LayerStore, optimizer: OptimizerConfig,
                  blocks_attr: str = "blocks", prefetch_depth: int = 2,
                  precision: str = "fp32", tiers: list[str] | None = None,
-                 gradient_clipping: float = 0.0) -> None:
+                 gradient_clipping: float = 0.0, state_tiers: list[str] | None = None,
+                 gradient_accumulation_steps: int = 1, buffer_size: int = 0) -> None:
+        """`tiers`: each block's tier (default "auto"); `state_tiers`: the tier of each
+        offloaded block's gradients and optimizer state (default: its `tiers` entry).
+        `buffer_size`: the most elements a tensor of an offloaded block may have (0: any)."""
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision {precision!r} is not supported by the engine; "
                               f"use one of {', '.join(PRECISIONS)} (fp16 needs loss scaling)")
         if gradient_clipping < 0:
             raise ConfigError(f"train.gradient_clipping must be >= 0, got {gradient_clipping}")
+        if gradient_accumulation_steps < 1:
+            raise ConfigError(f"train.gradient_accumulation_steps must be at least 1, "
+                              f"got {gradient_accumulation_steps}")
         self.model = model
         self.store = store
         self.precision = precision
         self.blocks_attr = blocks_attr
         self.gradient_clipping = gradient_clipping
+        self.gradient_accumulation_steps = gradient_accumulation_steps
         dtype = PRECISIONS[precision]
         block_list = model.get_submodule(blocks_attr)
-        tiers = list(tiers) if tiers is not None else ["auto"] * len(block_list)
-        if len(tiers) != len(block_list) or any(t not in BLOCK_TIERS for t in tiers):
-            raise ConfigError(f"tiers must name one of {BLOCK_TIERS} for each of the "
-                              f"{len(block_list)} blocks, got {tiers}")
-        self.tiers = tiers
-        positions = [i for i, t in enumerate(tiers) if t != "gpu"]
+        tiers = list(tiers) if tiers is not None else [AUTO] * len(block_list)
+        state_tiers = list(state_tiers) if state_tiers is not None else tiers
+        for name, given in (("tiers", tiers), ("state_tiers", state_tiers)):
+            if len(given) != len(block_list) or any(t not in BLOCK_TIERS for t in given):
+                raise ConfigError(f"{name} must name one of {BLOCK_TIERS} for each of the "
+                                  f"{len(block_list)} blocks, got {given}")
+        self.tiers, self.state_tiers = tiers, state_tiers
+        positions = [i for i, t in enumerate(tiers) if t != GPU]
+        if buffer_size:
+            _check_buffer_size(block_list, blocks_attr, positions, buffer_size)
+        wrong = [i for i in positions if state_tiers[i] == GPU]
+        if wrong:  # the tier manager runs an offloaded block's AdamW: its state is there
+            raise ConfigError(f"state_tiers: offloaded blocks {wrong} cannot keep their optimizer "
+                              f"state on the device; give them 'cpu', 'nvme' or 'auto'")
         for layer, position in enumerate(positions):
-            store.place(layer, tiers[position], tiers[position])
+            store.place(layer, tiers[position], state_tiers[position])
 
         def prepare(i: int, block: torch.nn.Module) -> None:
             materialize(block, store.device)  # initialised where it is fastest; stored at once
@@ -121,12 +171,16 @@ class OffloadEngine:
     @classmethod
     def from_config(cls, model: torch.nn.Module, store: LayerStore, train: TrainConfig,
                     blocks_attr: str = "blocks") -> "OffloadEngine":
-        """An engine as `train` (precision, optimizer, clipping, tiers) says."""
+        """An engine as `train` (precision, optimizer, clipping, accumulation, tiers, the
+        params' buffer count and size) says."""
         count = len(model.get_submodule(blocks_attr))
         return cls(model, store, train.optimizer, blocks_attr,
                    prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,
                    tiers=block_tiers(train, blocks_attr, count),
-                   gradient_clipping=train.gradient_clipping)
+                   state_tiers=state_tiers(train, blocks_attr, count),
+                   gradient_clipping=train.gradient_clipping,
+                   gradient_accumulation_steps=train.gradient_accumulation_steps,
+                   buffer_size=train.params.buffer_size if train.params.tier() != GPU else 0)
 
     def zero_grad(self) -> None:
         """Clear gradients: the next backward starts a new accumulation window."""
@@ -160,16 +214,34 @@ class OffloadEngine:
                     p.copy_(m)
         self.block_optimizer.step(scale)
 
+    def micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The batch's rows in gradient_accumulation_steps equal micro-batches."""
+        steps, rows = self.gradient_accumulation_steps, inputs.shape[0]
+        if rows % steps or targets.shape[0] != rows:
+            raise InvalidArgumentError(
+                f"a batch of {rows} rows (targets: {targets.shape[0]}) does not split into "
+                f"train.gradient_accumulation_steps = {steps} equal micro-batches; give a "
+                f"multiple of {steps} rows (micro_batch_size x gradient_accumulation_steps)")
+        return list(zip(inputs.chunk(steps), targets.chunk(steps)))
+
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """Forward, backward and optimizer step; returns the loss."""
+        """Forward and backward over each micro-batch of the batch, then one optimizer
+        step; returns the batch's mean loss (the mean of the micro-batches' means)."""
         inputs, targets = inputs.to(self.store.device), targets.to(self.store.device)
-        logits = self.model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        micro = self.micro_batches(inputs, targets)
         self.zero_grad()
-        if self.gradient_clipping == 0:  # each block's step may start inside the backward
-            self.blocks.on_gradients = self.block_optimizer.start_block
+        losses = []
         try:
-            loss.backward()
+            for i, (x, y) in enumerate(micro):
+                logits = self.model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                losses.append(loss.detach())
+                # A block's step may start inside the backward only once its gradients
+                # are complete (the last micro-batch), and unscaled (no clipping).
+                if i == len(micro) - 1 and self.gradient_clipping == 0:
+                    self.blocks.on_gradients = self.block_optimizer.start_block
+                (loss / len(micro)).backward()
         except BaseException:
             # Blocks already stepped keep their update: resume from a checkpoint.
             self.block_optimizer.abandon_started()
@@ -177,7 +249,21 @@ class OffloadEngine:
         finally:
             self.blocks.on_gradients = None
         self.step()
-        return loss.item()
+        return torch.stack(losses).mean().item()
 
     def close(self) -> None:
         self.block_optimizer.close()
+
+
+def _check_buffer_size(block_list: torch.nn.Module, blocks_attr: str, positions: list[int],
+                       buffer_size: int) -> None:
+    """Refuse an offloaded block holding a tensor of more than `buffer_size` elements
+    (train.params.buffer_size; meta tensors count too: nothing is created yet)."""
+    for position in positions:
+        for name, tensor in block_list[position].state_dict(keep_vars=True).items():
+            if tensor.numel() > buffer_size:
+                raise ConfigError(
+                    f"block {blocks_attr}.{position}: tensor {name!r} has {tensor.numel():,} "
+                    f"elements, more than train.params.buffer_size ({buffer_size:,}; DeepSpeed: "
+                    f"zero_optimization.offload_param.buffer_size); raise it to at least "
+                    f"{tensor.numel()}, or keep the block on the device with train.tier_overrides")

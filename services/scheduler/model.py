@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tierstack.errors import InvalidArgumentError
+from tierstack.tiers import TIERS
 
-TIERS = ("gpu", "cpu", "nvme")
 GPU, CPU, NVME = 0, 1, 2
 DEVICE_KINDS = ("params",)
 GRAD_KINDS = ("grad",)

@@ -2,14 +2,15 @@
 optimizer step in the tier manager; always against plain PyTorch on the same seed and data."""
 
 import copy
+import logging
 
 import pytest
 import torch
 
 from tests.worker.test_offload import TinyGPT, assert_hf_steps_match
 from tierstack.config import load_config
-from tierstack.errors import ConfigError
-from tierstack.worker.engine import OffloadEngine, block_tiers
+from tierstack.errors import ConfigError, InvalidArgumentError
+from tierstack.worker.engine import OffloadEngine, block_tiers, state_tiers
 from tierstack.worker.layers import LayerStore
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -140,3 +141,142 @@ def test_hugging_face_llama_twenty_steps_with_state_on_nvme_match_plain_adamw(da
         engine.close()
     finally:
         store.close()
+
+
+def _plain_accumulated_losses(model, batches, micro: int, clip: float = 0.0):
+    """Plain PyTorch gradient accumulation: each batch's rows in `micro` equal parts, each
+    part's mean loss / micro backpropagated, one AdamW step per batch."""
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        parts = []
+        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+            loss = torch.nn.functional.cross_entropy(model(xm).flatten(0, 1), ym.flatten())
+            (loss / micro).backward()
+            parts.append(loss.detach())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(torch.stack(parts).mean().item())
+    return losses
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_gradient_accumulation_matches_plain_pytorch_accumulating_the_same_micro_batches(daemon, clip):
+    """gradient_accumulation_steps 4: each batch of 8 rows is 4 micro-batches of 2, one
+    optimizer step. Without clipping each block's daemon-side AdamW starts inside the last
+    micro-batch's backward: a block stepped any earlier would use a quarter of its
+    gradient and the losses would part at step 2. fp32, same tolerance as one batch.
+    Equal micro-batches give the full batch's mean gradient up to rounding, so the device
+    traffic shows that the batch really ran as 4 forward/backward passes."""
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, layers=3)
+    model = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randint(0, 256, (8, 32), generator=g), torch.randint(0, 256, (8, 32), generator=g))
+               for _ in range(5)]
+    expected = _plain_accumulated_losses(reference, batches, micro=4, clip=clip)
+    store = LayerStore("accum", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, _train_config(
+            gradient_accumulation_steps=4, gradient_clipping=clip, params={"device": "cpu"}))
+        got = [engine.train_step(x, y) for x, y in batches]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+        # Every micro-batch brings every block to the device twice (forward, recompute).
+        block_bytes = sum(layout.nbytes for layout in store.layouts)
+        assert store.metrics.cpu_to_device_bytes == len(batches) * 4 * 2 * block_bytes
+        for i, block in enumerate(reference.blocks):
+            stored = engine.blocks.parameters_of(i)
+            for name, p in block.named_parameters():
+                torch.testing.assert_close(stored[name], p.detach(), rtol=1e-4, atol=1e-6)
+        x, y = batches[0]
+        with pytest.raises(InvalidArgumentError, match="a batch of 6 rows .* does not split into "
+                                                       "train.gradient_accumulation_steps = 4"):
+            engine.train_step(x[:6], y[:6])
+        assert engine.block_optimizer.steps == len(batches)  # the refused batch counted nothing
+        engine.close()
+    finally:
+        store.close()
+
+
+def test_optimizer_state_device_places_the_blocks_optimizer_state(daemon):
+    """Parameters kept in the 16 MiB CPU pool ("cpu": never evicted), optimizer state out
+    of it between steps ("nvme", max_in_cpu 0). Five blocks' parameters (~6 MiB) and AdamW
+    moments (~12 MiB) do not fit together, so the moments are the ones that leave."""
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=160, heads=4, layers=5)
+    model = copy.deepcopy(reference)
+    batches = _data(8, 3)
+    expected = _plain_losses(reference, batches)
+    train = _train_config(params={"device": "cpu"}, optimizer_state={"device": "nvme", "max_in_cpu": 0})
+    assert block_tiers(train, "blocks", 5) == ["cpu"] * 5
+    assert state_tiers(train, "blocks", 5) == ["nvme"] * 5
+    store = LayerStore("state-tier", device="cpu", device_budget=64 << 20, address=daemon.address,
+                       durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, train)
+        got = [engine.train_step(x, y) for x, y in batches]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert store.client.stats().evictions > 0
+        assert all(store.client.describe(store.key(i)).in_cpu for i in range(5))
+        moments = [store.client.describe(store.key(i, kind)) for i in range(5)
+                   for kind in ("exp_avg", "exp_avg_sq")]
+        assert all(m.on_nvme for m in moments if not m.in_cpu)
+        assert sum(not m.in_cpu for m in moments) > 0
+        engine.close()
+    finally:
+        store.close()
+
+
+def test_state_tiers_follow_overrides_then_the_optimizer_device_then_the_parameters():
+    train = _train_config(params={"device": "nvme"}, optimizer_state={"device": "cpu"},
+                          tier_overrides={"blocks[0]": "gpu", "blocks[1]": "nvme"})
+    assert block_tiers(train, "blocks", 4) == ["gpu", "nvme", "auto", "auto"]
+    assert state_tiers(train, "blocks", 4) == ["gpu", "nvme", "cpu", "cpu"]
+    train = _train_config(params={"device": "nvme", "max_in_cpu": 0})  # optimizer_state: none
+    assert state_tiers(train, "blocks", 2) == ["nvme", "nvme"]
+
+
+def test_offloading_only_the_optimizer_state_is_not_silently_ignored(caplog):
+    """DeepSpeed's ZeRO-Offload shape (offload_optimizer cpu, no offload_param): the blocks
+    train on the device with their state there, and a warning says so and what to set."""
+    train = _train_config(optimizer_state={"device": "cpu"})
+    with caplog.at_level(logging.WARNING, logger="tierstack.worker.engine"):
+        assert state_tiers(train, "blocks", 3) == ["gpu"] * 3
+    assert "train.optimizer_state.device is 'cpu' but train.params.device is 'none'" in caplog.text
+    assert "blocks [0, 1, 2] of blocks" in caplog.text
+    assert "set train.params.device to 'cpu' or 'nvme'" in caplog.text
+
+
+def test_a_tensor_larger_than_buffer_size_is_refused_by_block_tensor_and_setting(daemon):
+    """DeepSpeed's offload_param.buffer_size: elements per staging buffer. TinyGPT(dim=64)'s
+    largest tensors (fc.weight, out.weight) have 4 x 64 x 64 = 16384 elements."""
+    def engine(job, **train):
+        store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+        try:
+            torch.manual_seed(0)
+            engine = OffloadEngine.from_config(TinyGPT(dim=64, layers=2), store, _train_config(**train))
+            x, y = _data(9, 1)[0]
+            loss = engine.train_step(x, y)
+            engine.close()
+            return loss
+        finally:
+            store.close()
+
+    store = LayerStore("small-buffers", device="cpu", device_budget=64 << 20, address=daemon.address,
+                       durable=False)
+    try:
+        with pytest.raises(ConfigError, match=r"block blocks\.0: tensor 'fc\.weight' has 16,384 elements, "
+                                              r"more than train\.params\.buffer_size \(16,383; .*raise "
+                                              r"it to at least 16384"):
+            OffloadEngine.from_config(TinyGPT(dim=64, layers=2), store,
+                                      _train_config(params={"device": "cpu", "buffer_size": 16383}))
+        assert store.client.stats().tensors == 0  # refused before anything was stored
+    finally:
+        store.close()
+    # The limit itself is allowed; with offload_param off (device none) nothing is staged
+    # through its buffers, even for a block an override offloads.
+    assert engine("exact-buffers", params={"device": "cpu", "buffer_size": 16384}) > 0
+    assert engine("no-param-offload", params={"device": "none", "buffer_size": 1},
+                  tier_overrides={"blocks[1]": "cpu"}) > 0

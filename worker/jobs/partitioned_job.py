@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ from tierstack.worker.layers import layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.sharded_engine import ShardedEngine
 from tierstack.worker.sharded_store import ShardedLayerStore
+from tierstack.worker.training import run_steps
 
 
 @dataclass
@@ -138,23 +138,15 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
     try:
         engine = ShardedEngine(model, store, spec.optimizer, prefetch_depth=spec.prefetch_depth,
                                precision=spec.precision)
-        steps = []
-        batches = global_batches(spec)
-        for _ in range(spec.steps):
-            x, y = next(batches)
-            x, y = rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size)
-            before = (store.local.bytes_read, store.local.bytes_written,
-                      store.client.stats().nvme_bytes_read, store.bytes_gathered)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            loss = engine.train_step(x, y)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - start
-            after = (store.local.bytes_read, store.local.bytes_written,
-                     store.client.stats().nvme_bytes_read, store.bytes_gathered)
-            steps.append(StepFigures(loss, seconds, *(a - b for a, b in zip(after, before))))
+        batches = ((rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size))
+                   for x, y in global_batches(spec))
+
+        def counters() -> dict[str, float]:
+            return {"cpu_pool_read": store.local.bytes_read, "cpu_pool_written": store.local.bytes_written,
+                    "nvme_read": store.client.stats().nvme_bytes_read, "gathered": store.bytes_gathered}
+
+        steps = [StepFigures(r.loss, r.seconds, **{k: int(v) for k, v in r.moved.items()})
+                 for r in run_steps(engine.train_step, batches, device, spec.steps, counters=counters)]
         state = None
         if spec.collect_state:
             state = {"blocks": [store.read_layer(i) for i in range(len(store.layouts))],

@@ -10,6 +10,7 @@ each rank uses its own node's tier manager, started by deploy/cluster.yaml.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import uuid
@@ -17,16 +18,46 @@ import uuid
 from rich.console import Console
 from rich.table import Table
 
-from tierstack.config import MiB, TierstackConfig, parse_size
+from tierstack.config import MiB, TierstackConfig, TrainConfig, parse_size
+from tierstack.errors import ConfigError
+from tierstack.tiers import AUTO, GPU
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult
 
+log = logging.getLogger(__name__)
 console = Console()
 EMBEDDED_OBJECT_STORE = 256 * MiB
 
 
+def check_train_config(train: TrainConfig) -> None:
+    """Refuse what partitioned ranks cannot do as configured; log what they place their own way.
+
+    The ranks train with `ShardedEngine` as `PartitionedSpec` says: no accumulation, no
+    clipping (settings that change the arithmetic are errors), and every block's shards
+    placed "auto" (the CPU pool keeps what fits, the rest on NVMe: a warning).
+    """
+    if train.gradient_accumulation_steps != 1:
+        raise ConfigError(
+            f"train.gradient_accumulation_steps is {train.gradient_accumulation_steps}: "
+            f"partitioned training (--ranks, --address) does not accumulate over micro-batches "
+            f"yet; set it to 1 and give the global batch with --batch-size")
+    if train.gradient_clipping:
+        raise ConfigError(
+            f"train.gradient_clipping is {train.gradient_clipping}: partitioned training "
+            f"(--ranks, --address) does not clip gradients yet; set it to 0 or train on one rank")
+    placed = [f"train.params.device {train.params.device!r} (max_in_cpu {train.params.max_in_cpu})"
+              if train.params.tier() != AUTO else "",
+              f"train.optimizer_state.device {train.optimizer_state.device!r}"
+              if train.optimizer_state.tier() not in (GPU, AUTO) else "",
+              "train.tier_overrides" if train.tier_overrides else ""]
+    if any(placed):
+        log.warning("partitioned training places every block's shards 'auto' (the CPU pool keeps "
+                    "what fits, the rest on NVMe); not applied: %s", ", ".join(p for p in placed if p))
+
+
 def run(args: argparse.Namespace, config: TierstackConfig) -> int:
+    check_train_config(config.train)
     import ray
 
     from tierstack.worker.jobs.ray_workers import train_with_ray
@@ -36,7 +67,8 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
         steps=args.steps, global_batch=args.batch_size, seed=args.seed,
         optimizer=config.train.optimizer, precision=config.train.precision,
         device=args.device, job=f"train-{uuid.uuid4().hex[:8]}",
-        device_budget=parse_size(args.device_budget, "--device-budget") if args.device_budget else 0)
+        device_budget=(parse_size(args.device_budget, "--device-budget") if args.device_budget
+                       else config.train.device_budget))  # 0: the spec's layers' worth
     console.print(f"[bold]tierstack train[/]: GPT {args.layers} x {args.dim} over {args.ranks} "
                   f"data-parallel ranks (Ray actors), each keeping 1/{args.ranks} of every block; "
                   f"global batch {args.batch_size}")

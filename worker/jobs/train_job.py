@@ -18,11 +18,13 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierstack.config import MiB, TierManagerConfig, load_config, parse_size
+from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
+from tierstack.worker.training import StepRecord, run_steps
 
 console = Console()
 LOCAL_NODE = "local"  # the embedded default's one node, as the scheduler knows it
@@ -31,13 +33,16 @@ LOCAL_NODE = "local"  # the embedded default's one node, as the scheduler knows 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="tierstack or DeepSpeed JSON config")
     parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="rows per optimizer step; default: the config's train.micro_batch_size x "
+                             "train.gradient_accumulation_steps (8 x 1)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--dim", type=int, default=384)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=6)
     parser.add_argument("--cpu-pool-size", default="64MiB", help="the embedded CPU pool")
-    parser.add_argument("--device-budget", default="", help="default: 3 layers' worth")
+    parser.add_argument("--device-budget", default="",
+                        help="default: the config's train.device_budget (0: 3 layers' worth)")
     parser.add_argument("--nvme-path", default="/var/tmp/tierstack/train-nvme")
     parser.add_argument("--tier-manager", help="use this running tier manager instead of starting one")
     parser.add_argument("--no-scheduler", action="store_true",
@@ -61,6 +66,13 @@ def run(args: argparse.Namespace) -> int:
         config.train.params.device = config.train.optimizer_state.device = "nvme"
     if args.precision:
         config.train.precision = args.precision
+    accumulation = config.train.gradient_accumulation_steps
+    if args.batch_size is None:
+        args.batch_size = config.train.micro_batch_size * accumulation
+    if args.batch_size % accumulation:
+        raise ConfigError(f"--batch-size {args.batch_size} does not split into "
+                          f"train.gradient_accumulation_steps = {accumulation} equal micro-batches; "
+                          f"give a multiple of {accumulation}")
     if args.ranks > 1 or args.address:
         from tierstack.worker.jobs.ray_train_job import run as run_on_ray
         return run_on_ray(args, config)
@@ -73,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     from tierstack.worker.layout import LayerLayout
     layer_bytes = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes  # with slot padding
     state_bytes = block_params * 16  # fp32 parameters, gradients, exp_avg, exp_avg_sq
-    budget = parse_size(args.device_budget, "--device-budget") if args.device_budget else 3 * layer_bytes
+    budget = (parse_size(args.device_budget, "--device-budget") if args.device_budget
+              else config.train.device_budget_bytes(layer_bytes))
     tm: TierManagerConfig = config.tier_manager
     tm.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
     tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
@@ -81,8 +94,10 @@ def run(args: argparse.Namespace) -> int:
     tm.nvme_pool.paths = [run_dir]
     tm.nvme_pool.size = max(tm.nvme_pool.aio.block_size, 2 * state_bytes + 64 * MiB)
     tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
+    micro = f" in {accumulation} micro-batches" if accumulation > 1 else ""
     console.print(f"[bold]tierstack train[/]: GPT {gpt.layers} x {gpt.dim}, "
-                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}; "
+                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
+                  f"batch {args.batch_size}{micro}; "
                   f"block state {state_bytes / MiB:.0f} MiB vs device budget {budget / MiB:.0f} MiB "
                   f"and CPU pool {tm.cpu_pool.size / MiB:.0f} MiB -> NVMe at {run_dir}")
     data = ByteBatches(stdlib_bytes(), gpt.seq_len, args.batch_size, seed=args.seed)
@@ -105,12 +120,15 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _device_counters(store: LayerStore) -> tuple[int, int, float]:
-    """(bytes copied to the device, bytes copied from it, seconds stalled) so far."""
-    m = store.metrics
-    if m is None:
-        return 0, 0, store.stall_seconds
-    return m.cpu_to_device_bytes, m.device_to_cpu_bytes, store.stall_seconds
+def _counters(store: LayerStore) -> dict[str, float]:
+    """Running totals the progress line shows: the tier manager's NVMe traffic and CPU
+    pool, and this worker's own device-side copies and stalls."""
+    stats, m = store.client.stats(), store.metrics
+    return {"nvme_read": stats.nvme_bytes_read, "nvme_written": stats.nvme_bytes_written,
+            "cpu_used": stats.cpu_used, "cpu_capacity": stats.cpu_capacity,
+            "to_device": m.cpu_to_device_bytes if m is not None else 0,
+            "from_device": m.device_to_cpu_bytes if m is not None else 0,
+            "stalled": store.stall_seconds}
 
 
 def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatches, config,
@@ -127,42 +145,36 @@ def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatche
         url = store.dashboard_url()
         if url:
             console.print(f"dashboard: {url}/dashboard/   Prometheus metrics: {url}/metrics")
-        first, losses, start = store.client.stats(), [], time.perf_counter()
-        last = (first, start)
-        moved = _device_counters(store)
         columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                    TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
         with Progress(*columns, console=console, transient=False) as progress:
             task = progress.add_task("train", total=args.steps, status="")
-            for step in range(args.steps):
-                x, y = data.next()
-                losses.append(engine.train_step(x, y))
-                if follower is not None and step == 0:
+
+            def report(step: StepRecord) -> None:
+                if follower is not None and step.index == 0:
                     plan = follower.report_trace()
                     mine = plan.nodes[LOCAL_NODE]
                     console.print(f"scheduler plan v{plan.version}: prefetch depth "
                                   f"{mine.prefetch_depth}, NVMe read-ahead {mine.read_ahead}, "
                                   f"predicted step {plan.predicted_step_seconds:.3f} s")
-                now, stats = time.perf_counter(), store.client.stats()
-                dt = now - last[1]
-                read = (stats.nvme_bytes_read - last[0].nvme_bytes_read) / dt / 1e9
-                written = (stats.nvme_bytes_written - last[0].nvme_bytes_written) / dt / 1e9
-                last = (stats, now)
-                # The device side of the links, from this worker's own counters.
-                counts = _device_counters(store)
-                h2d, d2h, stall = ((counts[i] - moved[i]) / dt for i in range(3))
-                moved = counts
-                h2d, d2h = h2d / 1e9, d2h / 1e9
+                # GB/s over the step; the device side of the links from this worker's counters.
+                rate = {name: moved / step.seconds for name, moved in step.moved.items()}
                 progress.update(task, advance=1, status=(
-                    f"loss {losses[-1]:.3f}  {tokens_per_step / dt:,.0f} tok/s  GB/s: "
-                    f"nvme->cpu {read:.2f}  cpu->nvme {written:.2f}  "
-                    f"cpu->dev {h2d:.2f}  dev->cpu {d2h:.2f}  stall {100 * stall:.0f}%  "
-                    f"cpu pool {stats.cpu_used / MiB:.0f}/{stats.cpu_capacity / MiB:.0f} MiB"))
+                    f"loss {step.loss:.3f}  {tokens_per_step / step.seconds:,.0f} tok/s  GB/s: "
+                    f"nvme->cpu {rate['nvme_read'] / 1e9:.2f}  cpu->nvme {rate['nvme_written'] / 1e9:.2f}  "
+                    f"cpu->dev {rate['to_device'] / 1e9:.2f}  dev->cpu {rate['from_device'] / 1e9:.2f}  "
+                    f"stall {100 * rate['stalled']:.0f}%  cpu pool "
+                    f"{step.counters['cpu_used'] / MiB:.0f}/{step.counters['cpu_capacity'] / MiB:.0f} MiB"))
+
+            first, start = store.client.stats(), time.perf_counter()
+            batches = iter(data.next, None)  # endless: next() never returns None
+            steps = run_steps(engine.train_step, batches, device, args.steps,
+                              counters=lambda: _counters(store), on_step=report)
         elapsed = time.perf_counter() - start
         end = store.client.stats()
-        tokens = tokens_per_step * args.steps
+        tokens = tokens_per_step * len(steps)
         console.print(
-            f"[bold]done[/]: {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+            f"[bold]done[/]: {len(steps)} steps, loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}, "
             f"{tokens / elapsed:,.0f} tokens/s, "
             f"{model.flops_per_token() * tokens / elapsed / 1e12:.3f} model TFLOP/s; "
             f"NVMe read {(end.nvme_bytes_read - first.nvme_bytes_read) / 1e9:.2f} GB, "

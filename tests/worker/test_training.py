@@ -1,0 +1,56 @@
+"""The one training loop (worker/training.py) driving a real engine and tier manager."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.worker.test_engine_tiers import _data, _plain_losses, _train_config
+from tests.worker.test_offload import TinyGPT
+from tierstack.errors import InvalidArgumentError
+from tierstack.worker.engine import OffloadEngine
+from tierstack.worker.layers import LayerStore
+from tierstack.worker.training import run_steps
+
+
+def test_run_steps_trains_times_and_measures_each_step(daemon):
+    """Per step: the engine's loss, the step's own time, and the counters' growth over it;
+    on_step sees every record as soon as its step is done."""
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, layers=3)
+    model = copy.deepcopy(reference)
+    batches = _data(11, 4)
+    expected = _plain_losses(reference, batches)
+    store = LayerStore("loop", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}))
+        counters = lambda: {"to_device": store.metrics.cpu_to_device_bytes,  # noqa: E731
+                            "adamw_steps": engine.block_optimizer.steps}
+        start = counters()
+        seen = []
+        records = run_steps(engine.train_step, iter(batches), "cpu", steps=3, counters=counters,
+                            on_step=lambda r: seen.append((r.index, counters()["adamw_steps"])))
+        assert seen == [(0, 1), (1, 2), (2, 3)]  # called right after each step, in order
+        assert [r.index for r in records] == [0, 1, 2]
+        torch.testing.assert_close(torch.tensor([r.loss for r in records]),
+                                   torch.tensor(expected[:3]), rtol=1e-5, atol=0)
+        assert all(r.seconds > 0 for r in records)
+        block_bytes = sum(layout.nbytes for layout in store.layouts)
+        assert all(r.moved == {"to_device": 2 * block_bytes, "adamw_steps": 1} for r in records)
+        assert records[-1].counters == {"to_device": start["to_device"] + 3 * 2 * block_bytes,
+                                        "adamw_steps": 3}
+        engine.close()
+    finally:
+        store.close()
+
+
+def test_run_steps_without_a_count_takes_every_batch_and_a_short_iterator_is_named():
+    model = torch.nn.Linear(4, 4)
+
+    def step(x, y):
+        return torch.nn.functional.mse_loss(model(x), y).item()
+
+    batches = [(torch.ones(2, 4), torch.zeros(2, 4))] * 3
+    assert [r.index for r in run_steps(step, batches, "cpu")] == [0, 1, 2]
+    with pytest.raises(InvalidArgumentError, match="the batches ran out after 3 of 5 steps"):
+        run_steps(step, batches, "cpu", steps=5)

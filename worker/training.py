@@ -1,0 +1,81 @@
+"""The training loop, written once: N steps of an engine over a batch iterator.
+
+`run_steps` feeds batches to a step function (an engine's `train_step`, or a plain
+PyTorch step a benchmark compares against), synchronises the device around each step so
+its time is the step's own, reads the caller's counters (bytes moved, seconds stalled)
+just before and after it, and returns what it measured per step. `on_step` sees each
+step's figures as soon as the step is done: progress lines, the first iteration's trace
+report to the scheduler. `tierstack train`, the partitioned ranks and the benchmarks all
+train through it, so they time steps the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from tierstack.errors import InvalidArgumentError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""(inputs, targets), as an engine's train_step takes them."""
+
+
+@dataclass
+class StepRecord:
+    """One training step as the loop measured it."""
+
+    index: int
+    """0 for the first step."""
+    loss: float
+    seconds: float
+    """The step alone, the device synchronised before and after (no data loading, no
+    counter reads, no callback)."""
+    counters: dict[str, float] = field(default_factory=dict)
+    """The caller's counters read just after the step."""
+    moved: dict[str, float] = field(default_factory=dict)
+    """How much each counter grew over the step."""
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU, where work is synchronous)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], batches: Iterable[Batch],
+              device: torch.device | str, steps: int | None = None,
+              counters: Callable[[], Mapping[str, float]] | None = None,
+              on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+    """Run `step` on `steps` batches (None: every batch there is); per-step figures.
+
+    `counters()` gives running totals (e.g. bytes read from NVMe); each record carries
+    their values after its step and their growth over it.
+    """
+    records: list[StepRecord] = []
+    batch_iter = iter(batches)
+    for index in (itertools.count() if steps is None else range(steps)):
+        try:
+            inputs, targets = next(batch_iter)
+        except StopIteration:
+            if steps is None:
+                break
+            raise InvalidArgumentError(
+                f"the batches ran out after {index} of {steps} steps; give at least {steps}") from None
+        before = dict(counters()) if counters is not None else {}
+        synchronize(device)
+        start = time.perf_counter()
+        loss = step(inputs, targets)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        after = dict(counters()) if counters is not None else {}
+        record = StepRecord(index, float(loss), seconds, after,
+                            {name: after[name] - before[name] for name in after})
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    return records
