@@ -10,10 +10,10 @@ to records. It is the only place that decides what a tier means:
   survive a restart.
 
 When the CPU pool is full it calls back into the registry, which evicts an unpinned CPU
-copy (writing it to NVMe first if it has no clean copy there): the one whose next use is
-furthest away when the access order is known (`set_access_order`), else the least
-recently used one. A tensor's placement ranks it first: "nvme" tensors go before "auto"
-ones, and "cpu" tensors are never evicted.
+copy (writing it to NVMe first if it has no clean copy there). Which one is the
+`EvictionPolicy`'s choice (eviction.py): by the tensor's placement ("cpu" is never
+evicted), the scheduler's plan for its job (`apply_plan`), its next use in the access
+order workers declare (`set_access_order`), and recency.
 A tensor replaced or deleted while a reader holds it is freed when the reader lets go.
 `begin_update` / `end_update` let the daemon change a tensor's bytes in place (the
 optimizer step): the tensor is held exclusively meanwhile and gets a new version after.
@@ -24,34 +24,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from tierstack.config import TierManagerConfig
+from tierstack.dtypes import dtype_from_name, dtype_name, nbytes_of
+from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
+from tierstack.services.tier_manager.eviction import EvictionPolicy, EvictionState, JobPlan
 from tierstack.services.tier_manager.manifest import Manifest, ManifestEntry
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent, NvmePool
+from tierstack.services.tier_manager.tensor_bytes import copy_bytes, tensor_bytes, tensor_from_buffer
 from tierstack.services.tier_manager.types import TensorInfo
-from tierstack.services.tier_manager.tensor_bytes import (
-    copy_bytes,
-    dtype_from_name,
-    dtype_name,
-    nbytes_of,
-    tensor_bytes,
-    tensor_from_buffer,
-)
-from tierstack.config import TierManagerConfig
-from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
+from tierstack.tiers import HOST_TIERS, PLACEMENTS, Placement
 
 log = logging.getLogger(__name__)
 
-Tier = Literal["cpu", "nvme"]
-TIERS: tuple[Tier, ...] = ("cpu", "nvme")
-Placement = Literal["auto", "cpu", "nvme"]
-PLACEMENTS: tuple[Placement, ...] = ("auto", "cpu", "nvme")
-_EVICTION_RANK = {"nvme": 0, "auto": 1}  # lower goes first; "cpu" is never evicted
+Tier = Literal["cpu", "nvme"]  # the registry's own tiers (HOST_TIERS)
 MAX_KEY_BYTES = 1024
 VERSION_RESERVATION = 100_000  # versions reserved per durable manifest write
 FULL_POOL_WAIT_SECONDS = 30.0  # how long an allocation waits for pinned tensors to be let go
@@ -129,16 +120,11 @@ class TierRegistry:
         self._lock = threading.RLock()
         self._unpinned = threading.Condition(self._lock)  # notified when a pin is dropped
         self._records: dict[str, _Record] = {}
-        self._lru: OrderedDict[str, None] = OrderedDict()  # CPU-resident keys, oldest first
+        self._eviction = EvictionPolicy()  # knows the CPU-resident keys; guarded by _lock
         self._leases: dict[tuple[str, int], tuple[_Record, int]] = {}
         # Versions come from one registry-wide counter, so (key, version) names one
         # record even across delete and re-put.
         self._last_version = 0
-        # The cyclic access order: key -> its positions in it (a key may come back, as a
-        # layer does in the backward), its length, and the position of the last fetch.
-        self._order: dict[str, list[int]] = {}
-        self._order_len = 0
-        self._cursor = -1
         self.evictions = 0
         self.nvme_pool = NvmePool(config.nvme_pool)
         try:
@@ -183,8 +169,8 @@ class TierRegistry:
         `durable` with tier "cpu" also writes the bytes through to NVMe before returning.
         """
         validate_key(key)
-        if tier not in TIERS:
-            raise InvalidArgumentError(f"unknown tier {tier!r}; use one of {TIERS}")
+        if tier not in HOST_TIERS:
+            raise InvalidArgumentError(f"unknown tier {tier!r}; use one of {HOST_TIERS}")
         data = tensor_bytes(tensor)
         dtype, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
         if tier == "nvme":
@@ -207,7 +193,8 @@ class TierRegistry:
         return self._allocate_cpu(nbytes)
 
     def free_buffer(self, buffer: CpuBuffer | None) -> None:
-        self._free_cpu(buffer)
+        if buffer is not None:
+            self.cpu_pool.free(buffer)
 
     def adopt(self, key: str, buffer: CpuBuffer | None, dtype: str, shape: tuple[int, ...],
               durable: bool = False, placement: Placement = "auto") -> TensorInfo:
@@ -273,9 +260,9 @@ class TierRegistry:
                 self._free_resources(record)
                 raise
             self._records[key] = record
-            self._lru.pop(key, None)
+            self._eviction.untrack(key)
             if cpu is not None:
-                self._lru[key] = None
+                self._eviction.track(key)
             if old is not None:
                 self._retire(old)
             return record.info()
@@ -288,7 +275,7 @@ class TierRegistry:
             if record.nvme is not None:
                 self.manifest.delete(key)
             del self._records[key]
-            self._lru.pop(key, None)
+            self._eviction.untrack(key)
             self._retire(record)
 
     # ---- reads --------------------------------------------------------------------
@@ -337,7 +324,7 @@ class TierRegistry:
                 elif record.cpu is not None or record.nbytes == 0:
                     self._lease(record)
                     if record.cpu is not None:  # an empty tensor holds no buffer to evict
-                        self._touch(key)
+                        self._eviction.touch(key)
                     return record.info(), record.cpu
                 elif record.loading is not None:
                     waiting = record.loading
@@ -354,12 +341,12 @@ class TierRegistry:
                     self.nvme_pool.read(record.nvme, self.cpu_pool.view(buffer),
                                         list(record.checksums), label=f"tensor {key!r}")
                 except BaseException:
-                    self._free_cpu(buffer)
+                    self.free_buffer(buffer)
                     raise
                 with self._lock:
                     record.cpu = buffer
                     if not record.retired:
-                        self._touch(key)
+                        self._eviction.touch(key)
                     return record.info(), buffer
             except BaseException:
                 self.release(key, record.version)
@@ -484,7 +471,7 @@ class TierRegistry:
                 raise InvalidArgumentError(
                     f"tensor {key!r} is fetched by {record.pins} reader(s); release it first")
             record.pins += 1
-            self._lru.pop(key, None)
+            self._eviction.untrack(key)
         try:
             self._evict_pinned(record)
         finally:
@@ -510,7 +497,7 @@ class TierRegistry:
         with self._lock:
             if record.pins == 1 and record.cpu is not None:
                 buffer, record.cpu = record.cpu, None
-                self._free_cpu(buffer)
+                self.free_buffer(buffer)
 
     def _drop_nvme_copies(self, nbytes: int) -> bool:
         """NVMe pool full: free the NVMe copies of tensors that are also in the CPU pool and
@@ -521,7 +508,7 @@ class TierRegistry:
             doubles = [r for r in self._records.values()
                        if r.cpu is not None and r.nvme is not None and r.nvme.stripes
                        and not r.durable and r.pins == 0 and r.updating is None]
-            doubles.sort(key=lambda r: self._distance(r.key))  # soonest needed first
+            doubles.sort(key=lambda r: self._eviction.distance(r.key))  # soonest needed first
             for record in doubles:
                 self._drop_nvme_copy(record)
                 freed += record.nbytes
@@ -540,18 +527,24 @@ class TierRegistry:
     def set_access_order(self, keys: list[str]) -> None:
         """Declare the cyclic order in which keys will be fetched (e.g. layer order; a
         training step's forward then backward names each layer twice)."""
+        keys = [validate_key(k) for k in keys]
         with self._lock:
-            order: dict[str, list[int]] = {}
-            for i, k in enumerate(keys):
-                order.setdefault(validate_key(k), []).append(i)
-            self._order, self._order_len, self._cursor = order, len(keys), -1
+            self._eviction.set_access_order(keys)
 
-    def _distance(self, key: str) -> int:
-        """Fetches until `key`'s next use in the cyclic order (keys outside it: never)."""
-        positions = self._order.get(key)
-        if positions is None:
-            return self._order_len + 1
-        return min((p - self._cursor - 1) % self._order_len for p in positions)
+    def apply_plan(self, plan: JobPlan) -> None:
+        """Evict by the scheduler's plan for `plan.job` from now on (replaces its older plan)."""
+        with self._lock:
+            self._eviction.apply_plan(plan)
+
+    def forget_plan(self, job: str) -> None:
+        """Stop following `job`'s plan (the scheduler forgot the job)."""
+        with self._lock:
+            self._eviction.forget_plan(job)
+
+    def eviction_state(self) -> EvictionState:
+        """The plans and the access order eviction follows now."""
+        with self._lock:
+            return self._eviction.state()
 
     def _next_version(self) -> int:
         """A version never handed out before, by this or any earlier instance (lock held)."""
@@ -561,35 +554,20 @@ class TierRegistry:
             self.manifest.reserve_versions(self._version_limit)
         return self._last_version
 
-    def _touch(self, key: str) -> None:
-        """Mark `key` as just used: most recent in LRU order, and the access cursor."""
-        self._lru.pop(key, None)
-        self._lru[key] = None
-        if key in self._order:  # this use is the key's next position after the cursor
-            n = self._order_len
-            self._cursor = min(self._order[key], key=lambda p: (p - self._cursor - 1) % n)
-
-    def _pick_victim(self) -> _Record | None:
-        candidates = [self._records[k] for k in self._lru
-                      if self._records[k].pins == 0 and self._records[k].cpu is not None
-                      and self._records[k].placement != "cpu"]
-        if not candidates:
-            return None
-        rank = min(_EVICTION_RANK[r.placement] for r in candidates)
-        candidates = [r for r in candidates if _EVICTION_RANK[r.placement] == rank]
-        if self._order:
-            return max(candidates, key=lambda r: self._distance(r.key))
-        return candidates[0]  # least recently used
-
     def _evict_for(self, nbytes: int) -> bool:
-        """CpuPool callback: free room by evicting the least-soon-needed unpinned tensor."""
+        """CpuPool callback: free room by evicting the unpinned tensor the policy picks."""
         with self._lock:
-            victim = self._pick_victim()
-            if victim is None:
+            def placement_if_evictable(key: str) -> Placement | None:
+                record = self._records[key]
+                return record.placement if record.pins == 0 and record.cpu is not None else None
+
+            key = self._eviction.victim(placement_if_evictable)
+            if key is None:
                 return False
+            victim = self._records[key]
             victim.pins += 1
             self.evictions += 1
-            self._lru.pop(victim.key, None)
+            self._eviction.untrack(key)
         log.debug("CPU pool full (%d bytes wanted): evicting %r", nbytes, victim.key)
         try:
             self._evict_pinned(victim)
@@ -601,10 +579,8 @@ class TierRegistry:
         """Unpin an eviction's victim; if it kept its CPU copy (a reader pinned it meanwhile,
         or the write to NVMe failed), it goes back on the eviction list, first in line."""
         with self._lock:
-            current = self._records.get(record.key) is record
-            if current and record.cpu is not None and record.key not in self._lru:
-                self._lru[record.key] = None
-                self._lru.move_to_end(record.key, last=False)
+            if self._records.get(record.key) is record and record.cpu is not None:
+                self._eviction.requeue_first(record.key)
             self._unpin(record)
 
     # ---- bookkeeping ---------------------------------------------------------------
@@ -641,7 +617,7 @@ class TierRegistry:
 
     def _free_resources(self, record: _Record) -> None:
         if record.cpu is not None:
-            self._free_cpu(record.cpu)
+            self.free_buffer(record.cpu)
             record.cpu = None
         if record.nvme is not None and record.nvme.stripes:
             self.nvme_pool.free(record.nvme)
@@ -665,10 +641,6 @@ class TierRegistry:
                     if left <= 0 or not any(r.updating is not None for r in self._records.values()):
                         raise
                     self._unpinned.wait(min(left, 1.0))
-
-    def _free_cpu(self, buffer: CpuBuffer | None) -> None:
-        if buffer is not None:
-            self.cpu_pool.free(buffer)
 
     def close(self) -> None:
         self.cpu_pool.close()

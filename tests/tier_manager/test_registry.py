@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import shm_bytes_used
 from tierstack.errors import DataCorruptionError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
+from tierstack.services.tier_manager.eviction import JobPlan
 from tierstack.services.tier_manager.nvme_pool import DATA_FILE
 from tierstack.services.tier_manager.registry import TierRegistry, tensor_view
 
@@ -362,6 +363,53 @@ def test_without_an_order_eviction_is_least_recently_used(tier_config):
         reg.release("t0")
         reg.put("other", torch.zeros(256 * 1024), tier="cpu")
         assert {k for k in reg.keys() if k.startswith("t") and not reg.info(k).in_cpu} == {"t1"}
+
+
+def test_a_full_pool_evicts_what_the_schedulers_plan_puts_on_nvme(tier_config):
+    """The plan streams the odd layers from NVMe: they are the ones evicted, although the
+    access order alone would evict the layers used furthest ahead and LRU the oldest."""
+    with TierRegistry(tier_config) as reg:
+        keys = [f"job/layer{i}/params" for i in range(8)]
+        reg.set_access_order(keys)
+        for k in keys:
+            reg.put(k, torch.full((256 * 1024,), float(keys.index(k))), tier="nvme")
+        for k in keys:  # a sweep over all 8 x 1 MiB fills the 8 MiB pool
+            reg.fetch(k)
+            reg.release(k)
+        tiers = {k: "nvme" if i % 2 else "cpu" for i, k in enumerate(keys)}
+        reg.apply_plan(JobPlan("job", 3, tiers, reason="trace"))
+        for i in range(4):  # four more 1 MiB tensors: four evictions
+            reg.put(f"job/other{i}", torch.zeros(256 * 1024), tier="cpu")
+        assert [k for k in keys if not reg.info(k).in_cpu] == keys[1::2]
+        [plan] = reg.eviction_state().plans
+        assert (plan.job, plan.version, plan.tensor_keys) == ("job", 3, 8)
+
+        # Forgotten, the plan no longer protects the even layers: the access order decides
+        # again. Refill the pool with every layer, layer6 used last: it is needed furthest
+        # ahead, so it goes (with the plan, an odd layer would have).
+        reg.forget_plan("job")
+        assert reg.eviction_state().plans == []
+        for i in range(4):
+            reg.delete(f"job/other{i}")
+        for k in keys[1::2] + [keys[6]]:
+            reg.fetch(k)
+            reg.release(k)
+        reg.put("job/more", torch.zeros(256 * 1024), tier="cpu")
+        assert [k for k in keys if not reg.info(k).in_cpu] == [keys[6]]
+        for i, k in enumerate(keys):
+            assert torch.equal(reg.get(k), torch.full((256 * 1024,), float(i)))
+
+
+def test_a_plan_keeping_everything_in_the_cpu_pool_is_a_preference_not_a_pin(tier_config):
+    """Unlike a user's "cpu" placement, the plan's CPU tier yields when nothing else can."""
+    with TierRegistry(tier_config) as reg:
+        keys = [f"job/t{i}" for i in range(8)]
+        for k in keys:
+            reg.put(k, torch.zeros(256 * 1024), tier="cpu")
+        reg.apply_plan(JobPlan("job", 1, {k: "cpu" for k in keys}, eviction_order=keys[::-1]))
+        reg.put("job/more", torch.ones(256 * 1024), tier="cpu")  # fits only by evicting
+        # Every key ranks the same: the plan's eviction order names job/t7 first.
+        assert [k for k in keys if not reg.info(k).in_cpu] == ["job/t7"]
 
 
 def test_a_full_nvme_pool_drops_nvme_copies_of_cpu_resident_tensors(tier_config):
