@@ -46,14 +46,32 @@ class WorkerFigures:
 
 
 @dataclass
-class PlanFigures:
-    """The plan a node runs: the layer access order that drives prefetch and eviction."""
+class JobPlanFigures:
+    """One job's plan from the scheduler, as this node runs it."""
 
+    job: str
     version: int
-    source: str
+    reason: str
+    """Why the scheduler made this version ("trace", "bandwidth drift on ...")."""
+    tensor_keys: int
+    """Tensors the plan gives a tier on this node."""
+    applied_at: float
+
+
+@dataclass
+class PlanFigures:
+    """What a node's eviction follows: the scheduler's plan of each job it runs (none
+    without a scheduler), and the access order its workers declare (SetAccessOrder)."""
+
+    scheduler: str
+    """The scheduler the node follows ('' when it runs without one)."""
+    jobs: list[JobPlanFigures]
     eviction_policy: str
+    """The rules that pick an eviction victim now, in order."""
+    access_order_version: int
+    """Access orders declared since the daemon started (0: none)."""
     access_order_keys: int
-    updated_at: float | None = None
+    access_order_updated_at: float | None = None
     prefetch_depths: dict[str, int] = field(default_factory=dict)
     """worker id -> layers it prefetches ahead (as reported; 0 where not known)."""
 

@@ -173,6 +173,38 @@ class WatchPlansRequest(_message.Message):
     after_version: int
     def __init__(self, job: _Optional[str] = ..., after_version: _Optional[int] = ...) -> None: ...
 
+class WatchNodePlansRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class JobNodePlan(_message.Message):
+    __slots__ = ("job", "version", "reason", "plan", "tensor_keys")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_KEYS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    version: int
+    reason: str
+    plan: NodePlan
+    tensor_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., plan: _Optional[_Union[NodePlan, _Mapping]] = ..., tensor_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class NodePlanUpdate(_message.Message):
+    __slots__ = ("node_id", "plans", "forgotten", "full")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plans: _containers.RepeatedCompositeFieldContainer[JobNodePlan]
+    forgotten: _containers.RepeatedScalarFieldContainer[str]
+    full: bool
+    def __init__(self, node_id: _Optional[str] = ..., plans: _Optional[_Iterable[_Union[JobNodePlan, _Mapping]]] = ..., forgotten: _Optional[_Iterable[str]] = ..., full: _Optional[bool] = ...) -> None: ...
+
 class ListNodesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -64,6 +64,11 @@ class SchedulerStub:
                 request_serializer=tierstack_dot_proto_dot_scheduler__pb2.WatchPlansRequest.SerializeToString,
                 response_deserializer=tierstack_dot_proto_dot_scheduler__pb2.Plan.FromString,
                 _registered_method=True)
+        self.WatchNodePlans = channel.unary_stream(
+                '/tierstack.scheduler.v1.Scheduler/WatchNodePlans',
+                request_serializer=tierstack_dot_proto_dot_scheduler__pb2.WatchNodePlansRequest.SerializeToString,
+                response_deserializer=tierstack_dot_proto_dot_scheduler__pb2.NodePlanUpdate.FromString,
+                _registered_method=True)
         self.ForgetJob = channel.unary_unary(
                 '/tierstack.scheduler.v1.Scheduler/ForgetJob',
                 request_serializer=tierstack_dot_proto_dot_scheduler__pb2.ForgetJobRequest.SerializeToString,
@@ -110,6 +115,12 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchNodePlans(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ForgetJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -148,6 +159,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.WatchPlans,
                     request_deserializer=tierstack_dot_proto_dot_scheduler__pb2.WatchPlansRequest.FromString,
                     response_serializer=tierstack_dot_proto_dot_scheduler__pb2.Plan.SerializeToString,
+            ),
+            'WatchNodePlans': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchNodePlans,
+                    request_deserializer=tierstack_dot_proto_dot_scheduler__pb2.WatchNodePlansRequest.FromString,
+                    response_serializer=tierstack_dot_proto_dot_scheduler__pb2.NodePlanUpdate.SerializeToString,
             ),
             'ForgetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.ForgetJob,
@@ -317,6 +333,33 @@ class Scheduler:
             '/tierstack.scheduler.v1.Scheduler/WatchPlans',
             tierstack_dot_proto_dot_scheduler__pb2.WatchPlansRequest.SerializeToString,
             tierstack_dot_proto_dot_scheduler__pb2.Plan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchNodePlans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierstack.scheduler.v1.Scheduler/WatchNodePlans',
+            tierstack_dot_proto_dot_scheduler__pb2.WatchNodePlansRequest.SerializeToString,
+            tierstack_dot_proto_dot_scheduler__pb2.NodePlanUpdate.FromString,
             options,
             channel_credentials,
             insecure,

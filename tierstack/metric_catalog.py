@@ -87,8 +87,8 @@ CHECKSUM_FAILURES = _spec("tierstack_checksum_failures_total", "counter",
 EVICTIONS = _spec("tierstack_evictions_total", "counter",
                   "Tensors evicted from the CPU pool to make room.")
 PLAN_VERSION = _spec("tierstack_plan_version", "gauge",
-                     "Version of the access-order plan the node runs; it grows by one with "
-                     "each new plan.")
+                     "Version of the scheduler's plan for a job that this node runs (its "
+                     "evictions follow it); no sample without a scheduler.", ("job",))
 LEASES = _spec("tierstack_buffer_leases", "gauge",
                "CPU-pool buffers handed to workers and not yet committed or cancelled.")
 PINS = _spec("tierstack_pinned_tensors", "gauge", "Fetch pins held by readers.")

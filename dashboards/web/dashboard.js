@@ -29,6 +29,11 @@ function fmtBytes(n) {
   return n + " B";
 }
 
+// Names and reasons come from jobs and nodes: show them as text, never as markup.
+function esc(text) {
+  return String(text).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+}
+
 function svgEl(tag, attrs, text) {
   const e = document.createElementNS(SVG, tag);
   for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
@@ -148,16 +153,32 @@ function render(cluster, histories) {
     points: seriesOf(history, (s) => s.stall_seconds_per_second)}], null, t0, now,
     (v) => (100 * v).toFixed(0) + "%");
 
+  // "Plan" is the scheduler's plan (per job); the access order workers declare is
+  // shown apart from it: both drive which tensor the node evicts.
+  const when = (t) => t ? new Date(t * 1000).toLocaleTimeString() : "–";
   const plan = $("plan");
   plan.replaceChildren();
-  plan.insertAdjacentHTML("beforeend", "<tr><th>node</th><th>version</th><th>source</th>" +
-    "<th>eviction</th><th>layers in order</th><th>updated</th></tr>");
+  plan.insertAdjacentHTML("beforeend", "<tr><th>node</th><th>job</th><th>plan version</th>" +
+    "<th>reason</th><th>tensors</th><th>since</th></tr>");
+  const order = $("access-order");
+  order.replaceChildren();
+  order.insertAdjacentHTML("beforeend", "<tr><th>node</th><th>declared</th>" +
+    "<th>keys</th><th>updated</th><th>eviction rules, in order</th></tr>");
   for (const n of nodeView ? [snap] : cluster.nodes) {
     const p = n.plan;
-    const when = p.updated_at ? new Date(p.updated_at * 1000).toLocaleTimeString() : "–";
-    plan.insertAdjacentHTML("beforeend", `<tr><td>${n.node}</td><td class="num">${p.version}</td>
-      <td>${p.source}</td><td>${p.eviction_policy}</td><td class="num">${p.access_order_keys}</td>
-      <td>${when}</td></tr>`);
+    if (!p.jobs.length) {
+      plan.insertAdjacentHTML("beforeend", `<tr><td>${esc(n.node)}</td><td>none</td>
+        <td class="num">0</td><td>${p.scheduler ? "no plan from the scheduler yet" : "no scheduler"}</td>
+        <td class="num">–</td><td>–</td></tr>`);
+    }
+    for (const j of p.jobs) {
+      plan.insertAdjacentHTML("beforeend", `<tr><td>${esc(n.node)}</td><td>${esc(j.job)}</td>
+        <td class="num">${j.version}</td><td>${esc(j.reason)}</td>
+        <td class="num">${j.tensor_keys}</td><td>${when(j.applied_at)}</td></tr>`);
+    }
+    order.insertAdjacentHTML("beforeend", `<tr><td>${esc(n.node)}</td>
+      <td class="num">${p.access_order_version}</td><td class="num">${p.access_order_keys}</td>
+      <td>${when(p.access_order_updated_at)}</td><td>${esc(p.eviction_policy)}</td></tr>`);
   }
 
   const nodes = $("nodes");

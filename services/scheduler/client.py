@@ -8,16 +8,18 @@ back as the project's exceptions.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Callable, Iterator
+
+import grpc
 
 from tierstack.addresses import default_scheduler_address, grpc_target
-from tierstack.errors import SchedulerUnavailableError
+from tierstack.errors import SchedulerUnavailableError, TierstackError
 from tierstack.proto import scheduler_pb2 as pb
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
 from tierstack.rpc import RpcClient
-from tierstack.services.scheduler.model import Bandwidths, JobTrace, NodeSpec, Plan
+from tierstack.services.scheduler.model import Bandwidths, JobTrace, NodePlanUpdate, NodeSpec, Plan
 from tierstack.services.scheduler.wire import (
-    bandwidths_from, bandwidths_pb, node_from, node_pb, plan_from, trace_pb)
+    bandwidths_from, bandwidths_pb, node_from, node_pb, node_plan_update_from, plan_from, trace_pb)
 
 # Calls that can be sent again after a dropped connection without changing anything.
 IDEMPOTENT = frozenset({"RegisterNode", "ListNodes", "GetPlan", "ForgetJob"})
@@ -74,5 +76,32 @@ class SchedulerClient(RpcClient):
         return self._stub.WatchPlans(pb.WatchPlansRequest(job=job, after_version=after_version),
                                      wait_for_ready=True)
 
+    def watch_node_plans(self, node_id: str) -> "NodePlanStream":
+        """The plans of every job on `node_id`: a full update first, then each change (a
+        gRPC stream, waiting for the scheduler to be up)."""
+        call = self._stub.WatchNodePlans(pb.WatchNodePlansRequest(node_id=node_id),
+                                         wait_for_ready=True)
+        return NodePlanStream(call, lambda e: self._translate("WatchNodePlans", e))
+
     def forget_job(self, job: str) -> None:
         self.call("ForgetJob", pb.ForgetJobRequest(job=job))
+
+
+class NodePlanStream:
+    """A WatchNodePlans stream read as `NodePlanUpdate`s. It ends with the project's
+    exception (SchedulerUnavailableError when the scheduler went away or `cancel` was
+    called from another thread)."""
+
+    def __init__(self, call, translate: Callable[[grpc.RpcError], TierstackError]) -> None:
+        self._call = call
+        self._translate = translate
+
+    def __iter__(self) -> Iterator[NodePlanUpdate]:
+        try:
+            for msg in self._call:
+                yield node_plan_update_from(msg)
+        except grpc.RpcError as e:
+            raise self._translate(e) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()

@@ -1,7 +1,8 @@
 """The scheduler's state: registered nodes, their bandwidth drift, jobs and their plans.
 
-Knows nothing of gRPC. Plans are versioned per job; every new version wakes the
-threads waiting in `wait_for_plan` (the servicer's GetPlan and WatchPlans).
+Knows nothing of gRPC. Plans are versioned per job; every new version (and every job
+forgotten) wakes the threads waiting in `wait_for_plan` (the servicer's GetPlan and
+WatchPlans) and `wait_for_node_plans` (WatchNodePlans, which tier managers follow).
 
 Re-planning rule: each node keeps the bandwidths its plans assume (the start-up probe,
 then whatever the last re-plan adopted). A link counts as drifting while every report
@@ -18,6 +19,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from tierstack.config import SchedulerConfig
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError
@@ -194,6 +196,29 @@ class ClusterState:
                 record = self.jobs.get(job)
                 if record is not None and record.plan.version > newer_than:
                     return record.plan, [t.key for t in record.trace.tensors]
+                left = deadline - self.clock()
+                if left <= 0 or (stop is not None and stop.is_set()):
+                    return None
+                self._changed.wait(min(left, 0.5))
+
+    def wait_for_node_plans(self, node_id: str, sent: Mapping[str, Plan], timeout: float,
+                            stop: threading.Event | None = None
+                            ) -> tuple[list[tuple[Plan, list[str]]], list[str]] | None:
+        """What changed for `node_id` since `sent` (job -> the plan last sent to it): the
+        plans, with their tensor keys, of its jobs that are new or have a newer plan, and the
+        jobs of `sent` no longer planned there. Waits until something changed; None on
+        timeout or stop."""
+        deadline = self.clock() + timeout
+        with self._changed:
+            while True:
+                here = {job: r for job, r in self.jobs.items() if node_id in r.plan.nodes}
+                # A new version is a new Plan object: identity tells it apart even when a
+                # forgotten job came back with the same version number.
+                changed = [(r.plan, [t.key for t in r.trace.tensors])
+                           for job, r in here.items() if sent.get(job) is not r.plan]
+                forgotten = [job for job in sent if job not in here]
+                if changed or forgotten:
+                    return changed, forgotten
                 left = deadline - self.clock()
                 if left <= 0 or (stop is not None and stop.is_set()):
                     return None

@@ -226,3 +226,26 @@ class Plan:
     reason: str = ""
     """Why this version exists: 'trace', 'bandwidth drift on node X', ..."""
     created: float = 0.0
+
+
+@dataclass
+class JobNodePlan:
+    """One job's plan as one node runs it (what WatchNodePlans sends a tier manager)."""
+
+    job: str
+    version: int
+    reason: str
+    plan: NodePlan
+    tensor_keys: list[str]
+    """The trace's tensor keys, in the order `plan.tiers` indexes them."""
+
+
+@dataclass
+class NodePlanUpdate:
+    """A change to the plans one node runs. `full`: `plans` is every job on the node
+    (the first update of a watch), and any other plan the node holds is stale."""
+
+    node_id: str
+    plans: list[JobNodePlan]
+    forgotten: list[str] = field(default_factory=list)
+    full: bool = False

@@ -14,8 +14,9 @@ from tierstack.proto import scheduler_pb2 as pb
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
 from tierstack.rpc import rpc_method
 from tierstack.services.scheduler.cluster import ClusterState
+from tierstack.services.scheduler.model import Plan
 from tierstack.services.scheduler.wire import (
-    bandwidths_from, bandwidths_pb, node_from, node_pb, plan_pb, trace_from)
+    bandwidths_from, bandwidths_pb, node_from, node_pb, node_plan_update_pb, plan_pb, trace_from)
 
 MAX_WAIT_SECONDS = 3600.0
 
@@ -72,6 +73,30 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             plan, keys = found
             version = plan.version
             yield plan_pb(plan, keys)
+
+    @rpc_method
+    def WatchNodePlans(self, request, context):
+        if not request.node_id:
+            raise InvalidArgumentError(
+                "WatchNodePlans needs the node_id its tier manager registered with")
+        return self._node_plan_updates(request.node_id, context)
+
+    def _node_plan_updates(self, node_id: str, context):
+        """The node's plans now (one full update, even when empty), then each change."""
+        sent: dict[str, Plan] = {}
+        full = True
+        while context.is_active() and not self._stopping.is_set():
+            found = self.cluster.wait_for_node_plans(node_id, sent, 0.0 if full else 1.0,
+                                                     self._stopping)
+            if found is None and not full:
+                continue
+            plans, forgotten = found or ([], [])
+            for plan, _ in plans:
+                sent[plan.job] = plan
+            for job in forgotten:
+                del sent[job]
+            yield node_plan_update_pb(node_id, plans, forgotten, full)
+            full = False
 
     @rpc_method
     def ForgetJob(self, request, context):

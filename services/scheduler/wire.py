@@ -10,7 +10,7 @@ import numpy as np
 
 from tierstack.proto import scheduler_pb2 as pb
 from tierstack.services.scheduler.model import (
-    Bandwidths, JobTrace, NodePlan, NodeSpec, Plan, TensorSpec)
+    Bandwidths, JobNodePlan, JobTrace, NodePlan, NodePlanUpdate, NodeSpec, Plan, TensorSpec)
 
 
 def bandwidths_pb(bw: Bandwidths) -> pb.Bandwidths:
@@ -57,34 +57,54 @@ def trace_from(msg: pb.JobTrace) -> JobTrace:
         device_residency=not msg.no_device_residency)
 
 
+def node_plan_pb(p: NodePlan) -> pb.NodePlan:
+    hits = b"" if p.device_hits is None else np.asarray(p.device_hits, dtype=np.uint8).tobytes()
+    return pb.NodePlan(
+        node_id=p.node_id, tiers=np.asarray(p.tiers, dtype=np.uint8).tobytes(),
+        prefetch_depth=p.prefetch_depth, read_ahead=p.read_ahead,
+        staging_buffers=p.staging_buffers, eviction_order=p.eviction_order,
+        assumed=bandwidths_pb(p.assumed), ordering=p.ordering, device_hits=hits,
+        lower_bound_seconds=p.lower_bound_seconds, predicted_step_seconds=p.predicted_step_seconds)
+
+
+def node_plan_from(p: pb.NodePlan) -> NodePlan:
+    return NodePlan(
+        node_id=p.node_id, tiers=np.frombuffer(p.tiers, dtype=np.uint8).astype(np.int8),
+        prefetch_depth=p.prefetch_depth, read_ahead=p.read_ahead,
+        eviction_order=list(p.eviction_order), assumed=bandwidths_from(p.assumed),
+        predicted_step_seconds=p.predicted_step_seconds,
+        lower_bound_seconds=p.lower_bound_seconds, ordering=p.ordering or "deadline",
+        staging_buffers=p.staging_buffers,
+        device_hits=np.frombuffer(p.device_hits, dtype=np.uint8).astype(bool) if p.device_hits else None)
+
+
 def plan_pb(plan: Plan, tensor_keys: list[str]) -> pb.Plan:
-    nodes = []
-    for p in plan.nodes.values():
-        hits = b"" if p.device_hits is None else np.asarray(p.device_hits, dtype=np.uint8).tobytes()
-        nodes.append(pb.NodePlan(
-            node_id=p.node_id, tiers=np.asarray(p.tiers, dtype=np.uint8).tobytes(),
-            prefetch_depth=p.prefetch_depth, read_ahead=p.read_ahead,
-            staging_buffers=p.staging_buffers, eviction_order=p.eviction_order,
-            assumed=bandwidths_pb(p.assumed), ordering=p.ordering, device_hits=hits,
-            lower_bound_seconds=p.lower_bound_seconds, predicted_step_seconds=p.predicted_step_seconds))
-    return pb.Plan(job=plan.job, version=plan.version, nodes=nodes,
+    return pb.Plan(job=plan.job, version=plan.version,
+                   nodes=[node_plan_pb(p) for p in plan.nodes.values()],
                    predicted_step_seconds=plan.predicted_step_seconds,
                    lower_bound_seconds=plan.lower_bound_seconds, fits=plan.fits, reason=plan.reason,
                    created=plan.created, tensor_keys=tensor_keys)
 
 
 def plan_from(msg: pb.Plan) -> Plan:
-    nodes = {}
-    for p in msg.nodes:
-        nodes[p.node_id] = NodePlan(
-            node_id=p.node_id, tiers=np.frombuffer(p.tiers, dtype=np.uint8).astype(np.int8),
-            prefetch_depth=p.prefetch_depth, read_ahead=p.read_ahead,
-            eviction_order=list(p.eviction_order), assumed=bandwidths_from(p.assumed),
-            predicted_step_seconds=p.predicted_step_seconds,
-            lower_bound_seconds=p.lower_bound_seconds, ordering=p.ordering or "deadline",
-            staging_buffers=p.staging_buffers,
-            device_hits=np.frombuffer(p.device_hits, dtype=np.uint8).astype(bool) if p.device_hits else None)
-    return Plan(job=msg.job, version=msg.version, nodes=nodes,
+    return Plan(job=msg.job, version=msg.version,
+                nodes={p.node_id: node_plan_from(p) for p in msg.nodes},
                 predicted_step_seconds=msg.predicted_step_seconds,
                 lower_bound_seconds=msg.lower_bound_seconds, fits=msg.fits, reason=msg.reason,
                 created=msg.created)
+
+
+def node_plan_update_pb(node_id: str, plans: list[tuple[Plan, list[str]]], forgotten: list[str],
+                        full: bool) -> pb.NodePlanUpdate:
+    """The node's part of each (plan, tensor keys), and the jobs it no longer runs."""
+    return pb.NodePlanUpdate(node_id=node_id, forgotten=forgotten, full=full, plans=[
+        pb.JobNodePlan(job=plan.job, version=plan.version, reason=plan.reason,
+                       plan=node_plan_pb(plan.nodes[node_id]), tensor_keys=keys)
+        for plan, keys in plans])
+
+
+def node_plan_update_from(msg: pb.NodePlanUpdate) -> NodePlanUpdate:
+    return NodePlanUpdate(node_id=msg.node_id, forgotten=list(msg.forgotten), full=msg.full, plans=[
+        JobNodePlan(job=p.job, version=p.version, reason=p.reason, plan=node_plan_from(p.plan),
+                    tensor_keys=list(p.tensor_keys))
+        for p in msg.plans])

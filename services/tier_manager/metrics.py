@@ -22,9 +22,8 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 
 from tierstack import metric_catalog as mc
 from tierstack.config import MetricsConfig
-from tierstack.dashboards.snapshots import (History, HistorySample, LinkFigures,
-                                                           NodeSnapshot, PlanFigures, TierFigures,
-                                                           WorkerFigures)
+from tierstack.dashboards.snapshots import (History, HistorySample, JobPlanFigures, LinkFigures,
+                                            NodeSnapshot, PlanFigures, TierFigures, WorkerFigures)
 from tierstack.services.tier_manager.rpc_metrics import RpcMetrics
 from tierstack.services.tier_manager.server import TierManagerServicer
 from tierstack.services.tier_manager.worker_reports import WorkerReports
@@ -181,14 +180,17 @@ class NodeMetrics:
             workers=workers)
 
     def plan(self, live=None) -> PlanFigures:
-        """The plan this node runs: until the scheduler sends plans, the access order
-        workers declare (SetAccessOrder) drives prefetch order and eviction."""
-        version, keys, updated = self.rpc.plan()
+        """The scheduler's plans this node's registry evicts by, and the access order."""
+        registry = self.servicer.registry
+        state = registry.eviction_state()
         live = self.workers.live() if live is None else live
         return PlanFigures(
-            version=version, source="tier manager (access order from workers)",
-            eviction_policy="furthest next use in the access order" if keys else "least recently used",
-            access_order_keys=keys, updated_at=updated,
+            scheduler=registry.config.scheduler_address,
+            jobs=[JobPlanFigures(p.job, p.version, p.reason, p.tensor_keys, p.applied_at)
+                  for p in state.plans],
+            eviction_policy=state.rules, access_order_version=state.access_order_version,
+            access_order_keys=state.access_order_keys,
+            access_order_updated_at=state.access_order_updated_at,
             prefetch_depths={r.worker_id: r.prefetch_depth for r, _ in live})
 
     def history(self, window_seconds: float) -> History:
@@ -230,12 +232,15 @@ class NodeMetrics:
             queues.add_metric([name], depth)
         yield queues
         for spec, value in ((mc.TENSORS, stats.tensors), (mc.CHECKSUM_FAILURES, stats.checksum_failures),
-                            (mc.EVICTIONS, stats.evictions), (mc.PLAN_VERSION, self.rpc.plan_version),
-                            (mc.LEASES, stats.leases), (mc.PINS, stats.pinned),
-                            (mc.WORKERS, totals.workers)):
+                            (mc.EVICTIONS, stats.evictions), (mc.LEASES, stats.leases),
+                            (mc.PINS, stats.pinned), (mc.WORKERS, totals.workers)):
             f = family(spec)
             f.add_metric([], value)
             yield f
+        plans = family(mc.PLAN_VERSION)
+        for plan in self.servicer.registry.eviction_state().plans:
+            plans.add_metric([plan.job], plan.version)
+        yield plans
         stall = family(mc.WORKER_STALL)
         wait = HistogramMetricFamily(mc.WORKER_WAIT.name, mc.WORKER_WAIT.help,
                                      labels=mc.WORKER_WAIT.labels)

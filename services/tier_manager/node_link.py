@@ -1,4 +1,4 @@
-"""A tier manager's link to the scheduler: register the node, then report bandwidth.
+"""A tier manager's link to the scheduler: register the node, report bandwidth, follow plans.
 
 At start a short probe measures the node's four links with the daemon's own parts:
 disk write and read through the NVMe pool (its IO engine, O_DIRECT, fdatasync), and
@@ -10,9 +10,15 @@ engine delivered while busy since the last report (its IoStats): a link without
 traffic reports 0, which the scheduler reads as "no measurement". Device links are
 measured by workers, not here.
 
-The scheduler may be down or restart: registration is retried, and a report answered
-NOT_FOUND (a restarted scheduler forgot the node) registers again. Nothing here can
-stop the tier manager from serving.
+The link also follows the plans of every job on the node (WatchNodePlans) and hands
+each to the registry (`TierRegistry.apply_plan`), whose eviction then follows the plan's
+tiers and eviction order; a job the scheduler forgets is forgotten there too.
+
+The scheduler may be down or restart: registration is retried, a report answered
+NOT_FOUND (a restarted scheduler forgot the node) registers again, and a broken plan
+stream is opened again; it begins with every plan the scheduler holds for the node, so
+plans a restarted scheduler no longer has are dropped. Nothing here can stop the tier
+manager from serving.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ import time
 import torch
 
 from tierstack.config import MiB, TierManagerConfig
-from tierstack.errors import KeyNotFoundError, TierstackError
-from tierstack.services.scheduler.client import SchedulerClient
-from tierstack.services.scheduler.model import Bandwidths, NodeSpec
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError, TierstackError
+from tierstack.services.scheduler.client import NodePlanStream, SchedulerClient
+from tierstack.services.scheduler.model import TIERS, Bandwidths, JobNodePlan, NodePlanUpdate, NodeSpec
+from tierstack.services.tier_manager.eviction import JobPlan
 from tierstack.services.tier_manager.registry import TierRegistry
 
 log = logging.getLogger(__name__)
@@ -101,8 +108,27 @@ def node_spec(registry: TierRegistry, config: TierManagerConfig, bandwidth: Band
                     nvme_bytes=registry.nvme_pool.capacity, bandwidth=bandwidth, gpus=max(gpus, 1))
 
 
+def job_plan(plan: JobNodePlan) -> JobPlan:
+    """The scheduler's plan for this node as the registry takes it: tiers and eviction
+    order by tensor key rather than by index into the trace."""
+    keys, node = plan.tensor_keys, plan.plan
+    if len(node.tiers) != len(keys):
+        raise InvalidArgumentError(
+            f"plan v{plan.version} of job {plan.job!r} gives {len(node.tiers)} tiers for "
+            f"{len(keys)} tensor keys; the scheduler and this tier manager disagree on the "
+            f"wire format: run the same tierstack version on both")
+    if any(i >= len(keys) for i in node.eviction_order):
+        raise InvalidArgumentError(
+            f"plan v{plan.version} of job {plan.job!r} orders a tensor beyond its {len(keys)} "
+            f"keys; run the same tierstack version on the scheduler and this tier manager")
+    return JobPlan(job=plan.job, version=plan.version, reason=plan.reason,
+                   tiers={key: TIERS[int(code)] for key, code in zip(keys, node.tiers)},
+                   eviction_order=[keys[i] for i in node.eviction_order])
+
+
 class NodeLink:
-    """Registers this node with the scheduler and reports its measured disk bandwidth."""
+    """Registers this node with the scheduler, reports its measured disk bandwidth and
+    has the registry follow the plans of the node's jobs."""
 
     def __init__(self, registry: TierRegistry, config: TierManagerConfig, metrics_url: str = "") -> None:
         self.registry = registry
@@ -114,6 +140,9 @@ class NodeLink:
         self.reports = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tierstack-node-link", daemon=True)
+        self._plan_thread = threading.Thread(target=self._follow_plans, name="tierstack-node-plans",
+                                             daemon=True)
+        self._plan_stream: NodePlanStream | None = None
 
     def start(self) -> None:
         # The probe runs before the daemon serves, so no worker's traffic skews it.
@@ -122,6 +151,7 @@ class NodeLink:
         log.info("bandwidth probe: disk read %.2f GB/s, write %.2f GB/s; shm->device %.2f GB/s, "
                  "device->shm %.2f GB/s", bw.disk_read / 1e9, bw.disk_write / 1e9, bw.h2d / 1e9, bw.d2h / 1e9)
         self._thread.start()
+        self._plan_thread.start()
 
     def _register(self) -> None:
         while not self._stop.is_set():
@@ -155,7 +185,42 @@ class NodeLink:
             except TierstackError as e:
                 log.debug("bandwidth report failed: %s", e)
 
+    def _follow_plans(self) -> None:
+        """Apply every plan the scheduler makes for this node's jobs, until `stop`."""
+        while not self._stop.is_set():
+            try:
+                self._plan_stream = self.client.watch_node_plans(self.node.node_id)
+                for update in self._plan_stream:
+                    self._apply(update)
+            except TierstackError as e:
+                if self._stop.is_set():
+                    return
+                log.debug("plan stream from the scheduler broke (%s); opening it again", e)
+            except Exception:  # noqa: BLE001 - a bug here must not end plan following
+                log.exception("applying the scheduler's plans failed; opening the stream again")
+            self._stop.wait(0.5)
+
+    def _apply(self, update: NodePlanUpdate) -> None:
+        forgotten = list(update.forgotten)
+        if update.full:  # the scheduler's whole view: a plan it does not hold is stale
+            current = {p.job for p in update.plans}
+            forgotten += [p.job for p in self.registry.eviction_state().plans if p.job not in current]
+        for job in forgotten:
+            self.registry.forget_plan(job)
+            log.info("job %s: no plan from the scheduler any more; eviction goes without one", job)
+        for plan in update.plans:
+            try:
+                self.registry.apply_plan(job_plan(plan))
+            except InvalidArgumentError as e:
+                log.warning("cannot follow plan v%d of job %s: %s", plan.version, plan.job, e)
+                continue
+            log.info("job %s: following plan v%d (%s)", plan.job, plan.version, plan.reason)
+
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._plan_stream is not None:
+            self._plan_stream.cancel()
+        for thread in (self._thread, self._plan_thread):
+            if thread.is_alive():  # not started when the probe failed
+                thread.join(timeout=5)
         self.client.close()

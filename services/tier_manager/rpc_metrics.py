@@ -2,9 +2,8 @@
 
 Each unary call's duration goes into `tierstack_rpc_duration_seconds{method}` and each
 failed one into `tierstack_rpc_failures_total{method,code}`; calls being served are
-counted as a queue depth. A SetAccessOrder that succeeds installs a new plan (the layer
-order prefetch and eviction follow), so the interceptor also keeps the plan's version.
-Streaming calls (WatchStats) last as long as their watcher and are not timed.
+counted as a queue depth. Streaming calls (WatchStats) last as long as their watcher
+and are not timed.
 
 Cost per call matters (a local RPC takes ~200 us and ensure_layer makes three per
 layer): wrapped handlers are built once per method, and a call takes one lock, once, to
@@ -23,7 +22,6 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from tierstack.metric_catalog import RPC_BUCKETS, RPC_DURATION, RPC_FAILURES
 
-PLAN_METHOD = "SetAccessOrder"
 _OK = grpc.StatusCode.OK
 
 
@@ -46,18 +44,10 @@ class RpcMetrics(grpc.ServerInterceptor):
         self._times: dict[str, _MethodTimes] = {}
         self._failures: dict[tuple[str, str], int] = {}
         self._active: list[None] = []  # one entry per call being served (append/pop are atomic)
-        self.plan_version = 0
-        self.plan_keys = 0
-        self.plan_updated_at: float | None = None
 
     @property
     def in_flight(self) -> int:
         return len(self._active)
-
-    def plan(self) -> tuple[int, int, float | None]:
-        """(version, keys in the access order, when it was installed)."""
-        with self._lock:
-            return self.plan_version, self.plan_keys, self.plan_updated_at
 
     def intercept_service(self, continuation, handler_call_details):
         full_name = handler_call_details.method
@@ -73,7 +63,6 @@ class RpcMetrics(grpc.ServerInterceptor):
         with self._lock:
             times = self._times.setdefault(method, _MethodTimes())
         inner, active, lock = handler.unary_unary, self._active, self._lock
-        plan = method == PLAN_METHOD
 
         def timed(request, context):
             active.append(None)
@@ -94,10 +83,6 @@ class RpcMetrics(grpc.ServerInterceptor):
                     if code is not _OK:
                         key = (method, code.name)
                         self._failures[key] = self._failures.get(key, 0) + 1
-                    elif plan:
-                        self.plan_version += 1
-                        self.plan_keys = len(request.keys)
-                        self.plan_updated_at = time.time()
                 active.pop()
 
         return grpc.unary_unary_rpc_method_handler(

@@ -48,9 +48,13 @@ def test_node_snapshot_counts_exactly_the_bytes_the_worker_moved(metrics_daemon,
     assert node["tiers"]["cpu"]["used_bytes"] == stats.cpu_used
     [worker] = node["workers"]
     assert worker["job"] == "metrics-test" and worker["device"] == "cpu"
-    # register_layers declared the layer order once: that is the plan the node runs.
-    assert node["plan"]["version"] == 1 and node["plan"]["access_order_keys"] == LAYERS
-    assert get(metrics_daemon.url, "/api/v1/plan") == node["plan"]
+    # No scheduler: the node runs no plan, and says so. register_layers declared the
+    # layer order once: that is the access order, counted apart from plans.
+    plan = node["plan"]
+    assert plan["scheduler"] == "" and plan["jobs"] == []
+    assert plan["access_order_version"] == 1 and plan["access_order_keys"] == LAYERS
+    assert "furthest next use in the access order" in plan["eviction_policy"]
+    assert get(metrics_daemon.url, "/api/v1/plan") == plan
 
 
 def test_history_shows_bandwidth_while_bytes_move_and_peaks_bound_it(metrics_daemon, traffic):
@@ -98,8 +102,8 @@ def test_metrics_pass_promtool_and_agree_with_the_snapshot(metrics_daemon, traff
     names = {name for name, _ in values}
     # Every family the catalog lists for a node is there, with samples.
     for spec in mc.NODE_METRICS:
-        if spec is mc.RPC_FAILURES:
-            continue  # none failed yet
+        if spec in (mc.RPC_FAILURES, mc.PLAN_VERSION):
+            continue  # none failed yet; no scheduler, so no plan (tests/scheduler checks it)
         assert set(spec.sample_names) <= names, spec.name
     node = get(metrics_daemon.url, "/api/v1/node")
     for link in mc.LINKS:
@@ -109,7 +113,9 @@ def test_metrics_pass_promtool_and_agree_with_the_snapshot(metrics_daemon, traff
     # Each layer load used (and released) is one observation of the wait for it.
     assert values[("tierstack_worker_ensure_layer_wait_seconds_count", (("worker", worker),))] == 2 * LAYERS
     assert values[("tierstack_rpc_duration_seconds_count", (("method", "Fetch"),))] >= 2 * LAYERS
-    assert values[("tierstack_plan_version", ())] == 1
+    # Without a scheduler the node runs no plan: the family is there, with no job in it.
+    assert f"# TYPE {mc.PLAN_VERSION.name} gauge" in text
+    assert not any(name == mc.PLAN_VERSION.name for name, _ in values)
 
 
 def test_failed_rpcs_are_counted_by_method_and_status(metrics_daemon, traffic):

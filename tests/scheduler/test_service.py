@@ -1,5 +1,6 @@
 """The scheduler as a real process: registration, plans, watch streams, drift re-planning,
-and a real tier manager + worker following its plans."""
+and a real tier manager + worker following its plans (the worker its prefetch depths,
+the tier manager its tiers: what it evicts)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,19 @@ import time
 import pytest
 import torch
 
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.conftest import tier_manager_process
+from tests.metrics.conftest import get, wait_for
 from tierstack.services.scheduler.synthetic import node, transformer_trace
 from tests.worker.pass_worker import bit_equal, make_layer
 from tierstack.config import SchedulerConfig
-from tierstack.errors import InvalidArgumentError, KeyNotFoundError
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError, SchedulerUnavailableError
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
-from tierstack.services.scheduler.model import Bandwidths
+from tierstack.proto import node_metrics_pb2, node_metrics_pb2_grpc
+from tierstack.services.scheduler.model import NVME, Bandwidths
 from tierstack.worker.plan_watcher import PlanWatcher
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.plan_follower import PlanFollower
@@ -67,6 +73,37 @@ def test_plans_are_versioned_watched_and_replanned_only_on_sustained_drift(sched
     client.close()
 
 
+def test_a_node_watches_the_plans_of_the_jobs_on_it(scheduler):
+    """WatchNodePlans: every plan of the node's jobs now (a full update, even when none),
+    then each new version and each forgotten job; other nodes' jobs never show."""
+    client = SchedulerClient(scheduler.address)
+    for name in ("n0", "n1"):
+        client.register_node(node(name, gpu_gb=0.3, cpu_gb=0.3))
+    client.report_trace(transformer_trace(layers=4, nodes=("n0", "n1"), job="both"))
+    stream = client.watch_node_plans("n0")
+    updates = iter(stream)
+    first = next(updates)
+    assert first.full and first.node_id == "n0" and first.forgotten == []
+    [both] = first.plans
+    assert (both.job, both.version, both.reason) == ("both", 1, "trace")
+    assert both.plan.node_id == "n0"  # this node's part only
+    assert both.tensor_keys == [f"both/layer{i}/{k}" for i in range(4)
+                                for k in ("params", "grad", "optimizer")]
+    assert len(both.plan.tiers) == len(both.tensor_keys)
+
+    client.report_trace(transformer_trace(layers=4, nodes=("n1",), job="elsewhere"))
+    client.report_trace(transformer_trace(layers=4, nodes=("n0",), job="here"))
+    update = next(updates)
+    assert not update.full and [(p.job, p.version) for p in update.plans] == [("here", 1)]
+    client.forget_job("both")
+    update = next(updates)
+    assert update.plans == [] and update.forgotten == ["both"]
+    stream.cancel()
+    with pytest.raises(SchedulerUnavailableError, match="WatchNodePlans"):
+        next(updates)
+    client.close()
+
+
 def test_bad_requests_get_statuses_that_name_the_problem(scheduler):
     client = SchedulerClient(scheduler.address)
     with pytest.raises(KeyNotFoundError, match="ghost"):
@@ -82,14 +119,35 @@ def test_bad_requests_get_statuses_that_name_the_problem(scheduler):
         client.report_trace(bad)
     with pytest.raises(InvalidArgumentError, match="unknown"):
         client.register_node(node("n1", disk_gbs=0))
+    with pytest.raises(InvalidArgumentError, match="node_id"):
+        next(iter(client.watch_node_plans("")))
     client.close()
 
 
-def _tier_manager(tmp_path, daemon_config, scheduler_address, node_id):
+def _tier_manager(tmp_path, daemon_config, scheduler_address, node_id, http: bool = False):
     data = json.loads(daemon_config.read_text())
     data["tier_manager"].update(scheduler_address=scheduler_address, node_id=node_id)
+    if http:
+        data["tier_manager"]["metrics"] = {"http_listen": "127.0.0.1:0", "node_name": node_id}
     daemon_config.write_text(json.dumps(data))
-    return tier_manager_process(daemon_config, tmp_path / "tm.sock").start()
+    daemon = tier_manager_process(daemon_config, tmp_path / "tm.sock").start()
+    if http:
+        with grpc.insecure_channel(daemon.address) as channel:
+            daemon.url = node_metrics_pb2_grpc.NodeMetricsStub(channel).GetHttpEndpoint(
+                node_metrics_pb2.GetHttpEndpointRequest(), timeout=10).url
+    return daemon
+
+
+def _node_plans(daemon) -> dict[str, int]:
+    """job -> the scheduler plan version the node runs, from its own HTTP API."""
+    return {j["job"]: j["version"] for j in get(daemon.url, "/api/v1/plan")["jobs"]}
+
+
+def _plan_version_samples(daemon) -> dict[str, float]:
+    """job -> tierstack_plan_version{job} as the node's /metrics exports it."""
+    families = text_string_to_metric_families(get(daemon.url, "/metrics", parse=False))
+    return {s.labels["job"]: s.value for f in families if f.name == "tierstack_plan_version"
+            for s in f.samples}
 
 
 def test_tier_manager_registers_its_probed_node_and_reports_disk_bandwidth(scheduler, tmp_path, daemon_config):
@@ -119,6 +177,101 @@ def test_tier_manager_registers_its_probed_node_and_reports_disk_bandwidth(sched
         client.close()
     finally:
         daemon.kill()
+
+
+LAYER_ELEMENTS = 1 << 19  # float32: 2 MiB per layer
+
+
+def _sweep(store, layers: int) -> None:
+    """Forward then backward over the layers, each layer checked (no compute)."""
+    for step, i in enumerate(list(range(layers)) + list(reversed(range(layers)))):
+        got = store.ensure_layer(i)
+        store.prefetch_ahead(i, 1 if step < layers else -1)
+        assert torch.equal(got["w"], torch.full((LAYER_ELEMENTS,), float(i)))
+        store.release_layer(i)
+
+
+def test_tier_manager_follows_its_jobs_plans_and_evicts_what_they_put_on_nvme(
+        scheduler, tmp_path, daemon_config):
+    """Scheduler -> tier manager: the node's registry runs each job's newest plan (its
+    /api/v1/plan and tierstack_plan_version{job} say which) and, with a CPU pool that
+    cannot hold every layer, evicts the layers the plan streams from NVMe, never those it
+    keeps in the pool. Forgetting the job drops its plan on the node."""
+    daemon = _tier_manager(tmp_path, daemon_config, scheduler.address, "node-a", http=True)
+    client = SchedulerClient(scheduler.address)
+    layers = 12  # 24 MiB of layers through a 16 MiB CPU pool
+    try:
+        wait_for(client.list_nodes, what="the tier manager to register", timeout=30)
+        plan_page = get(daemon.url, "/api/v1/plan")
+        assert plan_page["scheduler"] == scheduler.address and plan_page["jobs"] == []
+        with LayerStore("planned", device="cpu", address=daemon.address,
+                        device_budget=4 * 4 * LAYER_ELEMENTS) as store:
+            store.register_layers([{"w": torch.full((LAYER_ELEMENTS,), float(i))} for i in range(layers)])
+            follower = PlanFollower(store, scheduler.address, node_id="node-a")
+            _sweep(store, layers)
+            plan = follower.report_trace()
+            keys = [store.key(i) for i in range(layers)]
+            tiers = plan.nodes["node-a"].tiers
+            streamed = {k for k, tier in zip(keys, tiers) if tier == NVME}
+            kept = set(keys) - streamed
+            assert streamed and kept, "the plan should split the layers between the tiers"
+
+            wait_for(lambda: _node_plans(daemon) == {"planned": 1}, what="plan v1 on the node", timeout=10)
+            [job] = get(daemon.url, "/api/v1/plan")["jobs"]
+            assert (job["reason"], job["tensor_keys"]) == ("trace", layers)
+            assert _plan_version_samples(daemon) == {"planned": 1.0}
+            evictions = store.client.stats().evictions
+            for _ in range(2):
+                _sweep(store, layers)
+            assert store.client.stats().evictions > evictions  # the pool was full: it chose
+            resident = {k for k in keys if store.client.describe(k).in_cpu}
+            assert kept <= resident, f"evicted although the plan keeps them: {sorted(kept - resident)}"
+
+            # A new version reaches the node (the node registered again: a re-plan)...
+            client.register_node(client.nodes()["node-a"])
+            wait_for(lambda: _node_plans(daemon) == {"planned": 2}, what="plan v2 on the node", timeout=10)
+            assert _plan_version_samples(daemon) == {"planned": 2.0}
+            # ...and a job the scheduler forgets is forgotten on the node.
+            follower.close()
+            client.forget_job("planned")
+            wait_for(lambda: _node_plans(daemon) == {}, what="the plan to be dropped", timeout=10)
+            assert _plan_version_samples(daemon) == {}
+    finally:
+        client.close()
+        daemon.kill()
+
+
+def test_the_node_follows_plans_across_a_scheduler_restart(tmp_path, daemon_config):
+    """A restarted scheduler knows no job: the node's plan stream, opened again, drops the
+    plans it ran, and the node (registered again by itself) follows the new ones."""
+    address = f"unix:{tmp_path / 'scheduler.sock'}"
+    scheduler = EmbeddedScheduler(FAST_REPLAN, listen=address, workdir=tmp_path / "scheduler")
+    scheduler.start()
+    daemon = _tier_manager(tmp_path, daemon_config, address, "node-a", http=True)
+    client = SchedulerClient(address)
+
+    def trace(job: str):
+        t = transformer_trace(layers=4, param_bytes=1e6, nodes=("node-a",), job=job)
+        t.device_budget = 8 << 20
+        return t
+
+    try:
+        wait_for(client.list_nodes, what="the tier manager to register", timeout=30)
+        client.report_trace(trace("before"))
+        wait_for(lambda: _node_plans(daemon) == {"before": 1}, what="the plan on the node", timeout=10)
+        scheduler.kill()  # a crash: the scheduler forgets every node and job
+        client.close()
+        scheduler.start()
+        client = SchedulerClient(address)
+        wait_for(lambda: _node_plans(daemon) == {}, what="the stale plan to be dropped", timeout=30)
+        wait_for(client.list_nodes, what="the tier manager to register again", timeout=30)
+        client.report_trace(trace("after"))
+        wait_for(lambda: _node_plans(daemon) == {"after": 1}, what="the new plan on the node", timeout=10)
+        assert _plan_version_samples(daemon) == {"after": 1.0}
+    finally:
+        client.close()
+        daemon.kill()
+        scheduler.kill()
 
 
 def _iteration(store, layers, seed, verify_errors, compute):
