@@ -29,11 +29,19 @@ from tierstack.worker.layers import LayerStore
 from tierstack.worker.plan_follower import PlanFollower
 
 FAST_REPLAN = SchedulerConfig(report_interval_seconds=0.2, replan_threshold=0.25, replan_after_seconds=0.5)
+# No drift re-plans: a test's plan versions come only from what the test does.
+STEADY = SchedulerConfig(report_interval_seconds=0.2, replan_after_seconds=3600.0)
 
 
 @pytest.fixture
 def scheduler():
     with EmbeddedScheduler(FAST_REPLAN) as s:
+        yield s
+
+
+@pytest.fixture
+def steady_scheduler():
+    with EmbeddedScheduler(STEADY) as s:
         yield s
 
 
@@ -192,11 +200,12 @@ def _sweep(store, layers: int) -> None:
 
 
 def test_tier_manager_follows_its_jobs_plans_and_evicts_what_they_put_on_nvme(
-        scheduler, tmp_path, daemon_config):
+        steady_scheduler, tmp_path, daemon_config):
     """Scheduler -> tier manager: the node's registry runs each job's newest plan (its
     /api/v1/plan and tierstack_plan_version{job} say which) and, with a CPU pool that
     cannot hold every layer, evicts the layers the plan streams from NVMe, never those it
     keeps in the pool. Forgetting the job drops its plan on the node."""
+    scheduler = steady_scheduler
     daemon = _tier_manager(tmp_path, daemon_config, scheduler.address, "node-a", http=True)
     client = SchedulerClient(scheduler.address)
     layers = 12  # 24 MiB of layers through a 16 MiB CPU pool
@@ -245,7 +254,7 @@ def test_the_node_follows_plans_across_a_scheduler_restart(tmp_path, daemon_conf
     """A restarted scheduler knows no job: the node's plan stream, opened again, drops the
     plans it ran, and the node (registered again by itself) follows the new ones."""
     address = f"unix:{tmp_path / 'scheduler.sock'}"
-    scheduler = EmbeddedScheduler(FAST_REPLAN, listen=address, workdir=tmp_path / "scheduler")
+    scheduler = EmbeddedScheduler(STEADY, listen=address, workdir=tmp_path / "scheduler")
     scheduler.start()
     daemon = _tier_manager(tmp_path, daemon_config, address, "node-a", http=True)
     client = SchedulerClient(address)
