@@ -29,16 +29,23 @@ def _contract(name: str) -> dict:
     return contract
 
 
-def _mirror(out: Path) -> None:
-    """Copy the package's modules into `out` in their installed layout."""
+def _package_dirs() -> dict[str, Path]:
+    """Each installed package -> the directory its modules come from."""
     setup = PYPROJECT["tool"]["setuptools"]
     dirs = setup["package-dir"]
+    out = {}
     for package in setup["packages"]:
         parts = package.split(".")
         prefix = next(".".join(parts[:i]) for i in range(len(parts), 0, -1)
                       if ".".join(parts[:i]) in dirs)
-        source = ROOT / dirs[prefix] / Path(*parts[len(prefix.split(".")):])
-        target = out / Path(*parts)
+        out[package] = ROOT / dirs[prefix] / Path(*parts[len(prefix.split(".")):])
+    return out
+
+
+def _mirror(out: Path) -> None:
+    """Copy the package's modules into `out` in their installed layout."""
+    for package, source in _package_dirs().items():
+        target = out / Path(*package.split("."))
         target.mkdir(parents=True, exist_ok=True)
         for module in source.glob("*.py"):
             shutil.copy(module, target / module.name)
@@ -78,3 +85,18 @@ def test_every_module_of_a_service_is_named_face_or_internal(service):
 def test_every_shared_module_is_kept_out_of_the_rooms():
     shared = set(_contract(SHARED_CONTRACT)["source_modules"])
     assert shared == _modules(ROOT / "tierstack", "tierstack") - {"tierstack.cli"}
+
+
+def test_every_module_imports():
+    """Modules that run only inside a daemon or on a Ray node import cleanly too."""
+    import importlib
+
+    names = [name for package, source in _package_dirs().items()
+             for name in sorted(_modules(source, package)) if not name.endswith(("_pb2", "_pb2_grpc"))]
+    failures = {}
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - every failure is listed below
+            failures[name] = repr(e)
+    assert len(names) > 50 and not failures, failures

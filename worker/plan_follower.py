@@ -11,9 +11,9 @@ ensure_layer calls, each use's compute time (from ensure_layer's return to
 release_layer, the device synchronised while recording), and the bytes of each layer's
 parameters and of every other kind written with write_back. A use of a layer already
 used in the iteration counts as backward. New plans arrive on a background stream and
-take effect at the store's next layer boundary (`LayerStore.set_plan`). With
-`apply_placement`, the plan's tier of each layer's parameters and other state becomes
-the store's placement (`LayerStore.place`) for what it writes next.
+take effect at the store's next layer boundary (`LayerStore.set_plan`). The plan's
+placement and eviction order reach the node's tier manager directly from the scheduler
+(services/tier_manager/node_link.py): the worker follows only the depths.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.services.scheduler.client import SchedulerClient
-from tierstack.services.scheduler.model import NVME, JobTrace, Plan, TensorSpec
+from tierstack.services.scheduler.model import JobTrace, Plan, TensorSpec
 from tierstack.worker.plan_watcher import PlanWatcher
 from tierstack.worker.layers import LayerStore
 
@@ -57,12 +57,8 @@ class PlanFollower:
     """Reports one store's trace and keeps its prefetch depths on the current plan."""
 
     def __init__(self, store: LayerStore, scheduler_address: str | None = None,
-                 node_id: str | None = None, timeout: float = 30.0,
-                 apply_placement: bool = False) -> None:
+                 node_id: str | None = None, timeout: float = 30.0) -> None:
         self.store = store
-        # Off by default: a "cpu" placement is never evicted by the tier manager, so a
-        # plan made for a pool shared with other jobs could fill it.
-        self.apply_placement = apply_placement
         self.node_id = node_id or socket.gethostname()
         self.client = SchedulerClient(scheduler_address, timeout=timeout)
         self.watcher: PlanWatcher | None = None
@@ -132,28 +128,8 @@ class PlanFollower:
             return
         self.plan = plan
         self.store.set_plan(plan.version, mine.prefetch_depth, mine.read_ahead, mine.staging_buffers)
-        if self.apply_placement and self._trace is not None:
-            self._place(mine.tiers)
         log.info("job %s: plan v%d (%s): prefetch depth %d, read-ahead %d", plan.job, plan.version,
                  plan.reason, mine.prefetch_depth, mine.read_ahead)
-
-    def _place(self, tiers) -> None:
-        """The plan's tiers as the store's placements (applied to what it writes next):
-        parameters by their own tier, a layer's other state by where most of its bytes
-        live. The device tier counts as CPU (the store drops layers after use)."""
-        params: dict[int, str] = {}
-        state: dict[int, dict[str, float]] = {}
-        for tensor, tier in zip(self._trace.tensors, tiers):
-            where = "nvme" if int(tier) == NVME else "cpu"
-            if tensor.kind == "params":
-                params[tensor.layer] = where
-            else:
-                bytes_by_tier = state.setdefault(tensor.layer, {"cpu": 0.0, "nvme": 0.0})
-                bytes_by_tier[where] += tensor.nbytes
-        for layer in range(len(self.store.layouts)):
-            kinds = state.get(layer)
-            other = "auto" if kinds is None else max(kinds, key=kinds.get)
-            self.store.place(layer, params.get(layer, "auto"), other)
 
     def close(self) -> None:
         if self.watcher is not None:

@@ -13,11 +13,9 @@ import logging
 import threading
 from typing import Callable
 
-import grpc
-
+from tierstack.errors import TierstackError
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.model import Plan
-from tierstack.services.scheduler.wire import plan_from
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +71,7 @@ class PlanWatcher:
             broken = False
             try:
                 self._call = self.client.watch_plans(self.job, self.version)
-                for msg in self._call:
-                    plan = plan_from(msg)
+                for plan in self._call:
                     with self._new:
                         if self.plan is not None and plan.version <= self.plan.version:
                             continue
@@ -85,10 +82,10 @@ class PlanWatcher:
                             self.on_plan(plan)
                         except Exception:  # noqa: BLE001 - a bad callback must not stop the watch
                             log.exception("plan callback for %s failed", self.job)
-            except grpc.RpcError as e:
+            except TierstackError as e:
                 if self._stop.is_set():
                     return
-                log.debug("plan stream of %s broke (%s); reconnecting", self.job, e.code())
+                log.debug("plan stream of %s broke (%s); reconnecting", self.job, e)
             broken = True
             self._stop.wait(0.5)
 

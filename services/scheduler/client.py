@@ -8,7 +8,7 @@ back as the project's exceptions.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+from typing import Callable, Generic, Iterator, TypeVar
 
 import grpc
 
@@ -17,9 +17,12 @@ from tierstack.errors import SchedulerUnavailableError, TierstackError
 from tierstack.proto import scheduler_pb2 as pb
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
 from tierstack.rpc import RpcClient
-from tierstack.services.scheduler.model import Bandwidths, JobTrace, NodePlanUpdate, NodeSpec, Plan
+from tierstack.services.scheduler.model import (
+    Bandwidths, JobTrace, NodePlanUpdate, NodeSpec, NodeState, Plan)
 from tierstack.services.scheduler.wire import (
-    bandwidths_from, bandwidths_pb, node_from, node_pb, node_plan_update_from, plan_from, trace_pb)
+    bandwidths_pb, node_pb, node_plan_update_from, node_state_from, plan_from, trace_pb)
+
+T = TypeVar("T")
 
 # Calls that can be sent again after a dropped connection without changing anything.
 IDEMPOTENT = frozenset({"RegisterNode", "ListNodes", "GetPlan", "ForgetJob"})
@@ -51,15 +54,16 @@ class SchedulerClient(RpcClient):
             node_id=node_id, measured=bandwidths_pb(measured), timestamp=time.time()))
         return list(response.replanned_jobs)
 
-    def list_nodes(self) -> list[pb.NodeState]:
-        return list(self.call("ListNodes", pb.ListNodesRequest()).nodes)
+    def list_nodes(self) -> list[NodeState]:
+        """Every registered node: what it registered and what it measured since."""
+        return [node_state_from(s) for s in self.call("ListNodes", pb.ListNodesRequest()).nodes]
 
     def node_bandwidths(self) -> dict[str, Bandwidths]:
         """The bandwidths plans assume now, per node."""
-        return {s.node.node_id: bandwidths_from(s.current) for s in self.list_nodes()}
+        return {s.node.node_id: s.current for s in self.list_nodes()}
 
     def nodes(self) -> dict[str, NodeSpec]:
-        return {s.node.node_id: node_from(s.node) for s in self.list_nodes()}
+        return {s.node.node_id: s.node for s in self.list_nodes()}
 
     def report_trace(self, trace: JobTrace) -> Plan:
         return plan_from(self.call("ReportTrace", trace_pb(trace)))
@@ -71,35 +75,39 @@ class SchedulerClient(RpcClient):
         return plan_from(self.call("GetPlan", pb.GetPlanRequest(
             job=job, newer_than=newer_than, timeout_seconds=timeout), timeout=timeout + 5))
 
-    def watch_plans(self, job: str, after_version: int = 0) -> Iterator[pb.Plan]:
-        """Every plan of `job` newer than `after_version`, as it is made (a gRPC stream)."""
-        return self._stub.WatchPlans(pb.WatchPlansRequest(job=job, after_version=after_version),
+    def watch_plans(self, job: str, after_version: int = 0) -> "Stream[Plan]":
+        """Every plan of `job` newer than `after_version`, as it is made (a gRPC stream,
+        waiting for the scheduler to be up)."""
+        call = self._stub.WatchPlans(pb.WatchPlansRequest(job=job, after_version=after_version),
                                      wait_for_ready=True)
+        return Stream(call, plan_from, lambda e: self._translate("WatchPlans", e))
 
-    def watch_node_plans(self, node_id: str) -> "NodePlanStream":
+    def watch_node_plans(self, node_id: str) -> "Stream[NodePlanUpdate]":
         """The plans of every job on `node_id`: a full update first, then each change (a
         gRPC stream, waiting for the scheduler to be up)."""
         call = self._stub.WatchNodePlans(pb.WatchNodePlansRequest(node_id=node_id),
                                          wait_for_ready=True)
-        return NodePlanStream(call, lambda e: self._translate("WatchNodePlans", e))
+        return Stream(call, node_plan_update_from, lambda e: self._translate("WatchNodePlans", e))
 
     def forget_job(self, job: str) -> None:
         self.call("ForgetJob", pb.ForgetJobRequest(job=job))
 
 
-class NodePlanStream:
-    """A WatchNodePlans stream read as `NodePlanUpdate`s. It ends with the project's
-    exception (SchedulerUnavailableError when the scheduler went away or `cancel` was
-    called from another thread)."""
+class Stream(Generic[T]):
+    """A server stream read as dataclasses. It ends with the project's exception
+    (SchedulerUnavailableError when the scheduler went away or `cancel` was called from
+    another thread)."""
 
-    def __init__(self, call, translate: Callable[[grpc.RpcError], TierstackError]) -> None:
+    def __init__(self, call, convert: Callable[[object], T],
+                 translate: Callable[[grpc.RpcError], TierstackError]) -> None:
         self._call = call
+        self._convert = convert
         self._translate = translate
 
-    def __iter__(self) -> Iterator[NodePlanUpdate]:
+    def __iter__(self) -> Iterator[T]:
         try:
             for msg in self._call:
-                yield node_plan_update_from(msg)
+                yield self._convert(msg)
         except grpc.RpcError as e:
             raise self._translate(e) from None
 

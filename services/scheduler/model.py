@@ -81,6 +81,21 @@ class NodeSpec:
 
 
 @dataclass
+class NodeState:
+    """A registered node as the scheduler holds it (ListNodes)."""
+
+    node: NodeSpec
+    """What it registered: capacities and the start-up probe's bandwidths."""
+    current: Bandwidths
+    """The bandwidths plans assume now (the probe's, or what drift re-planning adopted)."""
+    last_measured: Bandwidths
+    last_report: float
+    """Unix time of its last bandwidth report (0: none yet)."""
+    instance_id: str = ""
+    metrics_url: str = ""
+
+
+@dataclass
 class TensorSpec:
     """One tensor of a job (all of its shards together)."""
 

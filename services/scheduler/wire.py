@@ -10,7 +10,7 @@ import numpy as np
 
 from tierstack.proto import scheduler_pb2 as pb
 from tierstack.services.scheduler.model import (
-    Bandwidths, JobNodePlan, JobTrace, NodePlan, NodePlanUpdate, NodeSpec, Plan, TensorSpec)
+    Bandwidths, JobNodePlan, JobTrace, NodePlan, NodePlanUpdate, NodeSpec, NodeState, Plan, TensorSpec)
 
 
 def bandwidths_pb(bw: Bandwidths) -> pb.Bandwidths:
@@ -32,6 +32,12 @@ def node_from(msg: pb.Node) -> NodeSpec:
     return NodeSpec(node_id=msg.node_id, gpu_bytes=msg.gpu_bytes, cpu_bytes=msg.cpu_bytes,
                     nvme_bytes=msg.nvme_bytes, gpus=msg.gpus or 1,
                     bandwidth=bandwidths_from(msg.bandwidth))
+
+
+def node_state_from(msg: pb.NodeState) -> NodeState:
+    return NodeState(node=node_from(msg.node), current=bandwidths_from(msg.current),
+                     last_measured=bandwidths_from(msg.last_measured), last_report=msg.last_report,
+                     instance_id=msg.node.instance_id, metrics_url=msg.node.metrics_url)
 
 
 def trace_pb(trace: JobTrace) -> pb.JobTrace:

@@ -32,7 +32,7 @@ import torch
 
 from tierstack.config import MiB, TierManagerConfig
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError, TierstackError
-from tierstack.services.scheduler.client import NodePlanStream, SchedulerClient
+from tierstack.services.scheduler.client import SchedulerClient, Stream
 from tierstack.services.scheduler.model import TIERS, Bandwidths, JobNodePlan, NodePlanUpdate, NodeSpec
 from tierstack.services.tier_manager.eviction import JobPlan
 from tierstack.services.tier_manager.registry import TierRegistry
@@ -142,7 +142,7 @@ class NodeLink:
         self._thread = threading.Thread(target=self._run, name="tierstack-node-link", daemon=True)
         self._plan_thread = threading.Thread(target=self._follow_plans, name="tierstack-node-plans",
                                              daemon=True)
-        self._plan_stream: NodePlanStream | None = None
+        self._plan_stream: Stream[NodePlanUpdate] | None = None
 
     def start(self) -> None:
         # The probe runs before the daemon serves, so no worker's traffic skews it.

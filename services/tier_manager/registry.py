@@ -37,7 +37,7 @@ from tierstack.services.tier_manager.eviction import EvictionPolicy, EvictionSta
 from tierstack.services.tier_manager.manifest import Manifest, ManifestEntry
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent, NvmePool
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes, tensor_bytes, tensor_from_buffer
-from tierstack.services.tier_manager.types import TensorInfo
+from tierstack.services.tier_manager.types import NodeStats, TensorInfo
 from tierstack.tiers import HOST_TIERS, PLACEMENTS, Placement
 
 log = logging.getLogger(__name__)
@@ -46,22 +46,6 @@ Tier = Literal["cpu", "nvme"]  # the registry's own tiers (HOST_TIERS)
 MAX_KEY_BYTES = 1024
 VERSION_RESERVATION = 100_000  # versions reserved per durable manifest write
 FULL_POOL_WAIT_SECONDS = 30.0  # how long an allocation waits for pinned tensors to be let go
-
-
-@dataclass(frozen=True)
-class RegistryStats:
-    """Occupancy and traffic counters of one node's tiers."""
-
-    cpu_capacity: int
-    cpu_used: int
-    nvme_capacity: int
-    nvme_used: int
-    tensors: int
-    nvme_bytes_read: int
-    nvme_bytes_written: int
-    evictions: int
-    checksum_failures: int
-    pinned: int
 
 
 @dataclass
@@ -379,10 +363,12 @@ class TierRegistry:
         _, count = self._leases.get((record.key, record.version), (record, 0))
         self._leases[(record.key, record.version)] = (record, count + 1)
 
-    def stats(self) -> "RegistryStats":
+    def stats(self, leases: int = 0) -> NodeStats:
+        """The node's counters now; `leases`: buffers its server has handed out."""
         io = self.nvme_pool.engine.stats
         with self._lock:
-            return RegistryStats(
+            return NodeStats(
+                instance_id=self.cpu_pool.instance_id, timestamp=time.time(), leases=leases,
                 cpu_capacity=self.cpu_pool.capacity, cpu_used=self.cpu_pool.used_bytes,
                 nvme_capacity=self.nvme_pool.capacity, nvme_used=self.nvme_pool.used_bytes,
                 tensors=len(self._records), nvme_bytes_read=io.bytes_read,

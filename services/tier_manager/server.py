@@ -203,15 +203,9 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     def stats(self) -> NodeStats:
         """The node's counters now: what GetStats answers, and what its metrics read."""
-        s = self.registry.stats()
         with self._lock:
             leases = len(self._leases)
-        return NodeStats(
-            instance_id=self.registry.cpu_pool.instance_id, timestamp=time.time(),
-            cpu_capacity=s.cpu_capacity, cpu_used=s.cpu_used, nvme_capacity=s.nvme_capacity,
-            nvme_used=s.nvme_used, tensors=s.tensors, nvme_bytes_read=s.nvme_bytes_read,
-            nvme_bytes_written=s.nvme_bytes_written, evictions=s.evictions,
-            checksum_failures=s.checksum_failures, leases=leases, pinned=s.pinned)
+        return self.registry.stats(leases)
 
     @rpc_method
     def GetStats(self, request, context):

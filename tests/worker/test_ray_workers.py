@@ -18,7 +18,8 @@ from tierstack.worker.jobs.partitioned_job import PartitionedSpec, global_batche
 def local_ray():
     ray = pytest.importorskip("ray")
     environ = dict(os.environ)
-    ray.init(num_cpus=2, object_store_memory=128 << 20, include_dashboard=False)
+    # "local": a Ray of its own, never one another process started on this machine.
+    ray.init(address="local", num_cpus=2, object_store_memory=128 << 20, include_dashboard=False)
     yield ray
     ray.shutdown()
     # ray.init leaves RAY_AUTH_MODE=token (and more) in this process's environment,

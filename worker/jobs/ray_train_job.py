@@ -85,7 +85,9 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
     tm.nvme_pool.paths = [run_dir]
     tm.nvme_pool.size = max(tm.nvme_pool.size, 1024 * MiB)
     tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
-    ray.init(num_cpus=max(args.ranks, os.cpu_count() or 1), object_store_memory=EMBEDDED_OBJECT_STORE,
+    # address "local": Ray of our own, even where another Ray runs on this machine.
+    ray.init(address="local", num_cpus=max(args.ranks, os.cpu_count() or 1),
+             object_store_memory=EMBEDDED_OBJECT_STORE,
              include_dashboard=False, log_to_driver=True)
     try:
         if args.tier_manager:
