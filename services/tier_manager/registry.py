@@ -1,7 +1,8 @@
 """The registry: tensor key -> where its bytes live (CPU pool, NVMe pool, or both).
 
-The registry owns the node's `CpuPool`, `NvmePool` and `Manifest`, and maps opaque keys
-to records. It is the only place that decides what a tier means:
+The registry owns the node's `CpuPool` and its `DurableCopies` (the NVMe pool and the
+manifest: durable.py), and maps opaque keys to records. It is the only place that
+decides what a tier means:
 
 - `nvme`: the bytes are on NVMe, durable, listed in the manifest with per-block crc32c;
   `put(..., tier="nvme")` returns only after data and manifest row are durable.
@@ -31,11 +32,12 @@ import torch
 
 from tierstack.config import TierManagerConfig
 from tierstack.dtypes import dtype_from_name, dtype_name, nbytes_of
-from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
+from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
+from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.eviction import EvictionPolicy, EvictionState, JobPlan
-from tierstack.services.tier_manager.manifest import Manifest, ManifestEntry
-from tierstack.services.tier_manager.nvme_pool import NvmeExtent, NvmePool
+from tierstack.services.tier_manager.manifest import ManifestEntry
+from tierstack.services.tier_manager.nvme_pool import NvmeExtent
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes, tensor_bytes, tensor_from_buffer
 from tierstack.services.tier_manager.types import NodeStats, TensorInfo
 from tierstack.tiers import HOST_TIERS, PLACEMENTS, Placement
@@ -44,7 +46,6 @@ log = logging.getLogger(__name__)
 
 Tier = Literal["cpu", "nvme"]  # the registry's own tiers (HOST_TIERS)
 MAX_KEY_BYTES = 1024
-VERSION_RESERVATION = 100_000  # versions reserved per durable manifest write
 FULL_POOL_WAIT_SECONDS = 30.0  # how long an allocation waits for pinned tensors to be let go
 
 
@@ -106,43 +107,20 @@ class TierRegistry:
         self._records: dict[str, _Record] = {}
         self._eviction = EvictionPolicy()  # knows the CPU-resident keys; guarded by _lock
         self._leases: dict[tuple[str, int], tuple[_Record, int]] = {}
-        # Versions come from one registry-wide counter, so (key, version) names one
-        # record even across delete and re-put.
-        self._last_version = 0
         self.evictions = 0
-        self.nvme_pool = NvmePool(config.nvme_pool)
+        # Versions come from one registry-wide counter (DurableCopies.next_version), so
+        # (key, version) names one record even across delete and re-put.
+        self.durable = DurableCopies(config, make_room=self._drop_nvme_copies)
+        self.nvme_pool, self.manifest = self.durable.pool, self.durable.manifest
         try:
-            self.manifest = Manifest(config.resolved_manifest_path(), self._layout())
             self.cpu_pool = CpuPool(config.cpu_pool, on_full=self._evict_for)
         except BaseException:
-            self.nvme_pool.close()
+            self.durable.close()
             raise
-        self._recover()
-
-    def _layout(self) -> dict:
-        nvme = self.config.nvme_pool
-        return {"paths": [str(p) for p in nvme.paths], "size": nvme.size,
-                "block_size": nvme.aio.block_size}
-
-    def _recover(self) -> None:
-        for entry in self.manifest.entries():
-            try:
-                self.nvme_pool.reserve(entry.extent)
-            except ValueError as e:
-                raise RuntimeError(
-                    f"manifest {self.manifest.path} is inconsistent at key {entry.key!r}: {e}"
-                ) from None
+        for entry in self.durable.recover():
             self._records[entry.key] = _Record(
                 entry.key, entry.dtype, entry.shape, entry.nbytes, entry.version,
                 nvme=entry.extent, checksums=entry.checksums, durable=True)
-            self._last_version = max(self._last_version, entry.version)
-        # Volatile (CPU-only) versions are not in the manifest; the reserved high-water
-        # mark keeps a restarted daemon from handing any (key, version) out twice.
-        self._last_version = max(self._last_version, self.manifest.version_high_water())
-        self._version_limit = self._last_version
-        if self._records:
-            log.info("recovered %d NVMe-resident tensors from %s", len(self._records),
-                     self.manifest.path)
 
     # ---- writes -------------------------------------------------------------------
 
@@ -158,7 +136,7 @@ class TierRegistry:
         data = tensor_bytes(tensor)
         dtype, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
         if tier == "nvme":
-            extent, checksums = self._write_durable(key, data)
+            extent, checksums = self.durable.write(key, data)
             return self._install(key, dtype, shape, len(data), nvme=extent, checksums=checksums,
                                  placement=placement)
         buffer = self.allocate_buffer(len(data))
@@ -199,28 +177,10 @@ class TierRegistry:
         if not durable:
             return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, placement=placement)
         view = self.cpu_pool.view(buffer) if buffer is not None else memoryview(b"")
-        extent, checksums = self._write_durable(key, view)
+        extent, checksums = self.durable.write(key, view)
         # On failure _install frees the extent it was given (never the caller's buffer).
         return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, nvme=extent,
                              checksums=checksums, placement=placement)
-
-    def _write_durable(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
-        """Write bytes to a fresh NVMe extent and fdatasync; the caller commits or frees it."""
-        if len(data) == 0:
-            return NvmeExtent(0, self.nvme_pool.block_size, ()), ()
-        try:
-            extent = self.nvme_pool.allocate(len(data))
-        except NvmePoolFullError:
-            if not self._drop_nvme_copies(len(data)):
-                raise
-            extent = self.nvme_pool.allocate(len(data))
-        try:
-            checksums = tuple(self.nvme_pool.write(extent, data, label=f"tensor {label!r}"))
-            self.nvme_pool.sync([extent])
-        except BaseException:
-            self.nvme_pool.free(extent)
-            raise
-        return extent, checksums
 
     def _install(self, key: str, dtype: str, shape: tuple[int, ...], nbytes: int, *,
                  cpu: CpuBuffer | None = None, nvme: NvmeExtent | None = None,
@@ -228,17 +188,17 @@ class TierRegistry:
         """Make a new version current: commit the manifest, swap the record, retire the old."""
         with self._lock:
             old = self._records.get(key)
-            record = _Record(key, dtype, shape, nbytes, self._next_version(),
+            record = _Record(key, dtype, shape, nbytes, self.durable.next_version(),
                              cpu=cpu, nvme=nvme, checksums=checksums, placement=placement,
                              durable=nvme is not None)
             try:
                 if nvme is not None:
-                    self.manifest.commit(ManifestEntry(key, dtype, shape, nbytes, record.version,
-                                                       nvme, checksums))
+                    self.durable.record(ManifestEntry(key, dtype, shape, nbytes, record.version,
+                                                      nvme, checksums))
                 elif old is not None and old.nvme is not None:
                     # The new version is CPU-only: an old manifest row would resurrect
                     # stale bytes after a restart.
-                    self.manifest.delete(key)
+                    self.durable.forget(key)
             except BaseException:
                 record.cpu = None  # the buffer stays the caller's
                 self._free_resources(record)
@@ -257,7 +217,7 @@ class TierRegistry:
         with self._lock:
             record = self._get(key)
             if record.nvme is not None:
-                self.manifest.delete(key)
+                self.durable.forget(key)
             del self._records[key]
             self._eviction.untrack(key)
             self._retire(record)
@@ -288,8 +248,7 @@ class TierRegistry:
             if record.cpu is not None:
                 copy_bytes(dst, self.cpu_pool.view(record.cpu))
             else:
-                self.nvme_pool.read(record.nvme, dst, list(record.checksums),
-                                    label=f"tensor {key!r}")
+                self.durable.read(record.nvme, dst, record.checksums, label=f"tensor {key!r}")
             return out
         finally:
             self._unpin(record)
@@ -322,8 +281,8 @@ class TierRegistry:
             try:
                 buffer = self._allocate_cpu(record.nbytes)
                 try:
-                    self.nvme_pool.read(record.nvme, self.cpu_pool.view(buffer),
-                                        list(record.checksums), label=f"tensor {key!r}")
+                    self.durable.read(record.nvme, self.cpu_pool.view(buffer),
+                                      record.checksums, label=f"tensor {key!r}")
                 except BaseException:
                     self.free_buffer(buffer)
                     raise
@@ -422,12 +381,11 @@ class TierRegistry:
                 return record.info()
             extent, checksums = None, ()
             if durable:
-                extent, checksums = self._write_durable(key, self.view(record.cpu) if record.cpu
-                                                        else memoryview(b""))
+                extent, checksums = self.durable.write(key, self.view(record.cpu) if record.cpu
+                                                       else memoryview(b""))
             with self._lock:
                 if self._records.get(key) is not record:
-                    if extent is not None and extent.stripes:
-                        self.nvme_pool.free(extent)
+                    self.durable.free(extent)
                     raise KeyNotFoundError(f"tensor {key!r} was deleted while it was updated")
                 buffer, record.cpu = record.cpu, None  # moves to the new version
                 try:
@@ -467,17 +425,17 @@ class TierRegistry:
     def _evict_pinned(self, record: _Record) -> None:
         """Write a pinned record's CPU copy to NVMe if needed, then drop the CPU copy."""
         if record.nvme is None:
-            extent, checksums = self._write_durable(record.key, self.cpu_pool.view(record.cpu))
+            extent, checksums = self.durable.write(record.key, self.cpu_pool.view(record.cpu))
             with self._lock:
                 if record.retired:  # replaced while we wrote: our copy is stale
-                    self.nvme_pool.free(extent)
+                    self.durable.free(extent)
                     return
                 try:
-                    self.manifest.commit(ManifestEntry(record.key, record.dtype, record.shape,
-                                                       record.nbytes, record.version, extent,
-                                                       checksums))
+                    self.durable.record(ManifestEntry(record.key, record.dtype, record.shape,
+                                                      record.nbytes, record.version, extent,
+                                                      checksums))
                 except BaseException:
-                    self.nvme_pool.free(extent)
+                    self.durable.free(extent)
                     raise
                 record.nvme, record.checksums = extent, checksums
         with self._lock:
@@ -506,8 +464,8 @@ class TierRegistry:
 
     def _drop_nvme_copy(self, record: _Record) -> None:
         """Forget the NVMe copy of a record that keeps its CPU copy (lock held)."""
-        self.manifest.delete(record.key)
-        self.nvme_pool.free(record.nvme)
+        self.durable.forget(record.key)
+        self.durable.free(record.nvme)
         record.nvme, record.checksums = None, ()
 
     def set_access_order(self, keys: list[str]) -> None:
@@ -531,14 +489,6 @@ class TierRegistry:
         """The plans and the access order eviction follows now."""
         with self._lock:
             return self._eviction.state()
-
-    def _next_version(self) -> int:
-        """A version never handed out before, by this or any earlier instance (lock held)."""
-        self._last_version += 1
-        if self._last_version > self._version_limit:
-            self._version_limit = self._last_version + VERSION_RESERVATION
-            self.manifest.reserve_versions(self._version_limit)
-        return self._last_version
 
     def _evict_for(self, nbytes: int) -> bool:
         """CpuPool callback: free room by evicting the unpinned tensor the policy picks."""
@@ -605,8 +555,7 @@ class TierRegistry:
         if record.cpu is not None:
             self.free_buffer(record.cpu)
             record.cpu = None
-        if record.nvme is not None and record.nvme.stripes:
-            self.nvme_pool.free(record.nvme)
+        self.durable.free(record.nvme)
         record.nvme = None
 
     def _allocate_cpu(self, nbytes: int) -> CpuBuffer | None:
@@ -630,8 +579,7 @@ class TierRegistry:
 
     def close(self) -> None:
         self.cpu_pool.close()
-        self.nvme_pool.close()
-        self.manifest.close()
+        self.durable.close()
 
     def __enter__(self) -> "TierRegistry":
         return self
