@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from tierstack.errors import ConfigError
+
+if typing.TYPE_CHECKING:
+    from tierstack.budgets import Budgets, MachineLimits
 from tierstack.tiers import AUTO, NVME, OFFLOAD_DEVICES, BlockTier
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -377,6 +380,39 @@ class SchedulerConfig:
                               f"got {self.replan_threshold}")
 
 
+AUTO_SIZE = "auto"
+
+
+@dataclass
+class BudgetsConfig:
+    """A job's budgets (tierstack/budgets.py): bytes, or "auto" to take the machine's
+    default (its capacity less a margin, measured when the job starts)."""
+
+    hbm: int | str = AUTO_SIZE
+    """Device memory for training state, per device."""
+    host: int | str = AUTO_SIZE
+    """Host RAM for the tier manager's CPU pool and our processes' own memory."""
+    nvme: int | str = AUTO_SIZE
+    """Bytes on the NVMe pool's drives."""
+
+    def validate(self, prefix: str = "budgets") -> None:
+        for name in ("hbm", "host", "nvme"):
+            value = getattr(self, name)
+            if value != AUTO_SIZE and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{prefix}.{name}: expected a size or 'auto', got {value!r}")
+
+    def resolve(self, limits: "MachineLimits") -> "Budgets":
+        """The budgets in bytes: stated ones checked against the machine, 'auto' ones
+        its defaults."""
+        from tierstack.budgets import Budgets, default_budgets
+
+        defaults = default_budgets(limits)
+        budgets = Budgets(**{name: getattr(defaults, name) if getattr(self, name) == AUTO_SIZE
+                             else getattr(self, name) for name in ("hbm", "host", "nvme")})
+        limits.check(budgets)
+        return budgets
+
+
 @dataclass
 class TierstackConfig:
     """The root of a tierstack config file."""
@@ -384,8 +420,10 @@ class TierstackConfig:
     tier_manager: TierManagerConfig = field(default_factory=TierManagerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
 
     def validate(self) -> None:
+        self.budgets.validate("budgets")
         self.tier_manager.validate("tier_manager")
         self.train.validate("train")
         self.scheduler.validate("scheduler")
@@ -415,6 +453,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, key)
+        elif hint == int | str:  # a size, or "auto"
+            kwargs[name] = value if value == AUTO_SIZE else parse_size(value, key)
         elif name in _SIZE_FIELDS:
             kwargs[name] = parse_size(value, key)
         elif hint is int:

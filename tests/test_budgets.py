@@ -1,0 +1,51 @@
+"""The one budget type: stated budgets checked against the machine, 'auto' ones measured."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierstack.budgets import (HBM_MARGIN, HOST_FRACTION, HOST_OVERHEAD, Budgets, MachineLimits,
+                               available_host_memory, default_budgets, free_space, measure)
+from tierstack.config import load_config
+from tierstack.errors import ConfigError
+
+GiB = 1 << 30
+
+
+def test_auto_budgets_are_the_machines_ceilings_less_margins():
+    limits = MachineLimits(hbm=141 * GiB, host=100 * GiB, nvme=1000 * GiB)
+    budgets = load_config({}).budgets.resolve(limits)
+    assert budgets == default_budgets(limits)
+    assert budgets.hbm == 141 * GiB - HBM_MARGIN
+    assert budgets.host == int(100 * GiB * HOST_FRACTION)
+    assert 900 * GiB < budgets.nvme < 1000 * GiB
+    assert budgets.cpu_pool == budgets.host - HOST_OVERHEAD
+
+
+def test_stated_budgets_are_kept_and_checked_against_the_machine():
+    limits = MachineLimits(hbm=80 * GiB, host=64 * GiB, nvme=500 * GiB)
+    stated = load_config({"budgets": {"hbm": "40GiB", "host": 16 * GiB, "nvme": "auto"}}).budgets
+    budgets = stated.resolve(limits)
+    assert (budgets.hbm, budgets.host) == (40 * GiB, 16 * GiB)
+    too_much = load_config({"budgets": {"host": "65GiB"}}).budgets
+    with pytest.raises(ConfigError, match=r"budgets.host is 65.0 GiB but available host memory .* "
+                                          r"is 64.0 GiB; lower budgets.host to at most 64.0 GiB"):
+        too_much.resolve(limits)
+
+
+def test_bad_budget_values_name_the_key():
+    with pytest.raises(ConfigError, match="budgets.hbm: cannot read 'lots' as a size"):
+        load_config({"budgets": {"hbm": "lots"}})
+    with pytest.raises(ConfigError, match="unknown config key budgets.ram"):
+        load_config({"budgets": {"ram": "1GiB"}})
+    with pytest.raises(ConfigError, match="budgets.nvme cannot be negative"):
+        Budgets(hbm=0, host=0, nvme=-1)
+
+
+def test_this_machine_is_measured(tmp_path: Path):
+    limits = measure(tmp_path / "not" / "yet" / "there")  # the nearest existing parent counts
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    assert 0 < limits.host == available_host_memory() <= int(meminfo["MemAvailable"].split()[0]) * 1024
+    assert limits.nvme == free_space(tmp_path) > 0
