@@ -225,9 +225,10 @@ class ParamOffloadConfig:
     section's. DeepSpeed's `pin_memory` is not here: the CPU pool is always page-locked.
     """
 
-    device: str = "none"
-    """'none' (blocks stay on the device and train there), 'cpu' (kept in the CPU pool,
-    never evicted) or 'nvme' (in the NVMe pool; see max_in_cpu)."""
+    device: str = "auto"
+    """'auto' (the budgets decide: blocks that fit stay on the device, the rest are
+    offloaded), 'none' (blocks stay on the device and train there), 'cpu' (kept in the
+    CPU pool, never evicted) or 'nvme' (in the NVMe pool; see max_in_cpu)."""
     buffer_count: int = 5
     """Blocks on the device at once while training: the one in use and buffer_count - 1
     (at least 1) prefetched ahead of it. This is the starting prefetch depth (and NVMe

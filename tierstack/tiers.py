@@ -29,8 +29,9 @@ first, "auto" in between (the tier manager never holds device memory)."""
 HOST_TIERS: tuple[Literal["cpu", "nvme"], ...] = (CPU, NVME)
 """The tier manager's own tiers."""
 
-OFFLOAD_DEVICES: dict[str, Tier] = {"none": GPU, "cpu": CPU, "nvme": NVME}
-"""DeepSpeed's offload `device` names -> tiers."""
+OFFLOAD_DEVICES: dict[str, BlockTier] = {"none": GPU, "cpu": CPU, "nvme": NVME, "auto": AUTO}
+"""Offload `device` names -> block tiers: DeepSpeed's three (which pin a state kind to a
+tier), and "auto": wherever the budgets place it (the device when it fits)."""
 
 METRIC_TIERS = ("device", CPU, NVME)
 """The tiers as metrics label them (a worker's device may be a GPU or the CPU)."""

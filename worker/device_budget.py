@@ -18,6 +18,15 @@ class DeviceBudget:
         self.peak = 0
         self._lock = threading.Lock()
 
+    def resize(self, capacity: int) -> None:
+        """A new capacity (the engine's placement sizes it after its probe step)."""
+        with self._lock:
+            if capacity <= 0 or capacity < self.used:
+                raise DeviceBudgetError(
+                    f"device budget of {capacity} bytes cannot hold the {self.used} bytes of "
+                    f"layers on the device now")
+            self.capacity = capacity
+
     def try_reserve(self, nbytes: int) -> bool:
         with self._lock:
             if self.used + nbytes > self.capacity:

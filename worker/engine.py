@@ -28,17 +28,20 @@ only the last micro-batch's backward may start the blocks' steps.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
 
+from tierstack.budgets import Budgets, default_budgets, measure
 from tierstack.config import OptimizerConfig, TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
-from tierstack.tiers import AUTO, BLOCK_TIERS, GPU, BlockTier
+from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, BlockTier
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
-from tierstack.worker.tiered_adamw import TieredAdamW
+from tierstack.worker.placement import BlockPlacement, DeviceFootprint, SavedBytes, place_blocks
+from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +51,29 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def block_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[BlockTier]:
     """Each block's tier by the config: its module's override, else the params device
     ("none": stays on the GPU; "nvme" with max_in_cpu 0: out of the CPU pool between uses,
-    else the CPU pool caches what fits)."""
+    else the CPU pool caches what fits; "auto": offloaded at first, the budgets decide).
+
+    Parameters on the device with the optimizer state offloaded (DeepSpeed's ZeRO-Offload)
+    is a block whose master copy lives on the host: its parameters come to the device at
+    its forward (and stay until its backward when the HBM budget allows), its gradients
+    go to the host, and the tier manager steps it."""
     overrides = ModuleTiers(train.tier_overrides)
     default = train.params.tier()
+    if default == GPU and train.optimizer_state.tier() != GPU:
+        log.info("train.params.device is 'none' with train.optimizer_state.device %r: the "
+                 "blocks' parameters are brought to the device for each step and their "
+                 "optimizer state stays on the host (ZeRO-Offload)", train.optimizer_state.device)
+        default = CPU
     return [overrides.tier_for(f"{blocks_attr}.{i}") or default for i in range(count)]
+
+
+def may_be_resident(train: TrainConfig, blocks_attr: str, count: int) -> list[bool]:
+    """Blocks the budgets may place on the device for good (parameters and optimizer state
+    together): those no constraint pins to the host (no module override, the params device
+    'auto', the optimizer state not sent to the CPU pool or NVMe)."""
+    overrides = ModuleTiers(train.tier_overrides)
+    free = train.params.device == AUTO and train.optimizer_state.device in ("none", AUTO)
+    return [free and overrides.tier_for(f"{blocks_attr}.{i}") is None for i in range(count)]
 
 
 def state_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[BlockTier]:
@@ -61,23 +83,12 @@ def state_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[BlockT
     overrides = ModuleTiers(train.tier_overrides)
     device_default = train.optimizer_state.tier()
     tiers: list[BlockTier] = []
-    kept = []  # blocks the params device keeps on the device, with no override
     for i, params_tier in enumerate(block_tiers(train, blocks_attr, count)):
         override = overrides.tier_for(f"{blocks_attr}.{i}")
         if params_tier == GPU:
             tiers.append(GPU)
-            if override is None:
-                kept.append(i)
         else:
             tiers.append(override or (params_tier if device_default == GPU else device_default))
-    if kept and device_default != GPU:
-        # DeepSpeed's ZeRO-Offload (optimizer state offloaded, parameters not) needs a
-        # device-side step over host-resident state, which the engine does not have.
-        log.warning(
-            "train.optimizer_state.device is %r but train.params.device is 'none': blocks %s "
-            "of %s train on the device with their optimizer state there too (offloading the "
-            "optimizer state alone is not supported yet); set train.params.device to 'cpu' "
-            "or 'nvme' to offload both", train.optimizer_state.device, kept, blocks_attr)
     return tiers
 
 
@@ -101,10 +112,14 @@ class OffloadEngine:
                  blocks_attr: str = "blocks", prefetch_depth: int = 2,
                  precision: str = "fp32", tiers: list[str] | None = None,
                  gradient_clipping: float = 0.0, state_tiers: list[str] | None = None,
-                 gradient_accumulation_steps: int = 1, buffer_size: int = 0) -> None:
+                 gradient_accumulation_steps: int = 1, buffer_size: int = 0,
+                 budgets: Budgets | None = None, may_be_resident: list[bool] | None = None) -> None:
         """`tiers`: each block's tier (default "auto"); `state_tiers`: the tier of each
         offloaded block's gradients and optimizer state (default: its `tiers` entry).
-        `buffer_size`: the most elements a tensor of an offloaded block may have (0: any)."""
+        `buffer_size`: the most elements a tensor of an offloaded block may have (0: any).
+        `budgets`: with an HBM budget, the first `train_step` measures one step and places
+        what fits on the device (worker/placement.py): the blocks `may_be_resident` allows
+        (default: those of tier "auto") and the offloaded blocks' activations."""
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision {precision!r} is not supported by the engine; "
                               f"use one of {', '.join(PRECISIONS)} (fp16 needs loss scaling)")
@@ -163,6 +178,13 @@ class OffloadEngine:
         self.persistent_optimizer = torch.optim.AdamW(self.persistent_masters, fused=True, **hyper)
         self.block_optimizer = self._make_block_optimizer(optimizer, masters=dtype != torch.float32)
         self.blocks.track_grad_norms = gradient_clipping > 0
+        self.budgets = budgets
+        self._resident_ok = (list(may_be_resident) if may_be_resident is not None else
+                             [t == AUTO for t in tiers])
+        self._resident_ok = [ok for ok, t in zip(self._resident_ok, tiers) if t != GPU]
+        self.placement: BlockPlacement | None = None
+        self.footprint: DeviceFootprint | None = None
+        self._placement_pending = bool(budgets is not None and budgets.hbm > 0 and positions)
 
     def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool):
         """The offloaded blocks' optimizer (partitioned training brings its own)."""
@@ -170,11 +192,15 @@ class OffloadEngine:
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, store: LayerStore, train: TrainConfig,
-                    blocks_attr: str = "blocks") -> "OffloadEngine":
+                    blocks_attr: str = "blocks", budgets: Budgets | None = None) -> "OffloadEngine":
         """An engine as `train` (precision, optimizer, clipping, accumulation, tiers, the
-        params' buffer count and size) says."""
+        params' buffer count and size) says, placing what fits on the device within
+        `budgets` (default: the machine's, tierstack/budgets.py)."""
         count = len(model.get_submodule(blocks_attr))
-        return cls(model, store, train.optimizer, blocks_attr,
+        if budgets is None:
+            budgets = default_budgets(measure(None, str(store.device)))
+        return cls(model, store, train.optimizer, blocks_attr, budgets=budgets,
+                   may_be_resident=may_be_resident(train, blocks_attr, count),
                    prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,
                    tiers=block_tiers(train, blocks_attr, count),
                    state_tiers=state_tiers(train, blocks_attr, count),
@@ -184,6 +210,7 @@ class OffloadEngine:
 
     def zero_grad(self) -> None:
         """Clear gradients: the next backward starts a new accumulation window."""
+        self.blocks.release_kept()
         for p in self.persistent:
             p.grad = None
         for m in self.persistent_masters:
@@ -230,11 +257,13 @@ class OffloadEngine:
         step; returns the batch's mean loss (the mean of the micro-batches' means)."""
         inputs, targets = inputs.to(self.store.device), targets.to(self.store.device)
         micro = self.micro_batches(inputs, targets)
+        if self._placement_pending:
+            self.place(*micro[0])
         self.zero_grad()
         losses = []
         try:
             for i, (x, y) in enumerate(micro):
-                logits = self.model(x)
+                logits = self._logits(x)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 losses.append(loss.detach())
                 # A block's step may start inside the backward only once its gradients
@@ -250,6 +279,103 @@ class OffloadEngine:
             self.blocks.on_gradients = None
         self.step()
         return torch.stack(losses).mean().item()
+
+    # ---- placement: budgets in, what lives on the device out -------------------------------
+
+    def place(self, inputs: torch.Tensor, targets: torch.Tensor) -> BlockPlacement:
+        """Measure one forward and backward on this micro-batch (every block streamed and
+        recomputed: the safe placement), then place what fits the HBM budget on the
+        device (worker/placement.py). Runs once, before the first step; the probe's
+        gradients are thrown away."""
+        self._placement_pending = False
+        recorder, self.store.recorder = self.store.recorder, None  # not part of a trace
+        try:
+            self.footprint = self._probe(inputs, targets)
+        finally:
+            self.store.recorder = recorder
+        offloaded = self.blocks.offloaded()
+        placement = place_blocks(self.footprint, self.budgets.hbm, self._resident_ok,
+                                 window_layers=self.store.prefetch_depth + 1)
+        for index in placement.resident:
+            self._make_resident(index)
+        for index in placement.keep_activations:
+            self.blocks.keep_activations[index] = True
+        if len(placement.resident) < len(offloaded):
+            self.store.budget.resize(max(placement.layer_budget, self.store.budget.used, 1))
+        left = self.blocks.offloaded()  # a step loads every block forward, then backward
+        self.store.set_access_order(left + left[::-1])
+        self.placement = placement
+        log.info("placement within %s: %s", self.budgets.describe(),
+                 placement.describe(len(self.blocks.blocks)))
+        return placement
+
+    def _probe(self, inputs: torch.Tensor, targets: torch.Tensor) -> DeviceFootprint:
+        cuda = self.store.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.store.device)
+            torch.cuda.reset_peak_memory_stats(self.store.device)
+        self.zero_grad()
+        self.blocks.measure_activations = True
+        try:
+            with SavedBytes() as outside:
+                loss = F.cross_entropy(self._logits(inputs).flatten(0, 1).float(), targets.flatten())
+            loss.backward()
+        finally:
+            self.blocks.measure_activations = False
+        self.zero_grad()
+        store = self.store
+        layers = tuple(store.layouts[i].nbytes for i in range(len(self.blocks.blocks)))
+        activations = tuple(self.blocks.activation_bytes)
+        if cuda:
+            torch.cuda.synchronize(store.device)
+            peak = torch.cuda.max_memory_allocated(store.device)
+        else:  # no allocator to ask: what the step holds at its fullest, added up
+            persistent = sum(p.numel() * (2 * p.element_size() + 8 + (0 if m is p else 4))
+                             for p, m in zip(self.persistent, self.persistent_masters))
+            peak = (persistent + outside.bytes + (store.prefetch_depth + 1) * max(layers)
+                    + max(activations, default=0))
+        states = []
+        for i in range(len(self.blocks.blocks)):
+            trainable = self.blocks.trainable(i)
+            numel = sum(math.prod(shape) for _, shape, _ in trainable)
+            grads = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in trainable)
+            masters = 4 * numel if self.block_optimizer.masters else 0
+            states.append(layers[i] + grads + masters + 2 * 4 * numel)
+        return DeviceFootprint(int(peak), tuple(states), layers, activations)
+
+    def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's logits: a plain module's output, or a Hugging Face model's `.logits`
+        (called without a key/value cache: training recomputes blocks)."""
+        if getattr(getattr(self.model, "config", None), "use_cache", None) is not None:
+            out = self.model(inputs, use_cache=False)
+        else:
+            out = self.model(inputs)
+        return getattr(out, "logits", out)
+
+    def _make_resident(self, index: int) -> None:
+        """Bring offloaded block `index` to the device for good: its tensors, fp32 masters
+        and AdamW moments come from the tier manager once, it joins the persistent
+        parameters (the device AdamW steps it from now on), and its keys are deleted."""
+        store, device = self.store, self.store.device
+        tensors = {name: t.to(device) for name, t in store.read_layer(index).items()}
+        block = self.blocks.make_resident(index, tensors)
+        named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+        masters = [p for _, p in named]
+        if self.block_optimizer.masters:
+            stored = store.read_layer(index, "master")
+            masters = [stored[f"{n}.master"].to(device).requires_grad_() for n, _ in named]
+        steps = self.block_optimizer.steps
+        self.persistent.extend(p for _, p in named)
+        if self.persistent_masters is not self.persistent:
+            self.persistent_masters.extend(masters)
+        self.persistent_optimizer.add_param_group({"params": masters})
+        if steps:  # the moments exist from the first step on
+            moments = {kind: store.read_layer(index, kind) for kind in MOMENTS}
+            for (name, _), master in zip(named, masters):
+                self.persistent_optimizer.state[master] = {
+                    "step": torch.tensor(float(steps), dtype=torch.float32, device=device),
+                    **{kind: moments[kind][f"{name}.{kind}"].to(device) for kind in MOMENTS}}
+        store.forget_layer(index, kinds=("grad", "master") + MOMENTS)
 
     def close(self) -> None:
         self.block_optimizer.close()

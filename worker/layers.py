@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from tierstack.errors import InvalidArgumentError
+from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.tiers import AUTO, PLACEMENTS
 from tierstack.worker.arenas import ArenaMap
 from tierstack.worker.layout import LayerLayout
@@ -68,6 +68,7 @@ class LayerStore:
         # to the daemon once and then only when they change.
         self._kind_layouts: dict[tuple[int, str], LayerLayout] = {}
         self.stored_kinds: dict[tuple[int, str], int] = {}  # (layer, kind) -> bytes, for traces
+        self.forgotten: set[int] = set()  # layers whose state left the tier manager
         # Where the daemon keeps each layer's state between uses: layer -> placement
         # (tierstack.tiers.PLACEMENTS) for its parameters and for the other kinds.
         self.placements: dict[int, tuple[str, str]] = {}
@@ -169,6 +170,25 @@ class LayerStore:
         self.set_access_order(range(len(layouts)))
         return layouts
 
+    def forget_layer(self, index: int, kinds: Sequence[str] = ()) -> None:
+        """Delete layer `index`'s state of every kind from the tier manager (it moved to
+        the device for good): its parameters, layout, the `kinds` given and every kind
+        written or declared here. Its index stays (other layers keep theirs)."""
+        if index in self.residency:
+            self.release_layer(index)
+        own = {kind for (i, kind) in self.stored_kinds if i == index} | set(kinds)
+        keys = [self.key(index), self.key(index, "layout")]
+        keys += [self.key(index, k) for k in sorted(own)] + [self.key(index, f"{k}.layout") for k in sorted(own)]
+        for key in keys:
+            try:
+                self.client.delete([key])
+            except KeyNotFoundError:
+                pass  # a kind never written (moments before the first step)
+        for kind in own:
+            self.stored_kinds.pop((index, kind), None)
+            self._kind_layouts.pop((index, kind), None)
+        self.forgotten.add(index)
+
     def set_access_order(self, layers: Sequence[int]) -> None:
         """Tell the daemon the cyclic order layers will be loaded in (a layer may come
         back: a training step's forward then backward), so that it evicts the one needed
@@ -266,7 +286,7 @@ class LayerStore:
         """Prefetch the next `prefetch_depth` layers after `index` (in direction `step`) to
         the device, and ask the daemon to read the ones up to `read_ahead` from NVMe."""
         self.residency.prefetch_ahead(index, step, self.depths.depth, self.depths.read_ahead,
-                                      self.hint)
+                                      self.hint, lambda i: i not in self.forgotten)
 
     def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
         """Layer `index`'s tensors on the device, ready for use on the current stream."""

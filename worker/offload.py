@@ -15,8 +15,13 @@ device, and the layer store keeps the device budget.
 The recompute costs one extra forward per block (as activation checkpointing does) and
 in exchange never holds a parameter across the forward/backward gap. Like
 torch.utils.checkpoint, the recompute replays the forward's RNG state (dropout) and
-autocast setting. Gradients accumulate over several backward passes (and several calls
-of a block) until `new_gradients()`, which the engine's zero_grad calls.
+autocast setting. Where the device has room (the engine's placement decides), a block
+instead keeps its activations: its tensors stay on the device from its forward to its
+backward, which runs the saved graph (`keep_activations`, no recompute). A block can
+also be made resident (`make_resident`): its tensors come to the device for good and it
+becomes an ordinary module of the model again. Gradients accumulate over several
+backward passes (and several calls of a block) until `new_gradients()`, which the
+engine's zero_grad calls.
 
 Not supported, refused by name: weights tied inside a block, buffers a block updates in
 place (BatchNorm running statistics), and a key/value cache passed to a block.
@@ -32,6 +37,7 @@ import torch
 from tierstack.errors import InvalidArgumentError
 from tierstack.dtypes import dtype_from_name
 from tierstack.worker.layers import LayerStore
+from tierstack.worker.placement import SavedBytes
 
 
 def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
@@ -66,6 +72,26 @@ class _Block(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
         grad_in = ctx.engine._backward_block(ctx.index, x, ctx.extra, grad_out, ctx.replay)
+        return None, None, grad_in, None, None
+
+
+class _KeptBlock(torch.autograd.Function):
+    """Runs one offloaded block forward keeping its activations: the block's graph is
+    built on a detached input, kept in `ctx`, and run by the backward (no recompute).
+    The block's tensors stay on the device until then."""
+
+    @staticmethod
+    def forward(ctx, engine: "OffloadedBlocks", index: int, x: torch.Tensor, extra: tuple,
+                anchor: torch.Tensor):
+        x_in, out = engine._forward_kept(index, x, extra)
+        ctx.engine, ctx.index, ctx.graph = engine, index, (x_in, out)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x_in, out = ctx.graph
+        ctx.graph = None
+        grad_in = ctx.engine._backward_kept(ctx.index, x_in, out, grad_out)
         return None, None, grad_in, None, None
 
 
@@ -124,7 +150,9 @@ class _BlockProxy(torch.nn.Module):
                 f"block {self.index} was given a key/value cache while training: the backward "
                 f"recompute would extend it a second time; call the model with use_cache=False")
         engine = self._engine[0]
-        return _Block.apply(engine, self.index, x, (args, kwargs), engine._anchor)
+        kept = engine.keep_activations[self.index] and torch.is_grad_enabled()
+        return (_KeptBlock if kept else _Block).apply(engine, self.index, x, (args, kwargs),
+                                                      engine._anchor)
 
 
 class OffloadedBlocks(torch.nn.Module):
@@ -159,6 +187,16 @@ class OffloadedBlocks(torch.nn.Module):
         self.track_grad_norms = False
         self.grad_sq_norms: list[torch.Tensor | None] = [None] * len(self.blocks)
         self._names = [list(block.state_dict().keys()) for block in self.blocks]
+        # Per block: keep its activations (its tensors stay on the device from its forward
+        # to its backward) instead of recomputing it; set by the engine's placement.
+        self.keep_activations = [False] * len(self.blocks)
+        # While `measure_activations` is set (the engine's probe step), each block's
+        # recompute counts the bytes autograd saves in its forward.
+        self.measure_activations = False
+        self.activation_bytes = [0] * len(self.blocks)
+        self.resident: set[int] = set()  # blocks brought to the device for good
+        self._kept_live: set[int] = set()  # kept blocks whose backward has not run yet
+        self._module_list = module_list
 
         def registered(i: int) -> None:
             self._dematerialize(i)
@@ -211,6 +249,53 @@ class OffloadedBlocks(torch.nn.Module):
         with self._using(index, 1) as block:
             return block(x, *args, **kwargs)
 
+    def _forward_kept(self, index: int, x: torch.Tensor, extra: tuple):
+        """Block `index` forward with its graph kept: (its detached input, its output)."""
+        args, kwargs = extra
+        self._materialize(index)
+        self._kept_live.add(index)
+        self.store.prefetch_ahead(index, 1)
+        try:
+            with torch.enable_grad():
+                x_in = x.detach().requires_grad_(x.requires_grad)
+                return x_in, self.blocks[index](x_in, *args, **kwargs)
+        except BaseException:
+            self._kept_live.discard(index)
+            self._dematerialize(index)
+            for i in self.store.resident_layers():
+                self.store.release_layer(i)
+            raise
+
+    def _backward_kept(self, index: int, x_in: torch.Tensor, out: torch.Tensor,
+                       grad_out: torch.Tensor) -> torch.Tensor | None:
+        """Run the kept graph of block `index`, store its gradients, let its tensors go."""
+        self.store.prefetch_ahead(index, -1)  # the blocks before it may need loading
+        try:
+            block = self.blocks[index]
+            named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+            inputs = ([x_in] if x_in.requires_grad else []) + [p for _, p in named]
+            grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+            grad_in = grads[0] if x_in.requires_grad else None
+            self._store_gradients(index, named, grads[1:] if x_in.requires_grad else grads,
+                                  grad_out.device)
+            return grad_in
+        except BaseException:
+            for i in self.store.resident_layers():
+                if i != index:
+                    self.store.release_layer(i)
+            raise
+        finally:
+            self._kept_live.discard(index)
+            self._dematerialize(index)
+            self.store.release_layer(index)
+
+    def release_kept(self) -> None:
+        """Let go of kept blocks whose backward never ran (a forward without a backward)."""
+        for index in sorted(self._kept_live):
+            self._dematerialize(index)
+            self.store.release_layer(index)
+        self._kept_live.clear()
+
     def new_gradients(self) -> None:
         """Start a new accumulation window: the next backward overwrites, later ones add."""
         self._generation += 1
@@ -224,25 +309,54 @@ class OffloadedBlocks(torch.nn.Module):
         with self._using(index, -1) as block:
             with torch.enable_grad(), replay.replaying():
                 x_in = x.detach().requires_grad_(x.requires_grad)
-                out = block(x_in, *args, **kwargs)
+                if self.measure_activations:
+                    own = tuple(t.untyped_storage().data_ptr() for t in block.state_dict().values())
+                    with SavedBytes(exclude=own) as saved:
+                        out = block(x_in, *args, **kwargs)
+                    self.activation_bytes[index] = saved.bytes
+                else:
+                    out = block(x_in, *args, **kwargs)
                 named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
                 inputs = ([x_in] if x.requires_grad else []) + [p for _, p in named]
                 grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
             grad_in = grads[0] if x.requires_grad else None
-            param_grads = grads[1:] if x.requires_grad else grads
-            new = {f"{n}.grad": (g if g is not None else torch.zeros_like(p))
-                   for (n, p), g in zip(named, param_grads)}
-            if self.has_gradients(index):  # accumulate within the window
-                for key, old in self.store.read_layer(index, "grad").items():
-                    new[key] = new[key] + old.to(new[key].device)
-            if self.track_grad_norms:
-                self.grad_sq_norms[index] = sum((g.float().square().sum() for g in new.values()),
-                                                torch.zeros((), device=x.device))
-            self.store.write_back(index, new, kind="grad", durable=False)
-            self._grad_generation[index] = self._generation
-            if self.on_gradients is not None:
-                self.on_gradients(index)
+            self._store_gradients(index, named, grads[1:] if x.requires_grad else grads, x.device)
             return grad_in
+
+    def _store_gradients(self, index: int, named: list, param_grads, device) -> None:
+        """Write block `index`'s parameter gradients to the tier manager (added to the
+        window's earlier ones), then tell `on_gradients`."""
+        new = {f"{n}.grad": (g if g is not None else torch.zeros_like(p))
+               for (n, p), g in zip(named, param_grads)}
+        if self.has_gradients(index):  # accumulate within the window
+            for key, old in self.store.read_layer(index, "grad").items():
+                new[key] = new[key] + old.to(new[key].device)
+        if self.track_grad_norms:
+            self.grad_sq_norms[index] = sum((g.float().square().sum() for g in new.values()),
+                                            torch.zeros((), device=device))
+        self.store.write_back(index, new, kind="grad", durable=False)
+        self._grad_generation[index] = self._generation
+        if self.on_gradients is not None:
+            self.on_gradients(index)
+
+    def offloaded(self) -> list[int]:
+        """The blocks that still live with the tier manager (not made resident)."""
+        return [i for i in range(len(self.blocks)) if i not in self.resident]
+
+    def make_resident(self, index: int, device_tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """Make block `index` an ordinary module of the model again, its tensors the given
+        device tensors (the caller read them from the tier manager): from now on it is
+        neither loaded nor recomputed, and autograd keeps its activations. The caller
+        moves its optimizer state and deletes its keys."""
+        if index in self.resident:
+            raise InvalidArgumentError(f"block {index} is resident already")
+        block = self.blocks[index]
+        for name in self._names[index]:
+            _set_tensor(block, name, device_tensors[name])
+        self._module_list[self.positions[index]] = block
+        self.resident.add(index)
+        self.keep_activations[index] = False
+        return block
 
     def trainable(self, index: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """Block `index`'s parameters that get gradients: (name, shape, dtype), in the order

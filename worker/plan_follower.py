@@ -85,9 +85,11 @@ class PlanFollower:
         for layer, _, _ in uses:
             backward.append(layer in seen)
             seen.add(layer)
-        tensors = [TensorSpec(store.key(i), i, "params", layout.nbytes) for i, layout in enumerate(store.layouts)]
+        tensors = [TensorSpec(store.key(i), i, "params", layout.nbytes)
+                   for i, layout in enumerate(store.layouts) if i not in store.forgotten]
         tensors += [TensorSpec(store.key(i, kind), i, "grad" if kind.startswith("grad") else kind, nbytes)
-                    for (i, kind), nbytes in sorted(store.stored_kinds.items())]
+                    for (i, kind), nbytes in sorted(store.stored_kinds.items())
+                    if i not in store.forgotten]
         return JobTrace(job=store.job, nodes=list(nodes or [self.node_id]),
                         step_layer=[u[0] for u in uses], step_compute=[u[2] - u[1] for u in uses],
                         step_backward=backward, tensors=tensors,

@@ -136,13 +136,15 @@ class DeviceResidency:
         return copy
 
     def prefetch_ahead(self, index: int, step: int, depth: int, read_ahead: int,
-                       hint: Callable[[int], None]) -> None:
+                       hint: Callable[[int], None],
+                       present: Callable[[int], bool] = lambda index: True) -> None:
         """Start the next `depth` layers after `index` (in direction `step`) and `hint`
-        the ones beyond, up to `read_ahead` (their NVMe reads start in the daemon)."""
+        the ones beyond, up to `read_ahead` (their NVMe reads start in the daemon).
+        Layers not `present` (moved to the device for good) are passed over."""
         count = self.source.layer_count()
-        for k in range(1, max(depth, read_ahead) + 1):
-            other = index + k * step
-            if not 0 <= other < count:
+        ahead = (i for i in range(index + step, count if step > 0 else -1, step) if present(i))
+        for k, other in enumerate(ahead, start=1):
+            if k > max(depth, read_ahead):
                 break
             if k <= depth:
                 if other not in self._copies and self.start(other, required=False) is None:

@@ -105,7 +105,7 @@ class TieredAdamW:
 
     def start_block(self, index: int) -> None:
         """Start block `index`'s step now (its gradients of this window are stored)."""
-        if index not in self._pending:
+        if index not in self._pending and index not in self.blocks.resident:
             self._pending[index] = self._pool.submit(self._run, [index])
 
     def step(self, grad_scale: float = 1.0) -> None:
@@ -115,9 +115,9 @@ class TieredAdamW:
         started by `start_block` were started unscaled, so the engine starts none when it
         clips.
         """
-        count = len(self.blocks.blocks)
+        offloaded = self.blocks.offloaded()  # resident blocks step with the device's AdamW
         try:
-            missing = [i for i in range(count) if not self.blocks.has_gradients(i)]
+            missing = [i for i in offloaded if not self.blocks.has_gradients(i)]
             if missing:  # check first: a step must update every block or none
                 raise InvalidArgumentError(
                     f"blocks {missing} have no gradients since the last zero_grad: run a backward "
@@ -125,7 +125,7 @@ class TieredAdamW:
             if grad_scale != 1.0 and self._pending:
                 raise InvalidArgumentError("blocks were stepped during the backward without "
                                            "the clipping scale; clip before starting any block")
-            rest = [i for i in range(count) if i not in self._pending]
+            rest = [i for i in offloaded if i not in self._pending]
             if rest:
                 self._run(rest, grad_scale)
         finally:

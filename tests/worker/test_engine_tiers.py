@@ -238,15 +238,32 @@ def test_state_tiers_follow_overrides_then_the_optimizer_device_then_the_paramet
     assert state_tiers(train, "blocks", 2) == ["nvme", "nvme"]
 
 
-def test_offloading_only_the_optimizer_state_is_not_silently_ignored(caplog):
-    """DeepSpeed's ZeRO-Offload shape (offload_optimizer cpu, no offload_param): the blocks
-    train on the device with their state there, and a warning says so and what to set."""
-    train = _train_config(optimizer_state={"device": "cpu"})
-    with caplog.at_level(logging.WARNING, logger="tierstack.worker.engine"):
-        assert state_tiers(train, "blocks", 3) == ["gpu"] * 3
-    assert "train.optimizer_state.device is 'cpu' but train.params.device is 'none'" in caplog.text
-    assert "blocks [0, 1, 2] of blocks" in caplog.text
-    assert "set train.params.device to 'cpu' or 'nvme'" in caplog.text
+def test_offloading_only_the_optimizer_state_keeps_the_masters_on_the_host(daemon, caplog):
+    """DeepSpeed's ZeRO-Offload shape (offload_param none, offload_optimizer cpu): the
+    blocks' master copy and optimizer state live on the host, their parameters come to the
+    device for each step (and stay from forward to backward where the HBM budget allows),
+    the tier manager steps them; it says so, and trains like plain PyTorch."""
+    train = _train_config(params={"device": "none"}, optimizer_state={"device": "cpu"})
+    with caplog.at_level(logging.INFO, logger="tierstack.worker.engine"):
+        assert block_tiers(train, "blocks", 3) == ["cpu"] * 3
+        assert state_tiers(train, "blocks", 3) == ["cpu"] * 3
+    assert "optimizer state stays on the host (ZeRO-Offload)" in caplog.text
+    # With the default params device ("auto"), only the state's tier is pinned.
+    assert state_tiers(_train_config(optimizer_state={"device": "cpu"}), "blocks", 2) == ["cpu"] * 2
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, layers=3)
+    batches = _data(9, 3)
+    expected = _plain_losses(copy.deepcopy(reference), batches)
+    store = LayerStore("zero-offload", device="cpu", device_budget=64 << 20,
+                       address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine.from_config(copy.deepcopy(reference), store, train)
+        got = [engine.train_step(x, y) for x, y in batches]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert engine.blocks.offloaded() == [0, 1, 2]
+        engine.close()
+    finally:
+        store.close()
 
 
 def test_a_tensor_larger_than_buffer_size_is_refused_by_block_tensor_and_setting(daemon):

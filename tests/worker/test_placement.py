@@ -1,0 +1,165 @@
+"""Budgets in, placement out: the engine measures one step and places what fits the HBM
+budget on the device (resident blocks, kept activations), and trains exactly as plain
+PyTorch does whatever it placed (fp32, same seed and data, a real daemon)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.worker.test_engine_tiers import HYPER, _data, _plain_losses, _train_config
+from tests.worker.test_offload import TinyGPT
+from tierstack.budgets import Budgets
+from tierstack.errors import ConfigError
+from tierstack.worker.engine import OffloadEngine
+from tierstack.worker.layers import LayerStore
+from tierstack.worker.placement import DeviceFootprint, place_blocks
+
+MiB = 1 << 20
+
+
+def _budgets(hbm: int) -> Budgets:
+    return Budgets(hbm=hbm, host=8 << 30, nvme=8 << 30)
+
+
+def test_place_blocks_fills_the_budget_with_whole_blocks_then_activations():
+    footprint = DeviceFootprint(peak=100 * MiB, block_state=(40 * MiB,) * 6,
+                                block_layer=(10 * MiB,) * 6, block_activations=(20 * MiB,) * 6)
+    # Room for two whole blocks (60 MiB each) and one kept block (30 MiB): the edges first.
+    p = place_blocks(footprint, 105 * MiB + 150 * MiB, [True] * 6, window_layers=3)
+    assert p.resident == (0, 5) and p.keep_activations == (1,)
+    assert p.layer_budget == (3 + 1) * 10 * MiB and p.planned_peak <= 255 * MiB
+    # Blocks a constraint pins to the host may keep their activations, never move in.
+    pinned = place_blocks(footprint, 300 * MiB, [False] * 6, window_layers=3)
+    assert pinned.resident == () and len(pinned.keep_activations) == 6
+    # A budget below the probe's own footprint names the smallest one that would do.
+    with pytest.raises(ConfigError, match=r"budgets.hbm is 90 MiB .* raise budgets.hbm to at least 105 MiB"):
+        place_blocks(footprint, 90 * MiB, [True] * 6, window_layers=3)
+
+
+def _engine_run(daemon, job: str, hbm: int, batches, **train):
+    torch.manual_seed(0)
+    model = TinyGPT(dim=64, layers=4)
+    store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address,
+                       durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, _train_config(**train), budgets=_budgets(hbm))
+        losses = [engine.train_step(x, y) for x, y in batches]
+        placement = engine.placement
+        keys = store.client.stats().tensors
+        engine.close()
+        return losses, placement, store.resident_layers(), keys
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("room, resident, kept", [
+    ("all", 4, 0),        # everything fits: every block resident (autograd keeps activations)
+    ("one", 1, "some"),   # one whole block more than the probe: one resident, some kept
+    ("none", 0, 0),       # no HBM budget: the safe placement (streamed, recomputed)
+])
+def test_any_placement_trains_like_plain_pytorch(daemon, room, resident, kept):
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, layers=4)
+    batches = _data(5, 4)
+    expected = _plain_losses(copy.deepcopy(reference), batches)
+    hbm = {"all": 1 << 40, "none": 0}[room] if room != "one" else _one_block_more(daemon, batches)
+    got, placement, left, _ = _engine_run(daemon, f"place-{room}", hbm, batches,
+                                          params={"device": "auto"})
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    assert left == []  # nothing stays on the device between steps but resident blocks
+    if room == "none":
+        assert placement is None
+        return
+    assert len(placement.resident) == resident
+    if kept == "some":
+        assert 0 < len(placement.keep_activations) < 4 - resident
+    else:
+        assert len(placement.keep_activations) == kept
+
+
+def _one_block_more(daemon, batches) -> int:
+    """An HBM budget with room for the probe's footprint, one whole block and a little."""
+    torch.manual_seed(0)
+    model = TinyGPT(dim=64, layers=4)
+    store = LayerStore("measure", device="cpu", device_budget=64 << 20, address=daemon.address,
+                       durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}))
+        footprint = engine._probe(*batches[0])
+        engine.close()
+    finally:
+        store.close()
+    state, kept = footprint.block_state[0], footprint.block_activations[0] + footprint.block_layer[0]
+    return int(footprint.peak * 1.05) + state + footprint.block_activations[0] + kept + kept // 2
+
+
+def test_pinned_blocks_keep_their_activations_and_stay_offloaded(daemon):
+    """A config that pins the parameters to the CPU pool (DeepSpeed's offload_param cpu):
+    no block moves to the device, every block keeps its activations (no recompute)."""
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, layers=4)
+    batches = _data(6, 3)
+    expected = _plain_losses(copy.deepcopy(reference), batches)
+    got, placement, left, tensors = _engine_run(daemon, "pinned", 1 << 40, batches,
+                                                params={"device": "cpu"})
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    assert placement.resident == () and placement.keep_activations == (0, 1, 2, 3)
+    assert left == [] and tensors > 0
+
+
+def test_resident_blocks_leave_the_tier_manager(daemon):
+    torch.manual_seed(0)
+    model = TinyGPT(dim=64, layers=4)
+    store = LayerStore("resident", device="cpu", device_budget=64 << 20, address=daemon.address,
+                       durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "auto"}),
+                                           budgets=_budgets(1 << 40))
+        for x, y in _data(7, 2):
+            engine.train_step(x, y)
+        assert engine.placement.resident == (0, 1, 2, 3)
+        keys = [k for k in (store.key(i, kind) for i in range(4)
+                            for kind in ("params", "grad", "exp_avg", "exp_avg_sq"))]
+        for key in keys:
+            with pytest.raises(Exception, match="no tensor is stored"):
+                store.client.describe(key)
+        assert all(isinstance(b, torch.nn.Module) and not type(b).__name__.startswith("_")
+                   for b in model.blocks)
+        engine.close()
+    finally:
+        store.close()
+
+
+def test_a_block_moved_in_after_steps_brings_its_masters_and_moments(daemon):
+    """bf16 with fp32 masters: two steps with every block offloaded, then a placement
+    that moves every block to the device; the device AdamW continues from the moments
+    the tier manager kept, step for step as the engine that never moved them."""
+    torch.manual_seed(0)
+    batches = _data(8, 4)
+
+    def run(job: str, move_after: int | None):
+        torch.manual_seed(0)
+        model = TinyGPT(dim=64, layers=3)
+        store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address,
+                           durable=False)
+        try:
+            engine = OffloadEngine.from_config(
+                model, store, _train_config(precision="bf16", params={"device": "auto"}),
+                budgets=_budgets(0))
+            losses = []
+            for step, (x, y) in enumerate(batches):
+                if step == move_after:
+                    engine.budgets = _budgets(1 << 40)
+                    engine.place(x, y)
+                    assert engine.placement.resident == (0, 1, 2)
+                losses.append(engine.train_step(x, y))
+            engine.close()
+            return losses
+        finally:
+            store.close()
+
+    torch.testing.assert_close(torch.tensor(run("moved", 2)), torch.tensor(run("stayed", None)),
+                               rtol=0, atol=0)

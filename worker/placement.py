@@ -1,0 +1,140 @@
+"""What of an offloaded model lives on the device: the engine's packing of its HBM budget.
+
+Budgets in, placement out. The engine measures one forward and backward of the model
+with the safe placement (every block streamed, none of its activations kept) and packs
+the HBM budget with what it measured (`DeviceFootprint`):
+
+1. whole blocks first: a resident block's parameters, gradients and optimizer state stay
+   on the device and it steps with the device's AdamW, so it leaves every link (PCIe,
+   disk, the CPU optimizer) at once; autograd keeps its activations;
+2. then kept activations: an offloaded block whose activations fit keeps them, and its
+   parameters, from its forward to its backward instead of being recomputed (one
+   forward of that block fewer per step).
+
+Blocks a constraint pins to a host tier (a DeepSpeed JSON's offload device, a module
+override) are never made resident; they may keep their activations. Which host tier an
+offloaded tensor lives in (CPU pool or NVMe), and how far ahead it is prefetched, is
+the tier manager's and the scheduler's part of the placement (host and NVMe budgets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierstack.errors import ConfigError
+
+MiB = 1 << 20
+MARGIN_FRACTION = 0.05
+"""Share of the HBM budget left unplanned: the allocator's fragmentation and the
+difference between the probe's step and later ones."""
+
+
+@dataclass(frozen=True)
+class DeviceFootprint:
+    """What the probe step measured on the device."""
+
+    peak: int
+    """The most device memory allocated during the probe (every block streamed and
+    recomputed): the fixed part every placement pays (persistent state, the blocks'
+    saved inputs, the logits, the streamed layers' buffers, one block's recompute)."""
+    block_state: tuple[int, ...]
+    """Device bytes of each block made resident: its tensors as stored, their gradients,
+    and the optimizer's fp32 masters (when the parameters are not fp32) and two moments."""
+    block_layer: tuple[int, ...]
+    """Bytes of each block's tensors as streamed (held from forward to backward when it
+    keeps its activations)."""
+    block_activations: tuple[int, ...]
+    """Bytes autograd saves in each block's forward (what keeping its activations costs)."""
+
+
+@dataclass(frozen=True)
+class BlockPlacement:
+    """The engine's decision for each block."""
+
+    resident: tuple[int, ...]
+    keep_activations: tuple[int, ...]
+    layer_budget: int
+    """Device bytes the layer store may hold for streamed layers: the prefetch window plus
+    the layers kept from forward to backward."""
+    planned_peak: int
+    """The footprint the placement expects (within the HBM budget)."""
+
+    def describe(self, count: int) -> str:
+        return (f"{len(self.resident)} of {count} blocks resident on the device, "
+                f"{len(self.keep_activations)} offloaded blocks keep their activations, "
+                f"{count - len(self.resident) - len(self.keep_activations)} recomputed; "
+                f"planned peak {self.planned_peak / MiB:,.0f} MiB")
+
+
+def _edges_first(indices: list[int]) -> list[int]:
+    """Blocks from both ends inwards: the first forward layers and the first backward
+    ones (the model's last) have no compute before them to hide a transfer behind."""
+    out, lo, hi = [], 0, len(indices) - 1
+    while lo <= hi:
+        out.append(indices[lo])
+        if hi != lo:
+            out.append(indices[hi])
+        lo, hi = lo + 1, hi - 1
+    return out
+
+
+def place_blocks(footprint: DeviceFootprint, hbm_budget: int, may_be_resident: list[bool],
+                 window_layers: int) -> BlockPlacement:
+    """Pack `hbm_budget` with resident blocks, then kept activations (module docstring).
+
+    `window_layers`: streamed layers on the device at once (the prefetch window and the
+    one in use), already part of the probe's peak. Raises, naming the smallest budget
+    that would do, when the budget cannot hold even the probe's footprint.
+    """
+    count = len(footprint.block_state)
+    planned = int(footprint.peak * (1 + MARGIN_FRACTION))
+    if planned > hbm_budget:
+        raise ConfigError(
+            f"budgets.hbm is {hbm_budget / MiB:,.0f} MiB but one step with every block "
+            f"streamed from the host already needs {footprint.peak / MiB:,.0f} MiB of device "
+            f"memory; raise budgets.hbm to at least {planned / MiB:,.0f} MiB, or lower the "
+            f"micro-batch or sequence length")
+    free = hbm_budget - planned
+    resident: list[int] = []
+    for i in _edges_first([i for i in range(count) if may_be_resident[i]]):
+        cost = footprint.block_state[i] + footprint.block_activations[i]
+        if cost <= free:
+            resident.append(i)
+            free -= cost
+    kept: list[int] = []
+    for i in _edges_first([i for i in range(count) if i not in resident]):
+        cost = footprint.block_activations[i] + footprint.block_layer[i]
+        if cost <= free:
+            kept.append(i)
+            free -= cost
+    streamed = [footprint.block_layer[i] for i in range(count) if i not in resident]
+    biggest = max(streamed, default=0)
+    layer_budget = max(biggest, (window_layers + len(kept)) * biggest)
+    return BlockPlacement(tuple(sorted(resident)), tuple(sorted(kept)), layer_budget,
+                          hbm_budget - free)
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves for backward inside a `with` (each storage once),
+    leaving out storages named in `exclude` (a block's own parameters)."""
+
+    def __init__(self, exclude: tuple[int, ...] = ()) -> None:
+        import torch
+
+        self.bytes = 0
+        self._seen: set[int] = set(exclude)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> "SavedBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
