@@ -8,9 +8,19 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg
 cp -r tierstack /tmp/pkg/
-cp -r services worker proto dashboards /tmp/pkg/tierstack/
+cp -r services worker proto dashboards deploy /tmp/pkg/tierstack/
 cc -O2 -std=c11 -D_GNU_SOURCE -shared -fPIC -pthread \
     -o /tmp/pkg/tierstack/services/tier_manager/native/libtierstack_blockio.so \
     services/tier_manager/native/blockio.c
 export PYTHONPATH=/tmp/pkg:$PYTHONPATH
+# Carried Debian libaio (.whl/deb/*.deb) for DeepSpeed's async_io op (bench/vs_deepspeed.py):
+# unpacked into a private prefix, never into /.
+if ls .whl/deb/*.deb >/dev/null 2>&1; then
+    mkdir -p /tmp/aio && for f in .whl/deb/*.deb; do dpkg -x "$f" /tmp/aio; done
+    aio_lib=/tmp/aio/usr/lib/x86_64-linux-gnu
+    export CFLAGS="-I/tmp/aio/usr/include ${CFLAGS:-}" LDFLAGS="-L$aio_lib ${LDFLAGS:-}"
+    export LIBRARY_PATH=$aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+    export CPATH=/tmp/aio/usr/include${CPATH:+:$CPATH} LD_LIBRARY_PATH=$aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    export TORCH_CUDA_ARCH_LIST=9.0
+fi
 set +e

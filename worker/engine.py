@@ -37,6 +37,7 @@ from tierstack.budgets import Budgets, default_budgets, measure
 from tierstack.config import OptimizerConfig, TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
+from tierstack.services.tier_manager.types import NodeInfo
 from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, BlockTier
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
@@ -90,6 +91,32 @@ def state_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[BlockT
         else:
             tiers.append(override or (params_tier if device_default == GPU else device_default))
     return tiers
+
+
+def training_state_bytes(model: torch.nn.Module, precision: str) -> int:
+    """Bytes of a model's training state: parameters and gradients in the training dtype,
+    and AdamW's two fp32 moments plus fp32 masters where the parameters are not fp32
+    (16 bytes per parameter either way; meta tensors count: nothing needs to exist)."""
+    itemsize = PRECISIONS[precision].itemsize
+    masters = 4 if itemsize != 4 else 0
+    return sum(p.numel() * (2 * itemsize + masters + 8) for p in model.parameters())
+
+
+def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeInfo) -> None:
+    """Refuse, before anything is stored, a model whose training state cannot fit the HBM
+    budget and the tier manager's pools together; name the smallest budgets that would."""
+    need = training_state_bytes(model, precision)
+    have = hbm + node.cpu_capacity + node.nvme_capacity
+    if need > have:
+        gib = 1 << 30
+        short = need - have
+        raise ConfigError(
+            f"the model's training state needs {need / gib:.1f} GiB but the budgets hold "
+            f"{have / gib:.1f} GiB (HBM {hbm / gib:.1f}, the tier manager's CPU pool "
+            f"{node.cpu_capacity / gib:.1f} and NVMe pool {node.nvme_capacity / gib:.1f}); raise "
+            f"budgets.nvme (tier_manager.nvme_pool.size) to at least "
+            f"{(node.nvme_capacity + short) / gib:.1f} GiB, or budgets.host by "
+            f"{short / gib:.1f} GiB")
 
 
 def materialize(module: torch.nn.Module, device) -> None:
@@ -199,6 +226,7 @@ class OffloadEngine:
         count = len(model.get_submodule(blocks_attr))
         if budgets is None:
             budgets = default_budgets(measure(None, str(store.device)))
+        check_capacity(model, train.precision, budgets.hbm, store.client.node())
         return cls(model, store, train.optimizer, blocks_attr, budgets=budgets,
                    may_be_resident=may_be_resident(train, blocks_attr, count),
                    prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,

@@ -163,3 +163,20 @@ def test_a_block_moved_in_after_steps_brings_its_masters_and_moments(daemon):
 
     torch.testing.assert_close(torch.tensor(run("moved", 2)), torch.tensor(run("stayed", None)),
                                rtol=0, atol=0)
+
+
+def test_a_model_larger_than_every_budget_is_refused_before_anything_is_stored(daemon):
+    """The daemon of this test has a 16 MiB CPU pool and a 256 MiB NVMe pool: a model of
+    ~25 M parameters (~400 MB of training state) cannot fit, and nothing is written."""
+    model = TinyGPT(dim=512, layers=8, vocab=4096)
+    store = LayerStore("too-big", device="cpu", address=daemon.address, durable=False)
+    try:
+        before = store.client.stats().tensors
+        with pytest.raises(ConfigError, match=r"training state needs .* GiB but the budgets hold "
+                                              r".* raise budgets.nvme \(tier_manager.nvme_pool.size\) "
+                                              r"to at least"):
+            OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}),
+                                      budgets=_budgets(0))
+        assert store.client.stats().tensors == before
+    finally:
+        store.close()

@@ -1,0 +1,97 @@
+"""A process tree's host memory, as a user's machine feels it, sampled from outside.
+
+Footprint = the sum over every process of the tree of (RSS - RssShmem), plus the bytes
+of tierstack's shared-memory arenas (counted once, however many processes map them).
+Disk bytes = the tree's read_bytes / write_bytes from /proc/<pid>/io (each process's
+last reading kept, so processes that exit still count).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+ARENA_GLOB = "tierstack-arena-*"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def process_tree(root: int) -> list[int]:
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += _children(pid)
+    return pids
+
+
+def _status_kib(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def arena_bytes(shm_dir: str = "/dev/shm") -> int:
+    total = 0
+    for path in Path(shm_dir).glob(ARENA_GLOB):
+        try:
+            total += os.stat(path).st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+def footprint(root: int, shm_dir: str = "/dev/shm") -> int:
+    """Bytes of host memory the tree of `root` holds now."""
+    private = sum(_status_kib(p, "VmRSS") - _status_kib(p, "RssShmem") for p in process_tree(root))
+    return private * 1024 + arena_bytes(shm_dir)
+
+
+class Sampler:
+    """Samples a process tree every `interval` seconds on a thread: peak footprint, disk bytes."""
+
+    def __init__(self, root: int, interval: float = 0.1, shm_dir: str = "/dev/shm") -> None:
+        self.root, self.interval, self.shm_dir = root, interval, shm_dir
+        self.peak = 0
+        self.samples = 0
+        self._io: dict[int, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, footprint(self.root, self.shm_dir))
+            self.samples += 1
+            for pid in process_tree(self.root):
+                try:
+                    fields = dict(line.split(": ") for line in
+                                  Path(f"/proc/{pid}/io").read_text().splitlines())
+                    self._io[pid] = (int(fields["read_bytes"]), int(fields["write_bytes"]))
+                except (OSError, KeyError, ValueError):
+                    pass
+            self._stop.wait(self.interval)
+
+    @property
+    def disk_bytes(self) -> tuple[int, int]:
+        return (sum(r for r, _ in self._io.values()), sum(w for _, w in self._io.values()))
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

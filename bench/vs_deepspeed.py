@@ -1,0 +1,330 @@
+"""tierstack against DeepSpeed ZeRO-3 / ZeRO-Infinity: the same model, the same JSON, one run.
+
+A Hugging Face LlamaForCausalLM built from a config (random tokens, bf16, sdpa, AdamW,
+gradient clipping 1.0) trains a few steps under each side, each run in a fresh process
+(its own CUDA context and peak) while this process samples the run's host footprint
+from outside every 100 ms (bench/footprint.py: every process of the run, shared memory
+counted once) and its disk bytes. Modes:
+
+- `same-config`: the DeepSpeed JSON as is, for both sides: `cpu` (params and optimizer
+  offloaded to CPU) and `nvme` (both on NVMe, max_in_cpu 0);
+- `same-budget`: tierstack alone, with automatic placement and budgets equal to what
+  DeepSpeed used in that mode: HBM = its peak GPU memory, host = its peak footprint.
+
+Runs of the two sides are interleaved (ds, ts, ds, ts...) and each figure is a median.
+The last line printed is one JSON object with the ratios (tierstack / DeepSpeed tokens/s,
+host footprint) and every raw figure.
+
+Run on the GPU machine (DeepSpeed carried as a wheel):
+  python3 bench/vs_deepspeed.py --model 1.3b --modes cpu,nvme --reps 1 --nvme-dir /var/tmp/vsds
+A tiny model runs anywhere tierstack does: --model tiny --sides ts
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from footprint import Sampler  # noqa: E402
+
+MODELS = {
+    # The issue's model: 1.345e9 parameters, untied.
+    "1.3b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
+                 intermediate_size=5504, vocab_size=32000),
+    "7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+               intermediate_size=11008, vocab_size=32000),
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 intermediate_size=256, vocab_size=512),
+}
+OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                         "weight_decay": 0.1}}
+
+
+def deepspeed_json(mode: str, micro: int, nvme_dir: str) -> dict:
+    """The DeepSpeed config of a mode, as a DeepSpeed user writes it."""
+    zero: dict = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
+    if mode == "cpu":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    elif mode == "nvme":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True,
+                                 "max_in_cpu": 0, "buffer_count": 5}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True}
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": zero,
+              "optimizer": OPTIMIZER, "steps_per_print": 10**9}
+    if mode == "nvme":
+        config["aio"] = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 8,
+                         "single_submit": False, "overlap_events": True}
+    return config
+
+
+def budget_json(micro: int, hbm: int, host: int) -> dict:
+    """A tierstack config with budgets and no placement: the planner decides."""
+    return {"train": {"micro_batch_size": micro, "precision": "bf16", "gradient_clipping": 1.0,
+                      "optimizer": {"type": "adamw", **OPTIMIZER["params"]}},
+            "budgets": {"hbm": hbm, "host": host}}
+
+
+# ---- one run (a child process) -------------------------------------------------------------
+
+
+def _model(name: str, seq: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**MODELS[name], max_position_embeddings=seq, tie_word_embeddings=False,
+                         attn_implementation="sdpa", torch_dtype="bfloat16")
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def _batches(vocab: int, micro: int, seq: int, count: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(count)]
+
+
+def run_deepspeed(args, config: dict) -> dict:
+    import deepspeed
+    import torch
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(args.port))
+    deepspeed.init_distributed(dist_backend="nccl")
+    model = _model(args.model, args.seq)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    data = _batches(MODELS[args.model]["vocab_size"], args.micro, args.seq, args.steps)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for ids in data:
+        ids = ids.cuda()
+        start = time.perf_counter()
+        out = engine(input_ids=ids, labels=ids, use_cache=False)
+        engine.backward(out.loss)
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(out.loss.item())
+    return {"step_s": times, "losses": losses, "gpu_peak": torch.cuda.max_memory_allocated()}
+
+
+def run_tierstack(args, config_dict: dict) -> dict:
+    import torch
+
+    from tierstack.budgets import default_budgets, measure
+    from tierstack.config import load_config
+    from tierstack.services.scheduler.embedded import EmbeddedScheduler
+    from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+    from tierstack.worker.engine import OffloadEngine, training_state_bytes
+    from tierstack.worker.layers import LayerStore
+    from tierstack.worker.plan_follower import PlanFollower
+    from tierstack.worker.training import run_steps
+
+    device = torch.device(args.device)
+    config = load_config(config_dict)
+    budgets = config.budgets.resolve(measure(args.nvme_dir, str(device)))
+    model = _model(args.model, args.seq)
+    tm = config.tier_manager
+    run_dir = Path(args.nvme_dir) / f"ts-{uuid.uuid4().hex[:8]}"
+    tm.nvme_pool.paths = [str(run_dir)]
+    tm.manifest_path = str(run_dir / "manifest.sqlite")
+    # Until the pools grow on demand and max_in_cpu caps them (issue 13), size them here:
+    # the state plus room when the JSON keeps it in CPU memory (or no JSON says where),
+    # a few blocks' worth when it sends it to NVMe (as DeepSpeed's buffers do).
+    state = training_state_bytes(model, "bf16")
+    if config.train.params.tier() == "nvme":
+        want = 8 * state // len(model.model.layers) + (1 << 30)
+    else:
+        want = state + (2 << 30)
+    pool = min(budgets.cpu_pool, want)
+    tm.cpu_pool.size = max(64 << 20, pool // (2 << 20) * (2 << 20))
+    tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
+    tm.nvme_pool.size = max(1 << 30, min(budgets.nvme, 2 * state))
+    tm.metrics.http_listen = ""
+    data = _batches(MODELS[args.model]["vocab_size"], args.micro, args.seq, args.steps)
+    pairs = [(ids, torch.roll(ids, -1, 1)) for ids in data]
+    try:
+        with EmbeddedScheduler() as scheduler:
+            tm.scheduler_address, tm.node_id = scheduler.address, "bench"
+            with EmbeddedTierManager(tm) as daemon:
+                store = LayerStore(f"vs-{uuid.uuid4().hex[:6]}", device=device,
+                                   device_budget=budgets.hbm or (4 << 30),
+                                   address=daemon.address, durable=False)
+                try:
+                    engine = OffloadEngine.from_config(model, store, config.train,
+                                                       blocks_attr="model.layers", budgets=budgets)
+                    follower = PlanFollower(store, scheduler.address, node_id="bench")
+                    predicted = []
+
+                    def on_step(record) -> None:
+                        if record.index == 0:  # the probe and placement happened in step 0
+                            follower.record()
+                        elif record.index == 1:
+                            predicted.append(follower.report_trace().predicted_step_seconds)
+
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    stats0 = store.client.stats()
+                    records = run_steps(engine.train_step, pairs, device, on_step=on_step)
+                    stats1 = store.client.stats()
+                    placement = engine.placement
+                    result = {
+                        "step_s": [r.seconds for r in records], "losses": [r.loss for r in records],
+                        "gpu_peak": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+                        "predicted_step_s": predicted[0] if predicted else None,
+                        "nvme_read": stats1.nvme_bytes_read - stats0.nvme_bytes_read,
+                        "nvme_written": stats1.nvme_bytes_written - stats0.nvme_bytes_written,
+                        "budgets": vars(budgets),
+                        "placement": None if placement is None else {
+                            "resident": len(placement.resident),
+                            "keep_activations": len(placement.keep_activations),
+                            "blocks": len(engine.blocks.blocks)},
+                    }
+                    follower.close()
+                    engine.close()
+                    return result
+                finally:
+                    store.close()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def child(args) -> int:
+    spec = json.loads(Path(args.child).read_text())
+    run = run_deepspeed if spec["side"] == "ds" else run_tierstack
+    result = run(args, spec["config"])
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+# ---- the comparison (this process) -----------------------------------------------------------
+
+
+def _launch(args, side: str, config: dict, label: str, workdir: Path) -> dict:
+    spec = workdir / f"{label}.json"
+    spec.write_text(json.dumps({"side": side, "config": config}))
+    cmd = [sys.executable, __file__, "--child", str(spec), "--model", args.model,
+           "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
+           "--device", args.device, "--nvme-dir", args.nvme_dir, "--port", str(29500 + os.getpid() % 1000)]
+    start = time.perf_counter()
+    log = open(workdir / f"{label}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    with Sampler(proc.pid) as sampler:
+        out, _ = proc.communicate(timeout=args.timeout)
+    wall = time.perf_counter() - start
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        log.close()
+        tail = (workdir / f"{label}.log").read_text()[-3000:]
+        raise RuntimeError(f"{label} failed ({proc.returncode}):\n{tail}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    later = result["step_s"][args.warmup:] or result["step_s"]
+    result.update(label=label, side=side, wall_s=wall, host_peak=sampler.peak,
+                  disk_read=sampler.disk_bytes[0], disk_written=sampler.disk_bytes[1],
+                  step_median=statistics.median(later),
+                  tokens_per_s=args.micro * args.seq / statistics.median(later))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("losses",)}), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="1.3b")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4, help="steps per run (the first is warm-up)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--modes", default="cpu,nvme", help="comma-separated: cpu, nvme")
+    parser.add_argument("--sides", default="ds,ts", help="ds, ts or both (same-budget needs ds)")
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-vsds")
+    parser.add_argument("--timeout", type=float, default=3000)
+    parser.add_argument("--out", help="also write the final JSON here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
+    sides = args.sides.split(",")
+    Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="tierstack-vsds-"))
+    runs: dict[str, list[dict]] = {}
+    try:
+        for rep in range(args.reps):
+            for mode in args.modes.split(","):
+                ds_config = deepspeed_json(mode, args.micro, str(Path(args.nvme_dir) / "ds"))
+                if "ds" in sides:
+                    runs.setdefault(f"ds-{mode}", []).append(
+                        _launch(args, "ds", ds_config, f"ds-{mode}-{rep}", workdir))
+                    shutil.rmtree(Path(args.nvme_dir) / "ds", ignore_errors=True)
+                if "ts" in sides:
+                    runs.setdefault(f"ts-{mode}", []).append(
+                        _launch(args, "ts", copy.deepcopy(ds_config), f"ts-{mode}-{rep}", workdir))
+                    ds_runs = runs.get(f"ds-{mode}")
+                    if ds_runs:  # same budget as DeepSpeed used in this mode
+                        hbm = max(r["gpu_peak"] for r in ds_runs)
+                        host = max(r["host_peak"] for r in ds_runs)
+                        runs.setdefault(f"ts-budget-{mode}", []).append(_launch(
+                            args, "ts", budget_json(args.micro, hbm, host),
+                            f"ts-budget-{mode}-{rep}", workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(Path(args.nvme_dir) / "ds", ignore_errors=True)
+
+    def med(key: str, figure: str):
+        values = [r[figure] for r in runs.get(key, []) if r.get(figure) is not None]
+        return statistics.median(values) if values else None
+
+    def ratio(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    summary: dict = {"model": args.model, "seq": args.seq, "micro": args.micro, "steps": args.steps,
+                     "reps": args.reps}
+    predicted = []
+    for key in sorted(runs):
+        for figure in ("tokens_per_s", "step_median", "gpu_peak", "host_peak", "disk_read",
+                       "disk_written", "nvme_read", "nvme_written", "predicted_step_s"):
+            value = med(key, figure)
+            if value is not None:
+                summary[f"{key}.{figure}"] = value
+        for r in runs[key]:
+            if r.get("predicted_step_s"):
+                predicted.append(r["predicted_step_s"] / r["step_median"])
+            if r.get("placement"):
+                summary[f"{key}.placement"] = r["placement"]
+    for mode in ("cpu", "nvme"):
+        summary[f"same_config_{mode}_ratio"] = ratio(med(f"ts-{mode}", "tokens_per_s"),
+                                                     med(f"ds-{mode}", "tokens_per_s"))
+        summary[f"same_budget_vs_{mode}_ratio"] = ratio(med(f"ts-budget-{mode}", "tokens_per_s"),
+                                                        med(f"ds-{mode}", "tokens_per_s"))
+        summary[f"host_footprint_ratio_{mode}"] = ratio(med(f"ts-{mode}", "host_peak"),
+                                                        med(f"ds-{mode}", "host_peak"))
+        summary[f"same_budget_host_footprint_ratio_{mode}"] = ratio(
+            med(f"ts-budget-{mode}", "host_peak"), med(f"ds-{mode}", "host_peak"))
+    summary["planner_vs_measured"] = round(statistics.median(predicted), 3) if predicted else None
+    line = json.dumps(summary)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
