@@ -172,9 +172,11 @@ def run_tierstack(args, config_dict: dict) -> dict:
                     predicted = []
 
                     def on_step(record) -> None:
-                        if record.index == 0:  # the probe and placement happened in step 0
+                        # The probe and the placement happen in step 0; step 1 is the
+                        # trace (of the blocks still streamed: none when all moved in).
+                        if record.index == 0:
                             follower.record()
-                        elif record.index == 1:
+                        elif record.index == 1 and engine.blocks.offloaded():
                             predicted.append(follower.report_trace().predicted_step_seconds)
 
                     if device.type == "cuda":
