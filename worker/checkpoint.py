@@ -32,6 +32,7 @@ def _block_file(directory: Path, index: int) -> Path:
 
 def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | None = None) -> None:
     """Write the engine's whole training state under `directory`."""
+    engine.wait_for_optimizer()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     store, optimizer = engine.store, engine.block_optimizer
@@ -61,6 +62,7 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
         raise InvalidArgumentError(
             f"checkpoint {directory} has {meta['blocks']} blocks but the model has "
             f"{len(engine.blocks.blocks)}; load it into the model it was saved from")
+    engine.wait_for_optimizer()
     store, optimizer = engine.store, engine.block_optimizer
     for i in range(meta["blocks"]):
         saved = load_file(str(_block_file(directory, i)))
@@ -80,6 +82,7 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
 
 def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
     """Export the model's weights for `from_pretrained`; returns the index file's path."""
+    engine.wait_for_optimizer()
     blocks_attr = engine.blocks_attr
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -204,6 +204,8 @@ class OffloadEngine:
                      weight_decay=optimizer.weight_decay)
         self.persistent_optimizer = torch.optim.AdamW(self.persistent_masters, fused=True, **hyper)
         self.block_optimizer = self._make_block_optimizer(optimizer, masters=dtype != torch.float32)
+        if self.block_optimizer.asynchronous:
+            self.block_optimizer.asynchronous = self._pool_fits_overlap(store)
         self.blocks.track_grad_norms = gradient_clipping > 0
         self.budgets = budgets
         self._resident_ok = (list(may_be_resident) if may_be_resident is not None else
@@ -212,6 +214,18 @@ class OffloadEngine:
         self.placement: BlockPlacement | None = None
         self.footprint: DeviceFootprint | None = None
         self._placement_pending = bool(budgets is not None and budgets.hbm > 0 and positions)
+
+    def _pool_fits_overlap(self, store: LayerStore) -> bool:
+        """Whether the blocks' updates may run behind the next forward: where the CPU pool
+        holds, twice over, what that overlap holds at once (two blocks' whole state being
+        updated, the forward's window of layers). A smaller pool (a few blocks' worth)
+        would be full of held tensors at times: there the updates finish first."""
+        if not self.blocks.blocks:
+            return False
+        layers = [store.layouts[i].nbytes for i in range(len(self.blocks.blocks))]
+        state = max(4 * n for n in layers)  # parameters, gradients, two moments (and masters)
+        need = 2 * state + (store.prefetch_depth + 1) * max(layers)
+        return store.client.node().cpu_capacity >= 2 * need
 
     def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool):
         """The offloaded blocks' optimizer (partitioned training brings its own)."""
@@ -316,6 +330,7 @@ class OffloadEngine:
         device (worker/placement.py). Runs once, before the first step; the probe's
         gradients are thrown away."""
         self._placement_pending = False
+        self.block_optimizer.wait_all()  # the stored state is current before it is read
         recorder, self.store.recorder = self.store.recorder, None  # not part of a trace
         try:
             self.footprint = self._probe(inputs, targets)
@@ -404,6 +419,11 @@ class OffloadEngine:
                     "step": torch.tensor(float(steps), dtype=torch.float32, device=device),
                     **{kind: moments[kind][f"{name}.{kind}"].to(device) for kind in MOMENTS}}
         store.forget_layer(index, kinds=("grad", "master") + MOMENTS)
+
+    def wait_for_optimizer(self) -> None:
+        """Wait for the blocks' updates of the last step (they run behind the next
+        forward): before reading the stored state (checkpoints, export)."""
+        self.block_optimizer.wait_all()
 
     def close(self) -> None:
         self.block_optimizer.close()

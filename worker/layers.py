@@ -282,11 +282,13 @@ class LayerStore:
         """Adopt a plan's depths at the next layer boundary (PrefetchDepths.propose)."""
         self.depths.propose(version, prefetch_depth, read_ahead, staging_buffers, reset)
 
-    def prefetch_ahead(self, index: int, step: int = 1) -> None:
+    def prefetch_ahead(self, index: int, step: int = 1,
+                       ready: Callable[[int], bool] | None = None) -> None:
         """Prefetch the next `prefetch_depth` layers after `index` (in direction `step`) to
-        the device, and ask the daemon to read the ones up to `read_ahead` from NVMe."""
+        the device, and ask the daemon to read the ones up to `read_ahead` from NVMe; stop
+        at a layer not `ready` (its stored tensors are about to change)."""
         self.residency.prefetch_ahead(index, step, self.depths.depth, self.depths.read_ahead,
-                                      self.hint, lambda i: i not in self.forgotten)
+                                      self.hint, lambda i: i not in self.forgotten, ready)
 
     def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
         """Layer `index`'s tensors on the device, ready for use on the current stream."""

@@ -190,6 +190,10 @@ class OffloadedBlocks(torch.nn.Module):
         # Per block: keep its activations (its tensors stay on the device from its forward
         # to its backward) instead of recomputing it; set by the engine's placement.
         self.keep_activations = [False] * len(self.blocks)
+        # Set by the optimizer: wait until a block's stored tensors are current (its update
+        # of the last step is done) before it is used; whether that is so already.
+        self.before_use: Callable[[int], None] = lambda index: None
+        self.ready_for_use: Callable[[int], bool] = lambda index: True
         # While `measure_activations` is set (the engine's probe step), each block's
         # recompute counts the bytes autograd saves in its forward.
         self.measure_activations = False
@@ -211,6 +215,7 @@ class OffloadedBlocks(torch.nn.Module):
     # ---- one block ---------------------------------------------------------------------
 
     def _materialize(self, index: int) -> None:
+        self.before_use(index)
         for name, tensor in self.store.ensure_layer(index).items():
             _set_tensor(self.blocks[index], name, tensor)
 
@@ -233,7 +238,7 @@ class OffloadedBlocks(torch.nn.Module):
         error no layer, prefetched or not, stays on the device.
         """
         self._materialize(index)
-        self.store.prefetch_ahead(index, step)
+        self.store.prefetch_ahead(index, step, ready=self.ready_for_use)
         try:
             yield self.blocks[index]
         except BaseException:
@@ -254,7 +259,7 @@ class OffloadedBlocks(torch.nn.Module):
         args, kwargs = extra
         self._materialize(index)
         self._kept_live.add(index)
-        self.store.prefetch_ahead(index, 1)
+        self.store.prefetch_ahead(index, 1, ready=self.ready_for_use)
         try:
             with torch.enable_grad():
                 x_in = x.detach().requires_grad_(x.requires_grad)
@@ -269,7 +274,7 @@ class OffloadedBlocks(torch.nn.Module):
     def _backward_kept(self, index: int, x_in: torch.Tensor, out: torch.Tensor,
                        grad_out: torch.Tensor) -> torch.Tensor | None:
         """Run the kept graph of block `index`, store its gradients, let its tensors go."""
-        self.store.prefetch_ahead(index, -1)  # the blocks before it may need loading
+        self.store.prefetch_ahead(index, -1, ready=self.ready_for_use)  # earlier blocks may need loading
         try:
             block = self.blocks[index]
             named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
@@ -374,7 +379,8 @@ class OffloadedBlocks(torch.nn.Module):
         return {k[:-len(".grad")]: v for k, v in self.store.read_layer(index, "grad").items()}
 
     def parameters_of(self, index: int) -> dict[str, torch.Tensor]:
-        """Block `index`'s stored tensors (CPU copies)."""
+        """Block `index`'s stored tensors (CPU copies), once its update is done."""
+        self.before_use(index)
         return self.store.read_layer(index)
 
 

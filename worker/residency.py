@@ -137,14 +137,16 @@ class DeviceResidency:
 
     def prefetch_ahead(self, index: int, step: int, depth: int, read_ahead: int,
                        hint: Callable[[int], None],
-                       present: Callable[[int], bool] = lambda index: True) -> None:
+                       present: Callable[[int], bool] = lambda index: True,
+                       ready: Callable[[int], bool] | None = None) -> None:
         """Start the next `depth` layers after `index` (in direction `step`) and `hint`
         the ones beyond, up to `read_ahead` (their NVMe reads start in the daemon).
-        Layers not `present` (moved to the device for good) are passed over."""
+        Layers not `present` (moved to the device for good) are passed over; the first
+        one not `ready` (its stored tensors are about to change) ends the prefetch."""
         count = self.source.layer_count()
         ahead = (i for i in range(index + step, count if step > 0 else -1, step) if present(i))
         for k, other in enumerate(ahead, start=1):
-            if k > max(depth, read_ahead):
+            if k > max(depth, read_ahead) or (ready is not None and not ready(other)):
                 break
             if k <= depth:
                 if other not in self._copies and self.start(other, required=False) is None:

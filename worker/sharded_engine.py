@@ -44,6 +44,9 @@ class ShardedAdamW(TieredAdamW):
             raise InvalidArgumentError("ShardedAdamW needs blocks registered with a ShardedLayerStore")
         self.store: ShardedLayerStore = blocks.store
         super().__init__(blocks, config, masters)
+        # Ranks must decide alike (their collectives in the same order): no update may be
+        # in flight when the next forward starts prefetching.
+        self.asynchronous = False
 
     def _prepare_block(self, i: int) -> AdamWBlock:
         local, layout = self.store.local, self.store.layouts[i]

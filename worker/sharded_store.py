@@ -179,11 +179,12 @@ class ShardedLayerStore:
         """Start loading layer `index`'s shard and gathering the layer; False if it does not fit."""
         return self.residency.start(index, required=False) is not None
 
-    def prefetch_ahead(self, index: int, step: int = 1) -> None:
+    def prefetch_ahead(self, index: int, step: int = 1,
+                       ready: Callable[[int], bool] | None = None) -> None:
         """Gather the next `prefetch_depth` layers after `index` (in direction `step`), and
         hint the local shards of the ones up to `read_ahead` to the daemon."""
         self.residency.prefetch_ahead(index, step, self.depths.depth, self.depths.read_ahead,
-                                      self.local.hint)
+                                      self.local.hint, ready=ready)
 
     def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
         """Layer `index`'s full tensors on the device, ready on the current stream."""

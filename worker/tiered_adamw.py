@@ -7,13 +7,17 @@ fused CPU AdamW on its CPU-pool buffers in place (services/tier_manager/adamw.py
 rounds the masters into the block's low-precision parameters. No state byte comes back
 to the worker, and no block's state is on the device at any time.
 
-Two ways to step:
+Two ways to start a block's step, one request per block, two in flight (the daemon
+reads one block's state while it updates the other):
 - `start_block(i)` as soon as block i's gradients are stored: the engine calls it from
   the backward (when the window's last backward is running and no clipping needs every
   gradient first), so the daemon updates block i while the device computes block i-1.
-- `step()`: every block not started yet goes in one request, which the daemon pipelines
-  (reading the next block's state, updating this one, writing the previous one); then it
-  waits for the blocks started during the backward.
+- `step()`: every block not started yet, in block order.
+`step()` does not wait for the updates: they overlap the next step's forward, whose
+block i waits only for block i's update (`wait_block`, through OffloadedBlocks'
+`before_use`), so a step costs about max(forward + backward, optimizer) rather than
+their sum. `wait_all()` waits for every update (checkpoints, placement, close); an
+update that failed raises there or at its block's next use.
 """
 
 from __future__ import annotations
@@ -53,9 +57,15 @@ class TieredAdamW:
         self.update_seconds = 0.0  # daemon time in the AdamW kernel, all steps
         self.wait_seconds = 0.0  # daemon time waiting for state to be read
         self._requests = [self._prepare_block(i) for i in range(len(blocks.blocks))]
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, Future] = {}  # started during this window's backward
+        self._in_flight: dict[int, Future] = {}  # updates of the last step, not waited for
+        # Updates overlap the next forward (each block waits for its own); a partitioned
+        # job waits at the step instead, so that every rank decides the same way.
+        self.asynchronous = True
         # Two in flight: the daemon reads one block's state while it updates another.
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="tierstack-adamw")
+        blocks.before_use = self.wait_block
+        blocks.ready_for_use = self.ready
 
     def _prepare_block(self, i: int) -> AdamWBlock:
         """Declare block i's state layouts with the store; its part of every request."""
@@ -93,9 +103,9 @@ class TieredAdamW:
                                         state_offset=offsets[n])
                            for n, shape, _ in trainable))
 
-    def _run(self, indices: list[int], grad_scale: float = 1.0) -> None:
+    def _run(self, indices: list[int], grad_scale: float, step: int) -> None:
         beta1, beta2 = self.config.betas
-        hyper = AdamWHyper(step=self.steps + 1, lr=self.config.lr, beta1=beta1, beta2=beta2,
+        hyper = AdamWHyper(step=step, lr=self.config.lr, beta1=beta1, beta2=beta2,
                            eps=self.config.eps, weight_decay=self.config.weight_decay,
                            grad_scale=grad_scale, release_gradients=True)
         result = self.blocks.store.client.adamw_step([self._requests[i] for i in indices], hyper,
@@ -106,36 +116,58 @@ class TieredAdamW:
     def start_block(self, index: int) -> None:
         """Start block `index`'s step now (its gradients of this window are stored)."""
         if index not in self._pending and index not in self.blocks.resident:
-            self._pending[index] = self._pool.submit(self._run, [index])
+            self._pending[index] = self._pool.submit(self._run, [index], 1.0, self.steps + 1)
 
     def step(self, grad_scale: float = 1.0) -> None:
-        """One AdamW step for every block, from the gradients of the last backward.
+        """One AdamW step for every block, from the gradients of the last backward: the
+        blocks not started during the backward are started now, in block order (the order
+        the next forward needs them in). Waits for them only if not `asynchronous`.
 
         `grad_scale` multiplies the gradients first (global-norm clipping); blocks already
         started by `start_block` were started unscaled, so the engine starts none when it
         clips.
         """
         offloaded = self.blocks.offloaded()  # resident blocks step with the device's AdamW
-        try:
-            missing = [i for i in offloaded if not self.blocks.has_gradients(i)]
-            if missing:  # check first: a step must update every block or none
-                raise InvalidArgumentError(
-                    f"blocks {missing} have no gradients since the last zero_grad: run a backward "
-                    f"through every offloaded block before the optimizer step")
-            if grad_scale != 1.0 and self._pending:
-                raise InvalidArgumentError("blocks were stepped during the backward without "
+        missing = [i for i in offloaded if not self.blocks.has_gradients(i)]
+        problem = None
+        if missing:  # check first: a step must update every block or none
+            problem = InvalidArgumentError(
+                f"blocks {missing} have no gradients since the last zero_grad: run a backward "
+                f"through every offloaded block before the optimizer step")
+        elif grad_scale != 1.0 and self._pending:
+            problem = InvalidArgumentError("blocks were stepped during the backward without "
                                            "the clipping scale; clip before starting any block")
-            rest = [i for i in offloaded if i not in self._pending]
-            if rest:
-                self._run(rest, grad_scale)
-        finally:
-            pending, self._pending = self._pending, {}
-            errors = [e for e in (f.exception() for f in pending.values()) if e is not None]
+        if problem is not None:
+            self.abandon_started()
+            raise problem
+        self.steps += 1
+        for i in offloaded:
+            if i not in self._pending:
+                self._pending[i] = self._pool.submit(self._run, [i], grad_scale, self.steps)
+        self._in_flight.update(self._pending)
+        self._pending = {}
+        # The daemon deletes the gradients it used: the next backward starts a new window.
+        self.blocks.new_gradients()
+        if not self.asynchronous:
+            self.wait_all()
+
+    def ready(self, index: int) -> bool:
+        """Whether block `index` has no update in flight (its stored tensors are current)."""
+        future = self._in_flight.get(index)
+        return future is None or future.done()
+
+    def wait_block(self, index: int) -> None:
+        """Wait for block `index`'s update of the last step; raise what it raised."""
+        future = self._in_flight.pop(index, None)
+        if future is not None:
+            future.result()
+
+    def wait_all(self) -> None:
+        """Wait for every update in flight; raise the first error once all have ended."""
+        in_flight, self._in_flight = self._in_flight, {}
+        errors = [e for e in (f.exception() for f in in_flight.values()) if e is not None]
         if errors:
             raise errors[0]
-        self.steps += 1  # counted only once every block's update is stored
-        # The daemon deleted the gradients it used: the next backward starts a new window.
-        self.blocks.new_gradients()
 
     def abandon_started(self) -> None:
         """After a failed backward: wait for the blocks already started, and forget them
@@ -145,4 +177,7 @@ class TieredAdamW:
             f.exception()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        try:
+            self.wait_all()
+        finally:
+            self._pool.shutdown(wait=True)
