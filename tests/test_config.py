@@ -10,7 +10,7 @@ from tierstack.errors import ConfigError
 def test_defaults_load_and_validate():
     config = load_config()
     assert config.tier_manager.nvme_pool.aio.block_size == 1 * MiB
-    assert config.tier_manager.cpu_pool.size == 2 * GiB
+    assert config.tier_manager.cpu_pool.size == "auto" == config.tier_manager.nvme_pool.size
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -30,7 +30,8 @@ def test_unknown_key_is_named_with_its_path():
     ({"tier_manager": {"cpu_pool": {"size": "lots"}}}, "cpu_pool.size"),
     ({"tier_manager": {"nvme_pool": {"paths": []}}}, "paths"),
     ({"tier_manager": {"nvme_pool": {"aio": {"thread_count": 0}}}}, "thread_count"),
-    ({"tier_manager": {"cpu_pool": {"arena_size": "1000"}}}, "arena_size"),
+    ({"tier_manager": {"cpu_pool": {"keep_empty_seconds": -1}}}, "keep_empty_seconds"),
+    ({"tier_manager": {"nvme_pool": {"size": 1000}}}, "nvme_pool.size"),
 ])
 def test_bad_values_name_the_setting(data, message):
     with pytest.raises(ConfigError, match=message):

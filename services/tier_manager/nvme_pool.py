@@ -1,7 +1,11 @@
-"""The node's NVMe pool: preallocated files, one per drive, with extents striped across them.
+"""The node's NVMe pool: one data file per drive, grown as needed, extents striped across them.
 
-Each configured directory (one per drive) holds one preallocated data file of
-size / len(paths) bytes; an `ExtentAllocator` per file hands out 4 KiB-aligned extents.
+Each configured directory (one per drive) holds one data file of at most
+capacity / len(paths) bytes; an `ExtentAllocator` per file hands out 4 KiB-aligned
+extents. A file grows (reserved with posix_fallocate) in chunks of GROWTH bytes as
+extents need it and gives back its free tail when the tensors at its end go, so the
+disk holds about what is stored, never more than the cap. Best-fit allocation keeps the
+free tail for last, which is what lets a file shrink.
 A tensor's bytes are cut into `block_size` blocks dealt round-robin over the drives,
 starting at a rotating drive so that small tensors spread too; on each drive a tensor's
 blocks are contiguous. All bulk IO goes through the `IoEngine`; the pool never names a
@@ -30,6 +34,21 @@ from tierstack.errors import InvalidArgumentError, NvmePoolFullError
 log = logging.getLogger(__name__)
 
 DATA_FILE = "tierstack-nvme.data"
+GROWTH = 64 << 20
+"""A data file grows by this much at a time (one fallocate per 64 MiB written, not per
+tensor) and shrinks once more than twice this is free at its end."""
+
+
+def held_bytes(paths: list[str]) -> int:
+    """Bytes the pool's data files already take in `paths` (a restarted daemon's): they
+    count as the pool's own room, not as used disk."""
+    total = 0
+    for p in paths:
+        try:
+            total += (Path(p) / DATA_FILE).stat().st_size
+        except OSError:
+            pass
+    return total
 
 
 @dataclass(frozen=True)
@@ -58,22 +77,28 @@ class NvmeExtent:
 
 
 class NvmePool:
-    """Preallocated, striped, O_DIRECT storage with a fixed capacity."""
+    """Striped O_DIRECT storage whose files grow to what is stored, up to `capacity`."""
 
-    def __init__(self, config: NvmePoolConfig) -> None:
+    def __init__(self, config: NvmePoolConfig, capacity: int | None = None) -> None:
         config.validate()
+        if capacity is None:
+            if not isinstance(config.size, int):
+                raise InvalidArgumentError("an NvmePool needs its capacity resolved: pass "
+                                           "capacity= or give nvme_pool.size in bytes")
+            capacity = config.size
         self.config = config
         self.block_size = config.aio.block_size
-        per_drive = config.size // len(config.paths) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
+        per_drive = capacity // len(config.paths) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
         self.files: list[DirectFile] = []
         try:
             for p in config.paths:
                 Path(p).mkdir(parents=True, exist_ok=True)
-                self.files.append(DirectFile(str(Path(p) / DATA_FILE), per_drive))
+                self.files.append(DirectFile(str(Path(p) / DATA_FILE)))
         except BaseException:
             for f in self.files:
                 f.close()
             raise
+        self.per_drive = per_drive
         self.allocators = [ExtentAllocator(per_drive, DIRECT_IO_ALIGNMENT) for _ in self.files]
         self.capacity = per_drive * len(self.files)
         self.engine = IoEngine(config.aio)
@@ -93,6 +118,32 @@ class NvmePool:
     def free_bytes(self) -> int:
         return self.capacity - self.used_bytes
 
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the data files take on the disks now."""
+        return sum(f.size for f in self.files)
+
+    def _fit(self, drive: int) -> None:
+        """Grow a file to cover its highest extent, or give back a free tail of more than
+        2 x GROWTH (keeping one GROWTH of slack, so a tensor freed and stored again at the
+        boundary does not resize the file each time); self._lock held."""
+        f = self.files[drive]
+        high = self.allocators[drive].high_water()
+        if high > f.size:
+            try:
+                f.resize(min(self.per_drive, align_up(high, GROWTH)))
+            except NvmePoolFullError:
+                f.resize(high)  # a nearly full disk: the extent itself may still fit
+        elif f.size - high > 2 * GROWTH:
+            f.resize(align_up(high, GROWTH) + GROWTH)
+
+    def fit_files(self) -> None:
+        """Size every file to its extents (after recovery: a crashed daemon's tail goes)."""
+        with self._lock:
+            for drive, f in enumerate(self.files):
+                high = self.allocators[drive].high_water()
+                f.resize(align_up(high, GROWTH) if high else 0)
+
     def _layout(self, nbytes: int, first: int) -> list[tuple[int, int]]:
         """(drive, on-disk bytes) per drive slot for a tensor of nbytes starting at `first`."""
         drives = len(self.files)
@@ -110,28 +161,42 @@ class NvmePool:
             raise InvalidArgumentError(f"cannot store a tensor of {nbytes} bytes")
         with self._lock:
             first = next(self._next_drive)
-        taken: list[tuple[int, Extent]] = []
-        for drive, length in self._layout(nbytes, first):
-            extent = self.allocators[drive].allocate(length)
-            if extent is None:
+            taken: list[tuple[int, Extent]] = []
+            try:
+                for drive, length in self._layout(nbytes, first):
+                    extent = self.allocators[drive].allocate(length)
+                    if extent is None:
+                        raise NvmePoolFullError(
+                            f"NVMe pool full: {nbytes} bytes requested, {self.free_bytes} of "
+                            f"{self.capacity} free (drive {self.config.paths[drive]} has no free "
+                            f"extent of {length} bytes); raise nvme_pool.size (or the NVMe "
+                            f"budget) or delete tensors")
+                    taken.append((drive, extent))
+                    self._fit(drive)
+            except BaseException:
                 for d, e in taken:
                     self.allocators[d].free(e)
-                raise NvmePoolFullError(
-                    f"NVMe pool full: {nbytes} bytes requested, {self.free_bytes} of "
-                    f"{self.capacity} free (drive {self.config.paths[drive]} has no free "
-                    f"extent of {length} bytes); raise nvme_pool.size or delete tensors"
-                )
-            taken.append((drive, extent))
+                for d in {d for d, _ in taken}:
+                    self._fit(d)
+                raise
         return NvmeExtent(nbytes, self.block_size, tuple(taken))
 
     def reserve(self, extent: NvmeExtent) -> None:
-        """Mark an extent found in the manifest as used (daemon restart)."""
+        """Mark an extent found in the manifest as used (daemon restart; then `fit_files`)."""
         for drive, e in extent.stripes:
+            if e.end > self.per_drive:
+                raise NvmePoolFullError(
+                    f"the manifest holds a tensor at bytes {e.offset}..{e.end} of "
+                    f"{self.files[drive].path}, beyond this pool's {self.per_drive} bytes per "
+                    f"drive; raise nvme_pool.size to at least {e.end * len(self.files)}")
             self.allocators[drive].reserve(e)
 
     def free(self, extent: NvmeExtent) -> None:
-        for drive, e in extent.stripes:
-            self.allocators[drive].free(e)
+        with self._lock:
+            for drive, e in extent.stripes:
+                self.allocators[drive].free(e)
+            for drive in {d for d, _ in extent.stripes}:
+                self._fit(drive)
 
     def _requests(self, extent: NvmeExtent, buffer: memoryview, checksums: list[int] | None,
                   label: str) -> list[BlockRequest]:

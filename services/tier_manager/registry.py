@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from tierstack.budgets import measure, pool_caps
 from tierstack.config import TierManagerConfig
 from tierstack.dtypes import dtype_from_name, dtype_name, nbytes_of
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
@@ -37,7 +38,7 @@ from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.eviction import EvictionPolicy, EvictionState, JobPlan
 from tierstack.services.tier_manager.manifest import ManifestEntry
-from tierstack.services.tier_manager.nvme_pool import NvmeExtent
+from tierstack.services.tier_manager.nvme_pool import NvmeExtent, held_bytes
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes, tensor_bytes, tensor_from_buffer
 from tierstack.services.tier_manager.types import NodeStats, TensorInfo
 from tierstack.tiers import HOST_TIERS, PLACEMENTS, Placement
@@ -108,12 +109,17 @@ class TierRegistry:
         self._eviction = EvictionPolicy()  # knows the CPU-resident keys; guarded by _lock
         self._leases: dict[tuple[str, int], tuple[_Record, int]] = {}
         self.evictions = 0
+        # The pools' caps: stated sizes checked against the machine (one line if above
+        # it), 'auto' ones from its default budgets. Nothing is allocated yet.
+        nvme = config.nvme_pool
+        self.caps = pool_caps(config.cpu_pool.size, nvme.size,
+                              measure(nvme.paths, device="cpu", nvme_held=held_bytes(nvme.paths)))
         # Versions come from one registry-wide counter (DurableCopies.next_version), so
         # (key, version) names one record even across delete and re-put.
-        self.durable = DurableCopies(config, make_room=self._drop_nvme_copies)
+        self.durable = DurableCopies(config, make_room=self._drop_nvme_copies, capacity=self.caps.nvme)
         self.nvme_pool, self.manifest = self.durable.pool, self.durable.manifest
         try:
-            self.cpu_pool = CpuPool(config.cpu_pool, on_full=self._evict_for)
+            self.cpu_pool = CpuPool(config.cpu_pool, on_full=self._evict_for, capacity=self.caps.cpu)
         except BaseException:
             self.durable.close()
             raise
