@@ -73,18 +73,23 @@ class DurableCopies:
             self.manifest.reserve_versions(self._version_limit)
         return self._last_version
 
-    def write(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
-        """Write bytes to a fresh extent and fdatasync; the caller records or frees it.
+    def allocate(self, nbytes: int) -> NvmeExtent:
+        """A fresh extent of `nbytes` (nothing written yet); a full pool asks `make_room`
+        once (the registry drops copies it can rebuild)."""
+        if nbytes == 0:
+            return NvmeExtent(0, self.pool.block_size, ())
+        try:
+            return self.pool.allocate(nbytes)
+        except NvmePoolFullError:
+            if not self.make_room(nbytes):
+                raise
+            return self.pool.allocate(nbytes)
 
-        A full pool asks `make_room` once (the registry drops copies it can rebuild)."""
+    def write(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
+        """Write bytes to a fresh extent and fdatasync; the caller records or frees it."""
         if len(data) == 0:
             return NvmeExtent(0, self.pool.block_size, ()), ()
-        try:
-            extent = self.pool.allocate(len(data))
-        except NvmePoolFullError:
-            if not self.make_room(len(data)):
-                raise
-            extent = self.pool.allocate(len(data))
+        extent = self.allocate(len(data))
         try:
             checksums = tuple(self.pool.write(extent, data, label=f"tensor {label!r}"))
             self.pool.sync([extent])

@@ -199,43 +199,54 @@ class NvmePool:
                 self._fit(drive)
 
     def _requests(self, extent: NvmeExtent, buffer: memoryview, checksums: list[int] | None,
-                  label: str) -> list[BlockRequest]:
-        if len(buffer) != extent.nbytes:
+                  label: str, blocks: tuple[int, int] | None = None) -> list[BlockRequest]:
+        """Requests for blocks [first, end) of `extent` (all by default); `buffer` holds
+        exactly their payload bytes and `checksums` one crc per block of the range."""
+        first, end = blocks if blocks is not None else (0, extent.nblocks)
+        if not 0 <= first <= end <= extent.nblocks:
+            raise InvalidArgumentError(f"{label}: blocks {first}..{end} are outside the "
+                                       f"extent's {extent.nblocks}")
+        payload_bytes = min(extent.nbytes, end * extent.block_size) - first * extent.block_size
+        if len(buffer) != max(0, payload_bytes):
             raise InvalidArgumentError(
-                f"{label}: buffer has {len(buffer)} bytes but the extent holds {extent.nbytes}"
-            )
-        if checksums is not None and len(checksums) != extent.nblocks:
+                f"{label}: buffer has {len(buffer)} bytes but blocks {first}..{end} of the "
+                f"extent hold {payload_bytes}")
+        if checksums is not None and len(checksums) != end - first:
             raise InvalidArgumentError(
-                f"{label}: {len(checksums)} checksums for {extent.nblocks} blocks"
+                f"{label}: {len(checksums)} checksums for {end - first} blocks"
             )
         buffer = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
         slots = len(extent.stripes)
         requests = []
-        for j in range(extent.nblocks):
+        for j in range(first, end):
             drive, stripe = extent.stripes[j % slots]
             start = j * extent.block_size
-            payload = buffer[start:start + extent.block_size]
+            at = start - first * extent.block_size
+            payload = buffer[at:at + extent.block_size]
             requests.append(BlockRequest(
                 fd=self.files[drive].fd,
                 file_offset=stripe.offset + (j // slots) * extent.block_size,
                 length=align_up(len(payload), DIRECT_IO_ALIGNMENT),
                 data=payload,
-                expected_crc=None if checksums is None else checksums[j],
+                expected_crc=None if checksums is None else checksums[j - first],
                 label=f"{label} block {j} (bytes {start}..{start + len(payload)})",
             ))
         return requests
 
-    def write(self, extent: NvmeExtent, buffer: memoryview, label: str = "tensor") -> list[int]:
-        """Write `buffer` into `extent`; returns per-block crc32c. Durable after `sync([extent])`."""
-        return self.engine.write(self._requests(extent, memoryview(buffer), None, label))
+    def write(self, extent: NvmeExtent, buffer: memoryview, label: str = "tensor",
+              blocks: tuple[int, int] | None = None) -> list[int]:
+        """Write `buffer` into `extent` (or into its blocks [first, end)); returns per-block
+        crc32c. Durable after `sync([extent])`."""
+        return self.engine.write(self._requests(extent, memoryview(buffer), None, label, blocks))
 
     def read(self, extent: NvmeExtent, buffer: memoryview, checksums: list[int] | None,
-             label: str = "tensor") -> None:
-        """Fill `buffer` from `extent`, verifying each block's checksum when given.
+             label: str = "tensor", blocks: tuple[int, int] | None = None) -> None:
+        """Fill `buffer` from `extent` (or from its blocks [first, end), `checksums` then
+        theirs), verifying each block's checksum when given.
 
         On an error the contents of `buffer` are undefined (a failed block is not copied).
         """
-        self.engine.read(self._requests(extent, memoryview(buffer), checksums, label))
+        self.engine.read(self._requests(extent, memoryview(buffer), checksums, label, blocks))
 
     def sync(self, extents: list[NvmeExtent]) -> None:
         """Make the completed writes to `extents` durable: fdatasync each drive they touch.
