@@ -13,10 +13,12 @@ Figures (the last line printed is one JSON object):
 - footprint_over_budget: the largest footprint sample / the host budget (goal <= 1.0).
   The host budget is budgets.host when the config states it, else the daemon's CPU
   pool cap + HOST_OVERHEAD (the budget whose pool share that cap is).
-- daemon_threads_first / daemon_threads_last: the daemon's threads at step `--mark`
-  (20) and after the last step (goal: equal);
-- daemon_rss_growth_pct: growth of the daemon's private memory from step `--mark` to
-  the last step (goal < 1);
+- daemon_threads_first / daemon_threads_last: the daemon's threads over the second
+  after step `--mark` (20) and the second after the last step (goal: equal), each the
+  least sample of its second: a batch of NVMe requests runs on threads of its own for a
+  moment (daemon_threads_max shows those too);
+- daemon_rss_growth_pct: growth of the daemon's private memory between the same two
+  seconds (goal < 1);
 - pool_start_seconds: time to create a CPU pool and an NVMe pool with 64 GiB caps (goal
   < 2 s: nothing is reserved up front), and daemon_start_seconds for this run's daemon.
 
@@ -46,6 +48,7 @@ from pathlib import Path
 log = logging.getLogger("bench.memory")
 
 SAMPLE_SECONDS = 0.1
+WINDOW = 10  # samples (1 s) over which the daemon's settled threads and memory are taken
 ARENA_PREFIX = "tierstack-arena-"  # services/tier_manager/cpu_pool.py
 
 
@@ -107,6 +110,14 @@ class Sampler:
     arenas: list[int] = field(default_factory=list)
     worker_private: list[int] = field(default_factory=list)
     daemon_private: list[int] = field(default_factory=list)
+    daemon_threads: list[int] = field(default_factory=list)
+
+    def settled(self, values: list[int], start: int) -> int:
+        """The least of a window of samples from `start` (a negative start counts from the
+        end): what the daemon keeps, not the IO threads and staging buffers a batch of
+        NVMe requests has in flight for a moment."""
+        window = values[start:start + WINDOW] if start >= 0 else values[start:]
+        return min(window or values[-1:])
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -125,6 +136,7 @@ class Sampler:
             self.footprints.append(d.private + w.private + arenas)
             self.arenas.append(arenas)
             self.daemon_private.append(d.private)
+            self.daemon_threads.append(d.threads)
             self.worker_private.append(w.private)
 
     def stop(self) -> None:
@@ -239,7 +251,7 @@ def run(args: argparse.Namespace) -> dict:
             worker = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
                                       stdout=subprocess.PIPE, text=True)
             sampler = Sampler(daemon.proc.pid, worker.pid, shm_dir).start()
-            marked: dict = {}
+            marked = 0
             seconds = []
             try:
                 for line in worker.stdout:
@@ -249,13 +261,16 @@ def run(args: argparse.Namespace) -> dict:
                     step = int(line.split()[1])
                     seconds.append(float(line.split()[-1]))
                     if step == min(args.mark, args.steps):
-                        marked = {"daemon": process_sample(daemon.proc.pid)}
-                last = process_sample(daemon.proc.pid)
+                        marked = len(sampler.daemon_threads)
+                time.sleep(WINDOW * SAMPLE_SECONDS * 1.5)  # the last window: the daemon idle
             finally:
                 sampler.stop()
                 if worker.wait() != 0:
                     raise SystemExit(f"the training worker failed (exit {worker.returncode})")
-        first = marked["daemon"]
+        first_threads = sampler.settled(sampler.daemon_threads, marked)
+        last_threads = sampler.settled(sampler.daemon_threads, -WINDOW)
+        first_rss = sampler.settled(sampler.daemon_private, marked)
+        last_rss = sampler.settled(sampler.daemon_private, -WINDOW)
         result = {
             "footprint_over_budget": round(max(sampler.footprints) / host, 4),
             "footprint_max_bytes": max(sampler.footprints),
@@ -265,11 +280,12 @@ def run(args: argparse.Namespace) -> dict:
             "arena_bytes_max": max(sampler.arenas),
             "daemon_private_max_bytes": max(sampler.daemon_private),
             "worker_private_max_bytes": max(sampler.worker_private),
-            "daemon_threads_first": first.threads,
-            "daemon_threads_last": last.threads,
-            "daemon_rss_first_bytes": first.private,
-            "daemon_rss_last_bytes": last.private,
-            "daemon_rss_growth_pct": round(100 * (last.private - first.private) / first.private, 3),
+            "daemon_threads_first": first_threads,
+            "daemon_threads_last": last_threads,
+            "daemon_threads_max": max(sampler.daemon_threads),
+            "daemon_rss_first_bytes": first_rss,
+            "daemon_rss_last_bytes": last_rss,
+            "daemon_rss_growth_pct": round(100 * (last_rss - first_rss) / first_rss, 3),
             "daemon_start_seconds": round(daemon_start, 3),
             "pool_start_seconds": round(pool_start_seconds(64 << 30), 3),
             "samples": len(sampler.footprints),
