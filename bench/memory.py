@@ -196,8 +196,8 @@ def worker_main(spec: dict) -> None:
 
 def build_model(spec: dict):
     """(model, blocks_attr, vocab) for spec["model"]: "gpt" (worker/jobs/gpt.py) or
-    "llama" (transformers' LlamaForCausalLM from a config; built on the meta device when
-    large, materialised one block at a time by the engine)."""
+    "llama" (transformers' LlamaForCausalLM from a config, built on the meta device and
+    materialised one block at a time by the engine: it never has to fit in host memory)."""
     import torch
 
     if spec["model"] == "gpt":
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> dict:
             spec = {"address": daemon.address, "config": source, "steps": args.steps, "model": args.model,
                     "dim": args.dim, "heads": args.heads, "layers": args.layers, "ffn": args.ffn,
                     "vocab": args.vocab, "seq_len": args.seq_len, "device": args.device,
-                    "meta": args.model == "llama" and args.layers * args.dim ** 2 > 2e8}
+                    "meta": args.model == "llama"}
             if args.batch:
                 spec["config"] = {**source, **({"train": {**source.get("train", {}), "micro_batch_size": args.batch}}
                                                if "zero_optimization" not in source else
