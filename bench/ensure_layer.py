@@ -45,7 +45,7 @@ def tier_manager_config(cpu_pool: int, nvme: int, nvme_dir: Path,
     config = TierManagerConfig()
     config.metrics.enabled = metrics
     config.metrics.http_listen = "127.0.0.1:0" if http else ""
-    config.cpu_pool.size, config.cpu_pool.arena_size = cpu_pool, min(cpu_pool, 1 * GiB)
+    config.cpu_pool.size = cpu_pool
     config.nvme_pool.paths, config.nvme_pool.size = [str(nvme_dir)], nvme
     config.nvme_pool.aio = AioConfig(block_size=1 * MiB, queue_depth=8)
     config.manifest_path = str(nvme_dir / "manifest.sqlite")

@@ -90,7 +90,7 @@ class PoolSide:
     def __init__(self, name: str, directory: Path, size: int, shm_dir: str) -> None:
         self.name = name
         self.size = size
-        self.cpu = CpuPool(CpuPoolConfig(size=size, arena_size=min(size, 1 * GiB), shm_dir=shm_dir))
+        self.cpu = CpuPool(CpuPoolConfig(size=size, shm_dir=shm_dir))
         self.buffers = [self.cpu.allocate(TENSOR) for _ in range(size // TENSOR)]
         # The same bytes on every side: they share one pool file, so each side's
         # checksums must hold for what another side wrote there.

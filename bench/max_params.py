@@ -52,7 +52,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cpu-pool", default="2GiB")
     parser.add_argument("--nvme-size", default="8GiB")
-    parser.add_argument("--arena-size", default="8GiB", help="CPU pool arena (holds a block's masters)")
     parser.add_argument("--device-budget", default="", help="default: 4 offloaded layers")
     parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-max-params")
     args = parser.parse_args()
@@ -68,7 +67,6 @@ def main() -> None:
     shutil.rmtree(nvme_dir, ignore_errors=True)
     tm = TierManagerConfig()
     tm.cpu_pool.size = parse_size(args.cpu_pool, "--cpu-pool")
-    tm.cpu_pool.arena_size = min(parse_size(args.arena_size, "--arena-size"), tm.cpu_pool.size)
     tm.nvme_pool.paths = [str(nvme_dir)]
     tm.nvme_pool.size = parse_size(args.nvme_size, "--nvme-size")
     tm.manifest_path = str(nvme_dir / "manifest.sqlite")

@@ -49,7 +49,6 @@ def main() -> None:
     ranks = [int(n) for n in args.ranks.split(",")]
     tm = TierManagerConfig()
     tm.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
-    tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
     tm.nvme_pool.paths = [args.nvme_path]
     gpt = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads, layers=args.layers)
     block_params = args.layers * 12 * args.dim * args.dim  # ~ (4 + 8) dim^2 per block

@@ -103,8 +103,7 @@ def _measure(layers, layer_mib, rows, iterations, device, x, out, tmp: Path) -> 
             # Room for STAGING layers: every use streams its layer from the NVMe pool, as
             # the simulation assumes. (Two were too few: the worker's two loaders and the
             # daemon's prefetch each pin one, and a fetch then found the pool full.)
-            "cpu_pool": {"size": f"{STAGING * layer_mib + 1}MiB",
-                         "arena_size": f"{STAGING * layer_mib + 1}MiB"},
+            "cpu_pool": {"size": f"{STAGING * layer_mib + 1}MiB"},
             "nvme_pool": {"paths": [str(tmp / "nvme")], "size": f"{2 * layers * layer_mib + 512}MiB"},
             "scheduler_address": sched.address, "node_id": "bench"}}).tier_manager
         with EmbeddedTierManager(config) as tm:

@@ -140,7 +140,6 @@ def main() -> None:
     for tier, cpu_pool in (("cpu", 2 * state + 256 * MiB), ("nvme", small_pool)):
         tm = TierManagerConfig()
         tm.cpu_pool.size = cpu_pool
-        tm.cpu_pool.arena_size = min(1 * GiB, cpu_pool)
         tm.nvme_pool.paths = [str(nvme_dir / tier)]
         tm.nvme_pool.size = 3 * state + 256 * MiB
         tm.manifest_path = str(nvme_dir / tier / "manifest.sqlite")

@@ -143,17 +143,14 @@ def run_tierstack(args, config_dict: dict) -> dict:
     run_dir = Path(args.nvme_dir) / f"ts-{uuid.uuid4().hex[:8]}"
     tm.nvme_pool.paths = [str(run_dir)]
     tm.manifest_path = str(run_dir / "manifest.sqlite")
-    # Until the pools grow on demand and max_in_cpu caps them (issue 13), size them here:
-    # the state plus room when the JSON keeps it in CPU memory (or no JSON says where),
-    # a few blocks' worth when it sends it to NVMe (as DeepSpeed's buffers do).
+    # The pools grow to what is stored, capped by the budgets. Until max_in_cpu caps the
+    # CPU bytes of parameters (DeepSpeed's meaning of max_in_cpu 0), an nvme JSON gets a
+    # pool of a few blocks' worth, as DeepSpeed's own swap buffers are.
     state = training_state_bytes(model, "bf16")
+    pool = budgets.cpu_pool
     if config.train.params.tier() == "nvme":
-        want = 8 * state // len(model.model.layers) + (1 << 30)
-    else:
-        want = state + (2 << 30)
-    pool = min(budgets.cpu_pool, want)
+        pool = min(pool, 8 * state // len(model.model.layers) + (1 << 30))
     tm.cpu_pool.size = max(64 << 20, pool // (2 << 20) * (2 << 20))
-    tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
     tm.nvme_pool.size = max(1 << 30, min(budgets.nvme, 2 * state))
     tm.metrics.http_listen = ""
     data = _batches(MODELS[args.model]["vocab_size"], args.micro, args.seq, args.steps)

@@ -31,20 +31,22 @@ class GetNodeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("instance_id", "arenas", "cpu_capacity", "nvme_capacity", "block_size", "alignment")
+    __slots__ = ("instance_id", "arenas", "cpu_capacity", "nvme_capacity", "block_size", "alignment", "arenas_epoch")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENAS_FIELD_NUMBER: _ClassVar[int]
     CPU_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NVME_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    ARENAS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     arenas: _containers.RepeatedCompositeFieldContainer[Arena]
     cpu_capacity: int
     nvme_capacity: int
     block_size: int
     alignment: int
-    def __init__(self, instance_id: _Optional[str] = ..., arenas: _Optional[_Iterable[_Union[Arena, _Mapping]]] = ..., cpu_capacity: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., block_size: _Optional[int] = ..., alignment: _Optional[int] = ...) -> None: ...
+    arenas_epoch: int
+    def __init__(self, instance_id: _Optional[str] = ..., arenas: _Optional[_Iterable[_Union[Arena, _Mapping]]] = ..., cpu_capacity: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., block_size: _Optional[int] = ..., alignment: _Optional[int] = ..., arenas_epoch: _Optional[int] = ...) -> None: ...
 
 class AllocateBufferRequest(_message.Message):
     __slots__ = ("nbytes",)
@@ -53,18 +55,20 @@ class AllocateBufferRequest(_message.Message):
     def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
 
 class BufferLease(_message.Message):
-    __slots__ = ("lease_id", "arena", "offset", "nbytes", "instance_id")
+    __slots__ = ("lease_id", "arena", "offset", "nbytes", "instance_id", "arenas_epoch")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENAS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     arena: int
     offset: int
     nbytes: int
     instance_id: str
-    def __init__(self, lease_id: _Optional[int] = ..., arena: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    arenas_epoch: int
+    def __init__(self, lease_id: _Optional[int] = ..., arena: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., instance_id: _Optional[str] = ..., arenas_epoch: _Optional[int] = ...) -> None: ...
 
 class CancelBufferRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -127,12 +131,14 @@ class Resident(_message.Message):
     def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ..., arena: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("tensors", "instance_id")
+    __slots__ = ("tensors", "instance_id", "arenas_epoch")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENAS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[Resident]
     instance_id: str
-    def __init__(self, tensors: _Optional[_Iterable[_Union[Resident, _Mapping]]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    arenas_epoch: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[Resident, _Mapping]]] = ..., instance_id: _Optional[str] = ..., arenas_epoch: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("keys",)

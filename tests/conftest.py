@@ -37,7 +37,7 @@ def tier_config(tmp_path: Path, shm_dir: Path) -> TierManagerConfig:
     """A small node: 8 MiB CPU pool in 2 MiB arenas, 64 MiB NVMe over two directories."""
     drives = [tmp_path / "drive0", tmp_path / "drive1"]
     return TierManagerConfig(
-        cpu_pool=CpuPoolConfig(size=8 * MiB, arena_size=2 * MiB, shm_dir=str(shm_dir)),
+        cpu_pool=CpuPoolConfig(size=8 * MiB, shm_dir=str(shm_dir)),
         nvme_pool=NvmePoolConfig(
             paths=[str(d) for d in drives], size=64 * MiB,
             aio=AioConfig(block_size=256 * KiB, queue_depth=4, thread_count=2)),
@@ -101,7 +101,7 @@ def daemon_config(tmp_path: Path, shm_dir: Path) -> Path:
     """A node config: 16 MiB CPU pool, 256 MiB NVMe pool on the real disk."""
     path = tmp_path / "tier-manager.json"
     path.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": "16MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
+        "cpu_pool": {"size": "16MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")], "size": "256MiB",
                       "aio": {"block_size": "256KiB", "queue_depth": 4}},
         "manifest_path": str(tmp_path / "manifest.sqlite"),

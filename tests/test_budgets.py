@@ -48,4 +48,30 @@ def test_this_machine_is_measured(tmp_path: Path):
     limits = measure(tmp_path / "not" / "yet" / "there")  # the nearest existing parent counts
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     assert 0 < limits.host == available_host_memory() <= int(meminfo["MemAvailable"].split()[0]) * 1024
-    assert limits.nvme == free_space(tmp_path) > 0
+    # Other processes write to the same disk between the two readings.
+    assert abs(limits.nvme - free_space(tmp_path)) < 256 << 20 and limits.nvme > 0
+    two = measure([tmp_path, tmp_path / "b"], nvme_held=1 << 30)  # striped: 2 x the smaller
+    assert abs(two.nvme - 2 * free_space(tmp_path) - (1 << 30)) < 512 << 20
+
+
+def test_pool_caps_are_auto_or_stated_and_a_stated_cap_above_the_machine_is_refused():
+    from tierstack.budgets import pool_caps
+    limits = MachineLimits(hbm=0, host=10 * GiB, nvme=100 * GiB)
+    caps = pool_caps("auto", "auto", limits)
+    assert caps.cpu == default_budgets(limits).cpu_pool and caps.nvme == default_budgets(limits).nvme
+    assert pool_caps(2 * GiB, 50 * GiB, limits).cpu == 2 * GiB
+    with pytest.raises(ConfigError, match=r"tier_manager.cpu_pool.size is 11.0 GiB but available host "
+                                          r"memory .* is 10.0 GiB; lower tier_manager.cpu_pool.size"):
+        pool_caps(11 * GiB, "auto", limits)
+    with pytest.raises(ConfigError, match="lower tier_manager.nvme_pool.size to at most 100.0 GiB"):
+        pool_caps("auto", 101 * GiB, limits)
+    with pytest.raises(ConfigError, match="the host budget leaves the CPU pool nothing"):
+        pool_caps("auto", "auto", MachineLimits(hbm=0, host=GiB, nvme=GiB))
+
+
+def test_stated_budgets_size_the_pools_that_say_auto():
+    config = load_config({"budgets": {"host": "9GiB", "nvme": "100GiB"}})
+    assert config.tier_manager.cpu_pool.size == 9 * GiB - HOST_OVERHEAD
+    assert config.tier_manager.nvme_pool.size == 100 * GiB
+    stated = load_config({"budgets": {"host": "9GiB"}, "tier_manager": {"cpu_pool": {"size": "1GiB"}}})
+    assert stated.tier_manager.cpu_pool.size == GiB  # a stated pool size wins

@@ -6,7 +6,7 @@ import sys
 def test_demo_moves_bytes_through_both_pools_and_verifies_them(tmp_path, shm_dir):
     config = tmp_path / "c.json"
     config.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": "64MiB", "arena_size": "32MiB", "shm_dir": str(shm_dir)},
+        "cpu_pool": {"size": "64MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "64MiB"}}}))
     out = subprocess.run(
         [sys.executable, "-m", "tierstack.cli", "demo", "--config", str(config),

@@ -10,7 +10,7 @@ from tierstack.errors import ConfigError
 def test_defaults_load_and_validate():
     config = load_config()
     assert config.tier_manager.nvme_pool.aio.block_size == 1 * MiB
-    assert config.tier_manager.cpu_pool.size == 2 * GiB
+    assert config.tier_manager.cpu_pool.size == "auto" == config.tier_manager.nvme_pool.size
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -30,7 +30,8 @@ def test_unknown_key_is_named_with_its_path():
     ({"tier_manager": {"cpu_pool": {"size": "lots"}}}, "cpu_pool.size"),
     ({"tier_manager": {"nvme_pool": {"paths": []}}}, "paths"),
     ({"tier_manager": {"nvme_pool": {"aio": {"thread_count": 0}}}}, "thread_count"),
-    ({"tier_manager": {"cpu_pool": {"arena_size": "1000"}}}, "arena_size"),
+    ({"tier_manager": {"cpu_pool": {"keep_empty_seconds": -1}}}, "keep_empty_seconds"),
+    ({"tier_manager": {"nvme_pool": {"size": 1000}}}, "nvme_pool.size"),
 ])
 def test_bad_values_name_the_setting(data, message):
     with pytest.raises(ConfigError, match=message):
@@ -208,3 +209,45 @@ def test_a_zero_offload_deepspeed_config_loads():
     # No offload_param: no constraint on the parameters (the budgets place them); the
     # optimizer state is pinned to the host, so no block moves to the device for good.
     assert (train.params.device, train.optimizer_state.device) == ("auto", "cpu")
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d["zero_optimization"].update(stage="3"),
+     r"^zero_optimization.stage: expected the number 3, got '3' \(str\); write 3 without quotes$"),
+    (lambda d: d["zero_optimization"].update(offload_param="nvme"),
+     r"^zero_optimization.offload_param: expected an object such as \{\"device\": \"nvme\""),
+    (lambda d: d.update(train_batch_size="auto"),
+     r"^train_batch_size: 'auto' is filled in by the Hugging Face Trainer .* write a number"),
+    (lambda d: d["zero_optimization"].update(offlaod_param={}),
+     r"^unknown DeepSpeed key zero_optimization.offlaod_param; did you mean zero_optimization.offload_param\?$"),
+    (lambda d: d["aio"].update(queue_dept=8), r"did you mean aio.queue_depth\?$"),
+    (lambda d: d["aio"].update(use_gds=True), r"^aio.use_gds: GPUDirect Storage is not supported .* set it to false"),
+])
+def test_bad_deepspeed_input_is_one_line_naming_the_key_and_the_fix(change, message):
+    import copy
+    data = copy.deepcopy(DEEPSPEED_NVME)
+    change(data)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(data)
+    assert "\n" not in str(err.value) and "stage is 3" not in str(err.value)
+
+
+def test_an_unknown_key_suggests_the_nearest_known_one():
+    with pytest.raises(ConfigError, match=r"unknown config key tier_manager.cpu_pol; did you mean "
+                                          r"tier_manager.cpu_pool\?"):
+        load_config({"tier_manager": {"cpu_pol": {}}})
+    with pytest.raises(ConfigError, match="known keys here: "):  # nothing close: the list
+        load_config({"tier_manager": {"zzz": 1}})
+
+
+def test_a_deepspeed_file_may_say_use_gds_false_and_carry_tierstack_budgets():
+    import copy
+    data = copy.deepcopy(DEEPSPEED_NVME)
+    data["aio"]["use_gds"] = False
+    data["budgets"] = {"host": "5GiB", "nvme": "200GiB"}
+    data["device_budget"] = "3GiB"
+    config = load_config(data)
+    assert config.budgets.host == 5 * GiB and config.train.device_budget == 3 * GiB
+    assert config.tier_manager.nvme_pool.size == 200 * GiB  # the NVMe budget caps the pool
+    assert config.tier_manager.cpu_pool.size == 4 * GiB  # host less HOST_OVERHEAD
+    assert config.tier_manager.nvme_pool.paths == ["/local_nvme"]  # nvme_path honoured

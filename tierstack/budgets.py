@@ -59,7 +59,7 @@ class Budgets:
     def cpu_pool(self) -> int:
         """What the host budget leaves the CPU pool: the budget minus our processes' own
         resident memory (HOST_OVERHEAD)."""
-        return max(0, self.host - HOST_OVERHEAD)
+        return pool_share(self.host)
 
     def with_(self, **changes: int) -> "Budgets":
         return replace(self, **changes)
@@ -88,10 +88,57 @@ class MachineLimits:
                     f"budgets.{name} to at most {_gib(have)} (or leave it 'auto')")
 
 
-def measure(nvme_path: str | os.PathLike | None, device: str | None = None) -> MachineLimits:
-    """The machine's ceilings: the device's memory, available host memory, free NVMe space."""
-    return MachineLimits(hbm=device_memory(device), host=available_host_memory(),
-                         nvme=free_space(nvme_path) if nvme_path else 0)
+def measure(nvme_path: str | os.PathLike | list | None, device: str | None = None,
+            nvme_held: int = 0) -> MachineLimits:
+    """The machine's ceilings: the device's memory, available host memory, free NVMe space.
+
+    `nvme_path` may list several drives: extents are striped evenly over them, so the
+    pool can use the smallest one's free space on each. `nvme_held`: bytes our own
+    files already hold there (a restarted daemon's data files), which count as ours."""
+    paths = nvme_path if isinstance(nvme_path, (list, tuple)) else [nvme_path] if nvme_path else []
+    nvme = len(paths) * min(free_space(p) for p in paths) + nvme_held if paths else 0
+    return MachineLimits(hbm=device_memory(device), host=available_host_memory(), nvme=nvme)
+
+
+@dataclass(frozen=True)
+class PoolCaps:
+    """The most bytes the tier manager's pools may ever hold: its CPU pool's arenas and
+    its NVMe pool's files. The pools grow to what is stored, never beyond these."""
+
+    cpu: int
+    nvme: int
+
+
+def pool_caps(cpu_size: int | str, nvme_size: int | str, limits: MachineLimits) -> PoolCaps:
+    """The pools' caps from tier_manager.cpu_pool.size / nvme_pool.size: 'auto' takes the
+    machine's default budgets (the host budget's pool share, the NVMe budget); a stated
+    size above what the machine has is refused now, in one line, before anything is
+    allocated (a pool that outgrows its memory cgroup is OOM-killed with no message)."""
+    defaults = default_budgets(limits)
+    cpu = defaults.cpu_pool if cpu_size == "auto" else int(cpu_size)
+    nvme = defaults.nvme if nvme_size == "auto" else int(nvme_size)
+    if cpu_size != "auto" and cpu > limits.host:
+        raise ConfigError(
+            f"tier_manager.cpu_pool.size is {_gib(cpu)} but available host memory (MemAvailable "
+            f"/ memory cgroup) is {_gib(limits.host)}; lower tier_manager.cpu_pool.size to at "
+            f"most {_gib(limits.host)} (or leave it 'auto')")
+    if nvme_size != "auto" and nvme > limits.nvme:
+        raise ConfigError(
+            f"tier_manager.nvme_pool.size is {_gib(nvme)} but the NVMe paths have {_gib(limits.nvme)} "
+            f"free; lower tier_manager.nvme_pool.size to at most {_gib(limits.nvme)} (or leave it "
+            f"'auto'), or free space there")
+    if cpu <= 0:
+        raise ConfigError(
+            f"the host budget leaves the CPU pool nothing: {_gib(limits.host)} of host memory is "
+            f"available and {HOST_FRACTION:.0%} of it less {_gib(HOST_OVERHEAD)} for our processes "
+            f"is {_gib(max(0, defaults.host - HOST_OVERHEAD))}; free host memory, raise the memory "
+            f"cgroup's limit, or set tier_manager.cpu_pool.size")
+    return PoolCaps(cpu=cpu, nvme=nvme)
+
+
+def pool_share(host: int) -> int:
+    """What a host budget of `host` bytes leaves the CPU pool (Budgets.cpu_pool)."""
+    return max(0, host - HOST_OVERHEAD)
 
 
 def default_budgets(limits: MachineLimits) -> Budgets:

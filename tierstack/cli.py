@@ -22,14 +22,15 @@ def _demo(args: argparse.Namespace) -> int:
         config.nvme_pool.paths = args.nvme_path
     total = parse_size(args.total, "--total")
     tensor_bytes = parse_size(args.tensor_size, "--tensor-size")
-    config.nvme_pool.size = max(config.nvme_pool.size, 2 * total)
+    if config.nvme_pool.size != "auto":  # a stated cap must hold what the demo writes
+        config.nvme_pool.size = max(config.nvme_pool.size, 2 * total)
     count = max(1, total // tensor_bytes)
     torch.manual_seed(0)
     tensors = [torch.randn(tensor_bytes // 4) for _ in range(min(count, 4))]
     rows = []
     with TierRegistry(config) as registry:
-        print(f"tier manager: CPU pool {config.cpu_pool.size / GiB:.1f} GiB in "
-              f"{len(registry.cpu_pool.arenas)} arenas at {config.cpu_pool.shm_dir}; NVMe pool "
+        print(f"tier manager: CPU pool up to {registry.cpu_pool.capacity / GiB:.1f} GiB at "
+              f"{config.cpu_pool.shm_dir}; NVMe pool up to "
               f"{registry.nvme_pool.capacity / GiB:.1f} GiB at {', '.join(config.nvme_pool.paths)} "
               f"(O_DIRECT: {'yes' if registry.nvme_pool.direct_io else 'no'})")
         for tier in ("nvme", "cpu"):

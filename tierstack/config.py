@@ -8,6 +8,7 @@ human sizes ("4GiB", "512MB", 1048576).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ if typing.TYPE_CHECKING:
 from tierstack.tiers import AUTO, NVME, OFFLOAD_DEVICES, BlockTier
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+AUTO_SIZE = "auto"
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -87,27 +89,41 @@ class AioConfig:
 
 @dataclass
 class CpuPoolConfig:
-    """The node's pool of CPU memory: shared-memory arenas that workers map."""
+    """The node's pool of CPU memory: shared-memory arenas that workers map.
 
-    size: int = 2 * GiB
-    """Hard bound on the bytes the pool ever holds."""
-    arena_size: int = 1 * GiB
-    """Bytes per arena file; the pool is ceil(size / arena_size) arenas."""
+    Arenas are created as buffers are needed (one per buffer, so any mix of sizes fits
+    while the pool's bytes are under its cap) and returned to the host when they have
+    been empty for `keep_empty_seconds`; nothing is reserved at start."""
+
+    size: int | str = "auto"
+    """Cap on the bytes the pool's arenas ever hold; 'auto': the host budget's pool
+    share (tierstack/budgets.py: Budgets.cpu_pool), measured when the daemon starts."""
     shm_dir: str = "/dev/shm"
     """Directory of the arena files (a tmpfs)."""
     alignment: int = 4096
-    """Alignment of every buffer handed out (O_DIRECT and cudaHostRegister want 4 KiB)."""
+    """Every buffer is rounded up to this (O_DIRECT and cudaHostRegister want 4 KiB)."""
+    keep_empty_seconds: float = 5.0
+    """An arena emptied is kept this long for the next buffer of its size (a worker
+    maps and page-locks an arena once, which is slow), then returned to the host. One
+    that a new buffer needs room for is returned at once."""
 
     def validate(self, prefix: str = "cpu_pool") -> None:
-        if self.size <= 0:
-            raise ConfigError(f"{prefix}.size must be positive, got {self.size}")
+        _validate_cap(prefix, self.size, 1)
         if self.alignment < 64 or self.alignment & (self.alignment - 1):
             raise ConfigError(f"{prefix}.alignment must be a power of two >= 64, got {self.alignment}")
-        if self.arena_size < self.alignment or self.arena_size % self.alignment:
-            raise ConfigError(
-                f"{prefix}.arena_size: {self.arena_size} must be a positive multiple of "
-                f"{prefix}.alignment ({self.alignment})"
-            )
+        if self.keep_empty_seconds < 0:
+            raise ConfigError(f"{prefix}.keep_empty_seconds must be >= 0, got {self.keep_empty_seconds}")
+
+
+def _validate_cap(key: str, value: int | str, at_least: int) -> None:
+    """A pool cap: 'auto' or a size of at least `at_least` bytes."""
+    if value == AUTO_SIZE:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}.size: expected a size or 'auto', got {value!r}")
+    if value < at_least:
+        raise ConfigError(f"{key}.size: {value} bytes is less than {at_least}; give a larger "
+                          f"size or 'auto'")
 
 
 @dataclass
@@ -115,8 +131,10 @@ class NvmePoolConfig:
     """The node's NVMe pool: one directory per drive, extents striped across them."""
 
     paths: list[str] = field(default_factory=lambda: ["/var/tmp/tierstack/nvme"])
-    size: int = 8 * GiB
-    """Total bytes over all paths; each path preallocates size / len(paths)."""
+    size: int | str = "auto"
+    """Cap on the bytes over all paths (size / len(paths) each); 'auto': the NVMe budget
+    (the drives' free space less a margin, measured when the daemon starts). Each path's
+    data file grows in chunks as tensors need it and gives back its free tail."""
     aio: AioConfig = field(default_factory=AioConfig)
 
     def validate(self, prefix: str = "nvme_pool") -> None:
@@ -124,12 +142,8 @@ class NvmePoolConfig:
             raise ConfigError(f"{prefix}.paths: give at least one directory")
         if len(set(os.path.realpath(p) for p in self.paths)) != len(self.paths):
             raise ConfigError(f"{prefix}.paths: the same directory is listed twice: {self.paths}")
-        if self.size < self.aio.block_size * len(self.paths):
-            raise ConfigError(
-                f"{prefix}.size: {self.size} bytes is less than one block "
-                f"({self.aio.block_size}) per path"
-            )
         self.aio.validate(f"{prefix}.aio")
+        _validate_cap(prefix, self.size, self.aio.block_size * len(self.paths))
 
 
 @dataclass
@@ -381,9 +395,6 @@ class SchedulerConfig:
                               f"got {self.replan_threshold}")
 
 
-AUTO_SIZE = "auto"
-
-
 @dataclass
 class BudgetsConfig:
     """A job's budgets (tierstack/budgets.py): bytes, or "auto" to take the machine's
@@ -434,7 +445,7 @@ class TierstackConfig:
             raise ConfigError("train offloads to nvme but tier_manager.nvme_pool.paths is empty")
 
 
-_SIZE_FIELDS = {"size", "arena_size", "block_size", "alignment", "device_budget"}
+_SIZE_FIELDS = {"size", "block_size", "alignment", "device_budget"}
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
@@ -445,9 +456,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(
-            f"unknown config key {where}{unknown[0]}; known keys here: {', '.join(sorted(names))}"
-        )
+        raise ConfigError(f"unknown config key {where}{unknown[0]}; "
+                          f"{suggest(str(unknown[0]), names, where)}")
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -495,6 +505,31 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def suggest(key: str, known, where: str = "") -> str:
+    """'did you mean X?' for the nearest known key (difflib), else the known keys."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {where}{close[0]}?"
+    return f"known keys here: {', '.join(sorted(known))}"
+
+
+def apply_budgets(config: TierstackConfig) -> None:
+    """Stated host / NVMe budgets size the tier manager's pools where those say 'auto':
+    the CPU pool gets the host budget's pool share, the NVMe pool the NVMe budget. (With
+    both 'auto', the daemon measures its machine when it starts.)"""
+    from tierstack.budgets import HOST_OVERHEAD, pool_share
+
+    tm, budgets = config.tier_manager, config.budgets
+    if budgets.host != AUTO_SIZE and tm.cpu_pool.size == AUTO_SIZE:
+        if pool_share(budgets.host) <= 0:
+            raise ConfigError(
+                f"budgets.host is {budgets.host} bytes, no more than the {HOST_OVERHEAD} bytes "
+                f"our processes need besides the CPU pool; raise budgets.host")
+        tm.cpu_pool.size = pool_share(budgets.host)
+    if budgets.nvme != AUTO_SIZE and tm.nvme_pool.size == AUTO_SIZE:
+        tm.nvme_pool.size = budgets.nvme
+
+
 def load_config(source: dict | str | os.PathLike | None = None) -> TierstackConfig:
     """Load, validate and return the config from a dict, a JSON file, or defaults.
 
@@ -518,6 +553,8 @@ def load_config(source: dict | str | os.PathLike | None = None) -> TierstackConf
         data = translate_deepspeed(data)
     config = _build(TierstackConfig, data, "")
     config.validate()
+    apply_budgets(config)
+    config.tier_manager.validate("tier_manager")
     return config
 
 

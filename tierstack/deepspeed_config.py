@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tierstack.config import suggest
 from tierstack.errors import ConfigError
 from tierstack.tiers import OFFLOAD_DEVICES
 
@@ -51,12 +52,30 @@ _REFUSED = {
     "zero_optimization.zero_quantized_weights": "quantized weights are not supported",
     "zero_optimization.zero_hpz_partition_size": "hierarchical partitioning is not supported",
     "zero_optimization.mics_shard_size": "MiCS sharding is not supported",
-    "aio.use_gds": "GPUDirect Storage is not supported; the NVMe pool reads into the CPU pool",
     "flops_profiler": "use bench/train.py for FLOP/s figures",
     "tensorboard": "tierstack exports Prometheus metrics instead",
     "wandb": "tierstack exports Prometheus metrics instead",
     "comms_logger": "not supported",
 }
+
+
+def _section(value: Any, key: str, example: str) -> dict:
+    """A DeepSpeed section that must be an object; one line naming it otherwise."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected an object such as {example}, got {value!r}")
+    return value
+
+
+def _number(value: Any, key: str) -> int | float:
+    """A DeepSpeed count or size: a number (DeepSpeed files write 1e8); 'auto' is the
+    Hugging Face Trainer's placeholder, which it fills in before DeepSpeed reads the file."""
+    if value == "auto":
+        raise ConfigError(f"{key}: 'auto' is filled in by the Hugging Face Trainer before "
+                          f"DeepSpeed reads the file; tierstack reads the file as is: write a "
+                          f"number, or drop the key")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _screened(key: str, decided: list[str]) -> bool:
@@ -80,7 +99,8 @@ _OFFLOAD_KEYS = {
 }
 
 
-def _offload(section: dict, key: str, nvme_paths: list[str], decided: list[str]) -> dict:
+def _offload(section: Any, key: str, nvme_paths: list[str], decided: list[str]) -> dict:
+    section = _section(section, key, '{"device": "nvme", "nvme_path": "/local_nvme"}')
     out: dict[str, Any] = {}
     for name, value in section.items():
         full = f"{key}.{name}"
@@ -97,9 +117,10 @@ def _offload(section: dict, key: str, nvme_paths: list[str], decided: list[str])
                 nvme_paths.append(value)
         elif name in _OFFLOAD_KEYS[key]:
             # DeepSpeed files write counts as 1e8; a whole float is the integer it names.
-            out[name] = int(value) if isinstance(value, float) and value.is_integer() else value
+            out[name] = _number(value, full)
         else:
-            raise ConfigError(f"unknown DeepSpeed key {full}")
+            raise ConfigError(f"unknown DeepSpeed key {full}; "
+                              f"{suggest(name, _known_offload_keys(key), key + '.')}")
     if out.get("device") == "nvme" and "nvme_path" not in section:
         raise ConfigError(f"{key}.device is 'nvme' but {key}.nvme_path is missing: name the "
                           f"directory on the NVMe drive")
@@ -113,16 +134,21 @@ def translate_deepspeed(ds: dict) -> dict:
     nvme_paths: list[str] = []
     aio: dict[str, Any] = {}
     decided = []
+    tierstack_sections: dict[str, Any] = {}
     precision = "fp32"
     for name, value in ds.items():
         if _screened(name, decided):
             continue
         if name == "zero_optimization":
+            value = _section(value, name, '{"stage": 3, "offload_param": {"device": "cpu"}}')
             for zname, zvalue in value.items():
                 full = f"zero_optimization.{zname}"
                 if _screened(full, decided):
                     continue
                 if zname == "stage":
+                    if isinstance(zvalue, bool) or not isinstance(zvalue, int):
+                        raise ConfigError(f"zero_optimization.stage: expected the number 3, got "
+                                          f"{zvalue!r} ({type(zvalue).__name__}); write 3 without quotes")
                     if zvalue != 3:
                         raise ConfigError(
                             f"zero_optimization.stage is {zvalue}: tierstack partitions parameters, "
@@ -132,27 +158,37 @@ def translate_deepspeed(ds: dict) -> dict:
                 elif zname == "offload_optimizer":
                     train["optimizer_state"] = _offload(zvalue, full, nvme_paths, decided)
                 else:
-                    raise ConfigError(f"unknown DeepSpeed key {full}")
+                    raise ConfigError(f"unknown DeepSpeed key {full}; "
+                                      f"{suggest(zname, _ZERO_KEYS, 'zero_optimization.')}")
         elif name == "aio":
+            value = _section(value, name, '{"block_size": 1048576, "queue_depth": 8}')
             for aname, avalue in value.items():
                 full = f"aio.{aname}"
                 if _screened(full, decided):
                     continue
                 if aname in ("block_size", "queue_depth", "thread_count"):
-                    aio[aname] = avalue  # honoured as written, thread_count included
+                    aio[aname] = _number(avalue, full)  # honoured as written, thread_count included
                 elif aname == "intra_op_parallelism":
-                    aio["thread_count"] = avalue
+                    aio["thread_count"] = _number(avalue, full)
+                elif aname == "use_gds":
+                    # GPUDirect Storage (disk -> GPU, skipping host memory) is not there:
+                    # false asks for what tierstack does; true is refused by name.
+                    if avalue is not False:
+                        raise ConfigError(
+                            "aio.use_gds: GPUDirect Storage is not supported (the NVMe pool reads "
+                            "through the CPU pool); set it to false or drop it")
                 else:
-                    raise ConfigError(f"unknown DeepSpeed key {full}")
+                    raise ConfigError(f"unknown DeepSpeed key {full}; {suggest(aname, _AIO_KEYS, 'aio.')}")
         elif name == "train_micro_batch_size_per_gpu":
-            train["micro_batch_size"] = value
+            train["micro_batch_size"] = _number(value, name)
         elif name == "gradient_accumulation_steps":
-            train["gradient_accumulation_steps"] = value
+            train["gradient_accumulation_steps"] = _number(value, name)
         elif name == "train_batch_size":
-            pass  # below: checked against, or divided into, micro batch x accumulation
+            batch = _number(value, name)  # below: checked against, or divided into, micro x accum
         elif name == "gradient_clipping":
-            train["gradient_clipping"] = value
+            train["gradient_clipping"] = _number(value, name)
         elif name in ("bf16", "fp16"):
+            value = _section(value, name, '{"enabled": true}')
             for k in value:
                 full = f"{name}.{k}"
                 if k != "enabled" and full not in _DECIDED_BY_TIERSTACK:
@@ -165,38 +201,45 @@ def translate_deepspeed(ds: dict) -> dict:
             train["optimizer"] = _optimizer(value)
         elif name in ("tier_overrides", "device_budget"):
             train[name] = value  # tierstack's own additions are welcome in a DeepSpeed file
+        elif name in ("budgets", "tier_manager"):
+            tierstack_sections[name] = value
         else:
-            raise ConfigError(f"unknown DeepSpeed key {name}")
+            raise ConfigError(f"unknown DeepSpeed key {name}; {suggest(name, _TOP_KEYS)}")
     train["precision"] = precision
     if "train_batch_size" in ds:
         # DeepSpeed: train_batch_size = micro batch x accumulation x data-parallel ranks.
         micro = train.get("micro_batch_size", 1)
         accum = train.get("gradient_accumulation_steps", 1)
-        if ds["train_batch_size"] % (micro * accum):
+        if batch % (micro * accum):
             raise ConfigError(
-                f"train_batch_size {ds['train_batch_size']} is not a multiple of "
+                f"train_batch_size {batch} is not a multiple of "
                 f"train_micro_batch_size_per_gpu x gradient_accumulation_steps ({micro} x {accum})")
         if "micro_batch_size" not in train:
             # The rank count is not known here; with one rank the micro batch is the rest.
-            train["micro_batch_size"] = ds["train_batch_size"] // accum
+            train["micro_batch_size"] = batch // accum
     if nvme_paths:
+        # Both offload sections' directories: the NVMe pool stripes every tensor over them.
         tier_manager["nvme_pool"] = {"paths": nvme_paths}
     if aio:
         tier_manager.setdefault("nvme_pool", {})["aio"] = aio
     if decided:
         log.info("DeepSpeed settings decided by tierstack instead: %s", ", ".join(decided))
-    out: dict[str, Any] = {"train": train}
-    if tier_manager:
-        out["tier_manager"] = tier_manager
+    out: dict[str, Any] = {"train": train, **tierstack_sections}
+    if tier_manager:  # the DeepSpeed keys win over a tier_manager section of the same file
+        own = dict(out.get("tier_manager", {}))
+        own_nvme = {**own.get("nvme_pool", {}), **tier_manager.get("nvme_pool", {})}
+        out["tier_manager"] = {**own, **tier_manager, "nvme_pool": own_nvme}
     return out
 
 
-def _optimizer(section: dict) -> dict:
+def _optimizer(section: Any) -> dict:
+    section = _section(section, "optimizer", '{"type": "AdamW", "params": {"lr": 1e-4}}')
     out: dict[str, Any] = {}
     for name, value in section.items():
         if name == "type":
             out["type"] = value
         elif name == "params":
+            value = _section(value, "optimizer.params", '{"lr": 1e-4}')
             for pname, pvalue in value.items():
                 if pname in ("lr", "betas", "eps", "weight_decay"):
                     out[pname] = pvalue
@@ -204,7 +247,28 @@ def _optimizer(section: dict) -> dict:
                     if pname == "adam_w_mode" and not pvalue:
                         raise ConfigError("optimizer.params.adam_w_mode false (L2 Adam) is not supported; use AdamW")
                 else:
-                    raise ConfigError(f"unknown DeepSpeed key optimizer.params.{pname}")
+                    raise ConfigError(f"unknown DeepSpeed key optimizer.params.{pname}; "
+                                      f"{suggest(pname, _OPTIMIZER_KEYS, 'optimizer.params.')}")
         else:
-            raise ConfigError(f"unknown DeepSpeed key optimizer.{name}")
+            raise ConfigError(f"unknown DeepSpeed key optimizer.{name}; "
+                              f"{suggest(name, ('type', 'params'), 'optimizer.')}")
     return out
+
+
+# The keys each DeepSpeed section knows (for "did you mean" in errors).
+_TOP_KEYS = ("zero_optimization", "aio", "train_micro_batch_size_per_gpu", "train_batch_size",
+             "gradient_accumulation_steps", "gradient_clipping", "bf16", "fp16", "optimizer",
+             "tier_overrides", "device_budget", "budgets", "tier_manager",
+             *(k for k in _DECIDED_BY_TIERSTACK | set(_REFUSED) if "." not in k))
+_ZERO_KEYS = ("stage", "offload_param", "offload_optimizer",
+              *(k.split(".", 1)[1] for k in _DECIDED_BY_TIERSTACK | set(_REFUSED)
+                if k.startswith("zero_optimization.") and k.count(".") == 1))
+_AIO_KEYS = ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_gds",
+             "single_submit", "overlap_events")
+_OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode")
+
+
+def _known_offload_keys(key: str) -> tuple[str, ...]:
+    prefix = key + "."
+    return ("device", "nvme_path", *_OFFLOAD_KEYS[key],
+            *(k[len(prefix):] for k in _DECIDED_BY_TIERSTACK | set(_REFUSED) if k.startswith(prefix)))

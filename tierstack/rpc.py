@@ -148,8 +148,10 @@ class ServiceEndpoint:
     def build_server(self, max_workers: int, thread_prefix: str,
                      interceptors: list | None = None) -> grpc.Server:
         """The gRPC server (health service added) for the daemon to add its servicers to."""
-        self.server = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix=thread_prefix),
-                                  options=[("grpc.so_reuseport", 0)], interceptors=interceptors or [])
+        executor = ThreadPoolExecutor(max_workers, thread_name_prefix=thread_prefix)
+        _start_every_thread(executor, max_workers)
+        self.server = grpc.server(executor, options=[("grpc.so_reuseport", 0)],
+                                  interceptors=interceptors or [])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         return self.server
 
@@ -185,3 +187,15 @@ class ServiceEndpoint:
     def _set_health(self, status) -> None:
         for name in ("", self.service_name):
             self.health.set(name, status)
+
+
+def _start_every_thread(executor: ThreadPoolExecutor, count: int) -> None:
+    """Start all of an executor's threads now. A ThreadPoolExecutor adds a thread whenever a
+    burst of calls finds none idle, so a daemon's thread count would creep up for hours of
+    training; started at once, it is constant from the first request on."""
+    import threading
+
+    barrier = threading.Barrier(count + 1)
+    for _ in range(count):
+        executor.submit(barrier.wait)
+    barrier.wait()

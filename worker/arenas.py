@@ -1,4 +1,11 @@
-"""The worker's mappings of its node's CPU-pool arenas: mapped once, reused forever.
+"""The worker's mappings of its node's CPU-pool arenas: each mapped once, when first named.
+
+The daemon creates arenas as its pool grows and returns empty ones to the host, so the
+set changes while a worker runs. An answer (a lease, a fetch) names an arena by id; an
+id the worker has not mapped yet is looked up (GetNode) and mapped then, and every
+answer carries the pool's `arenas_epoch`: when it moves, arenas the daemon returned are
+unmapped here too (a mapping would keep their memory alive). Ids are never reused by a
+daemon instance, so a mapped id always means the same file.
 
 On a GPU each mapping is page-locked once with cudaHostRegister, so host<->device copies
 from it run at pinned speed (55 GB/s on the H200 machine, the same as torch's own pinned
@@ -11,56 +18,121 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
+from typing import Callable
 
 import torch
 
 from tierstack.errors import TierstackError
-from tierstack.services.tier_manager.types import NodeInfo
+from tierstack.services.tier_manager.types import ArenaInfo, NodeInfo
 
 log = logging.getLogger(__name__)
 
 
 class ArenaMap:
-    """uint8 tensors over a daemon instance's arenas, page-locked on CUDA."""
+    """uint8 tensors over a daemon instance's arenas, page-locked on CUDA, mapped on demand.
 
-    def __init__(self, node: NodeInfo, pin_for_cuda: bool) -> None:
+    `describe` returns the daemon's current NodeInfo (its arenas); it is asked when an
+    answer names an arena not mapped yet or a new epoch."""
+
+    def __init__(self, node: NodeInfo, pin_for_cuda: bool,
+                 describe: Callable[[], NodeInfo] | None = None) -> None:
         self.instance_id = node.instance_id
-        self._maps: list[mmap.mmap] = []
-        self._tensors: list[torch.Tensor] = []
-        self._registered: list[int] = []
-        for arena in sorted(node.arenas, key=lambda a: a.index):
-            fd = os.open(arena.path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                m = mmap.mmap(fd, arena.size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
-            self._maps.append(m)
-            self._tensors.append(torch.frombuffer(m, dtype=torch.uint8))
-        if pin_for_cuda:
-            cudart = torch.cuda.cudart()
-            for t in self._tensors:
-                err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
-                if int(err) != 0:
-                    raise TierstackError(
-                        f"cudaHostRegister of a {t.numel()}-byte arena failed ({err}); "
-                        f"raise the locked-memory limit (ulimit -l) or lower cpu_pool.size")
-                self._registered.append(t.data_ptr())
+        self.pin_for_cuda = pin_for_cuda
+        self._describe = describe
+        self._lock = threading.Lock()
+        self._maps: dict[int, mmap.mmap] = {}
+        self._tensors: dict[int, torch.Tensor] = {}
+        self._registered: dict[int, int] = {}  # arena id -> pinned address
+        self.epoch = -1
+        self._apply(node)
 
     def view(self, arena: int, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor over `nbytes` bytes of an arena (shared memory, no copy)."""
-        return self._tensors[arena][offset:offset + nbytes]
+        tensor = self._tensors.get(arena)
+        if tensor is None:
+            tensor = self._map_named(arena)
+        return tensor[offset:offset + nbytes]
+
+    def sync(self, epoch: int) -> None:
+        """An answer carried the pool's arenas epoch: unmap what the daemon returned since."""
+        if epoch != self.epoch and self._describe is not None:
+            self._refresh()
+
+    @property
+    def mapped(self) -> list[int]:
+        """Ids of the arenas mapped now."""
+        return sorted(self._tensors)
+
+    def _map_named(self, arena: int) -> torch.Tensor:
+        if self._describe is None:
+            raise TierstackError(f"arena {arena} is not mapped and this map cannot look it up")
+        self._refresh()
+        tensor = self._tensors.get(arena)
+        if tensor is None:
+            raise TierstackError(
+                f"the tier manager named CPU-pool arena {arena}, which it does not list; it "
+                f"restarted or returned the arena while a buffer in it was in use (a bug: "
+                f"check the daemon's log)")
+        return tensor
+
+    def _refresh(self) -> None:
+        node = self._describe()
+        if node.instance_id != self.instance_id:
+            return  # a restarted daemon: the session remaps everything (TierSession.connect)
+        self._apply(node)
+
+    def _apply(self, node: NodeInfo) -> None:
+        """Map the listed arenas not mapped yet; unmap the ones no longer listed."""
+        with self._lock:
+            if node.arenas_epoch < self.epoch:
+                return  # an older answer than the one already applied
+            listed = {a.index: a for a in node.arenas}
+            for arena in [i for i in self._tensors if i not in listed]:
+                self._unmap(arena)
+            for index, info in listed.items():
+                if index not in self._tensors:
+                    self._map(info)
+            self.epoch = node.arenas_epoch
+
+    def _map(self, arena: ArenaInfo) -> None:
+        try:
+            fd = os.open(arena.path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # returned between the listing and now: nobody will name it again
+        try:
+            m = mmap.mmap(fd, arena.size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        tensor = torch.frombuffer(m, dtype=torch.uint8)
+        if self.pin_for_cuda:
+            err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)
+            if int(err) != 0:
+                del tensor
+                m.close()
+                raise TierstackError(
+                    f"cudaHostRegister of a {arena.size}-byte arena failed ({err}); raise the "
+                    f"locked-memory limit (ulimit -l) or lower cpu_pool.size")
+            self._registered[arena.index] = tensor.data_ptr()
+        self._maps[arena.index] = m
+        self._tensors[arena.index] = tensor
+
+    def _unmap(self, arena: int) -> None:
+        """Drop an arena the daemon returned: nothing of this worker is in it (a buffer is
+        used only while leased or fetched, and those arenas are never returned)."""
+        ptr = self._registered.pop(arena, None)
+        if ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        del self._tensors[arena]
+        m = self._maps.pop(arena)
+        try:
+            m.close()
+        except BufferError:
+            pass  # a tensor view is still alive somewhere; the mapping goes with it
 
     def close(self) -> None:
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            torch.cuda.synchronize()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-        self._registered = []
-        self._tensors = []
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:
-                pass  # a tensor view is still alive somewhere; the mapping goes with it
-        self._maps = []
+        with self._lock:
+            if self._registered:
+                torch.cuda.synchronize()
+            for arena in list(self._tensors):
+                self._unmap(arena)

@@ -1,6 +1,7 @@
 """A worker's session with its node's tier manager: whole blocks in and out of its CPU pool.
 
-The session owns the client and the mapping of the daemon's arenas. A block is written
+The session owns the client and the mapping of the daemon's arenas (which come and go
+as the daemon's CPU pool grows and shrinks: worker/arenas.py). A block is written
 by leasing a buffer, filling it in place (through the mapping) and committing it; it is
 read by fetching it (the daemon pins it), copying out of the mapping and releasing it.
 A daemon restart is survived: calls wait for the daemon, and an operation interrupted
@@ -65,7 +66,7 @@ class TierSession:
                     log.warning("tier manager restarted (%s -> %s): remapping its arenas",
                                 self._arenas.instance_id, node.instance_id)
                     self._arenas.close()
-                self._arenas = ArenaMap(node, pin_for_cuda=self.pin_for_cuda)
+                self._arenas = ArenaMap(node, pin_for_cuda=self.pin_for_cuda, describe=self.client.node)
             return self._arenas
 
     def retrying(self, what: str, op: Callable[[ArenaMap], T], attempts: int = 4) -> T:
@@ -99,6 +100,7 @@ class TierSession:
         if result.instance_id != arenas.instance_id:
             self.client.release(key, res.info.version)
             raise StaleArenas()
+        arenas.sync(result.arenas_epoch)
         return res
 
     def write(self, key: str, nbytes: int, fill: Callable[[torch.Tensor], None], durable: bool,
@@ -109,6 +111,7 @@ class TierSession:
             try:
                 if lease.instance_id != arenas.instance_id:
                     raise StaleArenas()
+                arenas.sync(lease.arenas_epoch)
                 fill(arenas.view(lease.arena, lease.offset, nbytes))
                 self.client.commit(key, lease.lease_id, "uint8", (nbytes,), durable, placement)
                 self.count(written=nbytes)

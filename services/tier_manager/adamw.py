@@ -1,16 +1,30 @@
-"""The optimizer step where the bytes are: AdamW run by the tier manager in its CPU pool.
+"""The optimizer step where the bytes are: AdamW run by the tier manager over its tiers.
 
 A worker's blocks keep their parameters, gradients, fp32 master weights and AdamW
-moments here. `AdamWStepper.step` updates them in place, block by block, with PyTorch's
-own fused CPU AdamW kernel (`torch.optim.adamw.adamw(fused=True)`), then rounds the
-masters into the block's low-precision parameters. No state byte crosses to the worker.
+moments here. `AdamWStepper.step` updates them block by block with PyTorch's own fused
+CPU AdamW kernel (`torch.optim.adamw.adamw(fused=True)`), then rounds the masters into
+the block's low-precision parameters. No state byte crosses to the worker.
 
-Each block's tensors are held exclusively while they change (`TierRegistry.begin_update`)
-and get a new version after (`end_update`). Reading the next block's state into the CPU
-pool (from NVMe when it was evicted), updating this block and writing the previous one
-overlap: state is acquired one block ahead on a reader thread, and finished blocks are
-committed on a writer thread. Everything a block's update needs is checked before any
-byte changes, so a bad request changes nothing.
+Tiles. A block is updated in tiles of at most TILE_ELEMENTS elements: the kernel runs on
+a tile, its bf16 gradients are widened into a float32 scratch of one tile and its masters
+rounded into the parameters right after, while the tile is still in cache (a separate
+pass over the whole block for each conversion doubled the time per parameter). Tiles
+cut a tensor only at multiples of TILE_ALIGN elements from its start, so every element
+meets the same kernel code path as in one whole-tensor call: the result is bit for bit
+the whole-block step's, and PyTorch's.
+
+Where the state is. A tensor already in the CPU pool is updated in place. A tensor only
+on NVMe is brought into the pool when the pool has room for the block's missing state;
+otherwise it is streamed: read tile by tile (whole NVMe blocks, checksums verified) into
+a bounded, reused scratch, updated there, and written block by block to a fresh extent
+that becomes its new version once synced. So a CPU pool of a few MiB trains any block
+size, only slower, and a crash mid-step leaves the old version intact.
+
+Threads. All kernel work runs on one thread (`tierstack-adamw`), so PyTorch's intra-op
+pool (an OpenMP team per calling thread) exists once: the gRPC handler threads that
+serve AdamWStep only wait. State is held one block ahead on a reader thread and finished
+blocks are committed on a writer thread. Everything a block's update needs is checked
+before any byte changes, so a bad request changes nothing.
 """
 
 from __future__ import annotations
@@ -21,29 +35,153 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.optim import adamw
 
-from tierstack.errors import InvalidArgumentError, KeyNotFoundError
-from tierstack.services.tier_manager.registry import TierRegistry, tensor_view, validate_placement
-from tierstack.services.tier_manager.types import (AdamWBlock, AdamWHyper, AdamWResult, TensorInfo)
-from tierstack.tiers import Placement
 from tierstack.dtypes import dtype_from_name
+from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
+from tierstack.services.tier_manager.durable import DurableCopies
+from tierstack.services.tier_manager.nvme_pool import NvmeExtent
+from tierstack.services.tier_manager.registry import TierRegistry, tensor_view, validate_placement
+from tierstack.services.tier_manager.types import (AdamWBlock, AdamWHyper, AdamWResult,
+                                                   AdamWSegment, TensorInfo)
+from tierstack.tiers import NVME, Placement
 
 log = logging.getLogger(__name__)
 
 _FLOAT = torch.float32
 _STATE_ITEMSIZE = 4
+TILE_ELEMENTS = 1 << 20
+"""Elements per kernel call: 4 MiB of float32 per state tensor, in L2/L3 while the
+conversions around the kernel touch it (measured best of 64K..4M on the dev machine)."""
+TILE_ALIGN = 1024
+"""Tiles cut a segment only at multiples of this many elements from its start (see the
+module docstring: the kernel's vector and scalar paths see the same elements)."""
+_STREAMED_SPAN = TILE_ELEMENTS * _STATE_ITEMSIZE
+"""The most bytes of one tensor a tile may span (a tile ends early where a gap, such as
+a large buffer between two parameters, would make it longer)."""
+
+
+class _Resident:
+    """A tensor's bytes in a CPU-pool buffer: windows are views, updated in place."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    def window(self, lo: int, hi: int) -> torch.Tensor:
+        return self.data[lo:hi]
+
+
+class _Streamed:
+    """A tensor's bytes on NVMe, read whole block by whole block into a scratch window
+    [base, loaded) that only moves forward; with `out`, every block is written to the
+    fresh extent `out` once the window has moved past it, and blocks no tile touches are
+    copied through, so the new version is whole. `source` None reads zeros (new moments).
+    Bulk copies here use numpy, not torch: `finish` runs on the writer thread, which
+    must not start an OpenMP team of its own."""
+
+    def __init__(self, durable: DurableCopies, nbytes: int, source: NvmeExtent | None,
+                 checksums: tuple[int, ...], out: NvmeExtent | None, scratch: torch.Tensor,
+                 label: str) -> None:
+        self.durable, self.nbytes, self.source, self.checksums = durable, nbytes, source, checksums
+        self.out, self.scratch, self.label = out, scratch, label
+        self.array = scratch.numpy()
+        self.block = durable.pool.block_size
+        self.base = self.loaded = 0  # the window holds bytes [base, loaded); base block-aligned
+        self.out_checksums: list[int] = []
+
+    def window(self, lo: int, hi: int) -> torch.Tensor:
+        """Bytes [lo, hi) of the tensor; lo never below an earlier window's lo."""
+        target = lo // self.block * self.block
+        if self.loaded < target:  # a gap no tile touches: copy it through (or skip it)
+            self._flush(self.loaded)
+            if self.out is None:
+                self.base = self.loaded = target
+            while self.loaded < target:
+                self._load(min(target, self.base + self._room()))
+                self._flush(self.loaded)
+        self._flush(target)
+        self._load(hi)
+        return self.scratch[lo - self.base:hi - self.base]
+
+    def _room(self) -> int:
+        return (len(self.array) - self.block) // self.block * self.block
+
+    def _load(self, hi: int) -> None:
+        end = min(self.nbytes, -(-hi // self.block) * self.block)
+        if end <= self.loaded:
+            return
+        assert end - self.base <= len(self.array), "a tile spans more than the scratch window"
+        first, last = self.loaded // self.block, -(-end // self.block)
+        dst = self.array[self.loaded - self.base:end - self.base]
+        if self.source is None:
+            dst.fill(0)
+        else:
+            self.durable.pool.read(self.source, memoryview(dst), list(self.checksums[first:last]),
+                                   label=self.label, blocks=(first, last))
+        self.loaded = end
+
+    def _flush(self, upto: int) -> None:
+        """Write (with `out`) and drop the window's bytes below `upto` (block-aligned, or the
+        tensor's end)."""
+        if upto <= self.base:
+            return
+        if self.out is not None:
+            first, last = self.base // self.block, -(-upto // self.block)
+            self.out_checksums += self.durable.pool.write(
+                self.out, memoryview(self.array[:upto - self.base]), label=self.label,
+                blocks=(first, last))
+        keep = self.loaded - upto
+        if keep > 0:  # the block(s) still in use move to the front (numpy copes with overlap)
+            self.array[:keep] = self.array[upto - self.base:self.loaded - self.base]
+        self.base = upto
+
+    def finish(self) -> tuple[NvmeExtent, tuple[int, ...]]:
+        """Write the rest (what no tile touched is copied through) and sync: the new
+        version, ready to install."""
+        assert self.out is not None
+        while self.base < self.nbytes:
+            self._load(min(self.nbytes, self.base + self._room()))
+            self._flush(self.loaded)
+        self.durable.pool.sync([self.out])
+        return self.out, tuple(self.out_checksums)
 
 
 @dataclass
 class _Held:
-    """A block's state, acquired: exclusive holds on what changes, a pin on the grads."""
+    """A block's state, acquired: exclusive holds on what changes, a pin on the grads, and
+    for each tensor where its bytes are (a CPU-pool view, or an NVMe stream)."""
 
     block: AdamWBlock
     exclusive: list[TensorInfo] = field(default_factory=list)
     grads: TensorInfo | None = None
-    views: dict[str, torch.Tensor] = field(default_factory=dict)
+    sources: dict[str, _Resident | _Streamed] = field(default_factory=dict)
+    infos: dict[str, TensorInfo] = field(default_factory=dict)  # exclusive holds, by name
+    new: dict[str, str] = field(default_factory=dict)  # name -> key of moments created streamed
+    scratch: list[torch.Tensor] = field(default_factory=list)
+
+
+class _ScratchPool:
+    """Float32 tile buffers and streaming windows, allocated once and reused: a fresh one
+    per block page-faults its way in each time (~25 ms per 200 MB) and grows the RSS."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.floats = torch.empty(TILE_ELEMENTS, dtype=_FLOAT)  # the compute thread's own
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            for b in buffers:
+                self._free.setdefault(b.numel(), []).append(b)
 
 
 class AdamWStepper:
@@ -51,9 +189,11 @@ class AdamWStepper:
 
     def __init__(self, registry: TierRegistry) -> None:
         self.registry = registry
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-write")
-        self._scratch = threading.local()  # float32 gradient buffer, reused per thread
+        self._scratch = _ScratchPool()
+        self.streamed_blocks = 0  # blocks whose state was (partly) streamed from NVMe
 
     def step(self, blocks: list[AdamWBlock], hyper: AdamWHyper, durable: bool = False) -> AdamWResult:
         """One AdamW step of `blocks`; returns the new versions and where time went."""
@@ -73,7 +213,7 @@ class AdamWStepper:
                     pending = self._reader.submit(self._acquire, blocks[i + 1], hyper)
                 start = time.perf_counter()
                 try:
-                    _update(held, hyper, self._float_scratch)
+                    self._compute.submit(self._update, held, hyper).result()
                 except BaseException:
                     self._finish(held, changed=False, durable=False)
                     raise
@@ -96,69 +236,142 @@ class AdamWStepper:
             raise errors[0]
         return result
 
+    # ---- acquiring a block's state -----------------------------------------------------
+
     def _acquire(self, block: AdamWBlock, hyper: AdamWHyper) -> _Held:
         """Hold the block's state; check every size before anything changes.
 
-        A CPU pool too full for it while other blocks are held (the one being updated,
-        another request's) is waited out by the registry, which waits while tensors are
-        being updated in place (`begin_update`): they will let go. Only a pool that
-        cannot hold one block's state is an error."""
+        What is in the CPU pool is used there; what is only on NVMe is loaded when the
+        pool has room for all of it (and its placement is not "nvme"), else streamed."""
         registry = self.registry
         held = _Held(block)
-        sizes = {"params": registry.info(block.params).nbytes, "grads": registry.info(block.grads).nbytes,
-                 "exp_avg": block.state_nbytes, "exp_avg_sq": block.state_nbytes}
+        infos = {"params": registry.info(block.params), "grads": registry.info(block.grads)}
         if block.master:
-            sizes["master"] = registry.info(block.master).nbytes
+            infos["master"] = registry.info(block.master)
+        if hyper.step > 1:
+            for name in ("exp_avg", "exp_avg_sq"):
+                try:
+                    infos[name] = registry.info(getattr(block, name))
+                except KeyNotFoundError:
+                    raise KeyNotFoundError(
+                        f"AdamW state {getattr(block, name)!r} is missing at step {hyper.step}: the "
+                        f"moments are created on step 1; resume from a checkpoint that has them") from None
+        sizes = {name: info.nbytes for name, info in infos.items()}
+        sizes.setdefault("exp_avg", block.state_nbytes)
+        sizes.setdefault("exp_avg_sq", block.state_nbytes)
         _check_sizes(block, sizes)  # before anything is created or changed
+        missing = sum(i.nbytes for i in infos.values() if not i.in_cpu)
+        if hyper.step == 1:
+            missing += 2 * block.state_nbytes
+        load = block.state_placement != NVME and registry.has_room(missing)
         try:
             if hyper.step == 1:
-                for key in (block.exp_avg, block.exp_avg_sq):
-                    self._create_zeros(key, block.state_nbytes, block.state_placement)
+                for name in ("exp_avg", "exp_avg_sq"):
+                    key = getattr(block, name)
+                    if not (load and self._create_zeros(key, block.state_nbytes, block.state_placement)):
+                        held.new[name] = key  # created streamed, straight to NVMe
             targets = [("params", block.params)] + ([("master", block.master)] if block.master else [])
-            targets += [("exp_avg", block.exp_avg), ("exp_avg_sq", block.exp_avg_sq)]
+            targets += [(n, getattr(block, n)) for n in ("exp_avg", "exp_avg_sq") if n not in held.new]
             for name, key in targets:
                 try:
-                    info, buffer = registry.begin_update(key)
-                except KeyNotFoundError:
-                    if name.startswith("exp_avg"):
-                        raise KeyNotFoundError(
-                            f"AdamW state {key!r} is missing at step {hyper.step}: the moments "
-                            f"are created on step 1; resume from a checkpoint that has them") from None
-                    raise
+                    info, buffer = registry.begin_update(key, load=load)
+                except CpuPoolFullError:  # the room went meanwhile: stream it instead
+                    info, buffer = registry.begin_update(key, load=False)
                 held.exclusive.append(info)
-                held.views[name] = tensor_view(registry, info, buffer).view(-1).view(torch.uint8)
-            info, buffer = registry.fetch(block.grads)
+                held.infos[name] = info
+                held.sources[name] = self._source(info, buffer, writable=True)
+            info, buffer = registry.fetch(block.grads, load=load)
             held.grads = info
-            held.views["grads"] = tensor_view(registry, info, buffer).view(-1).view(torch.uint8)
-            _check_sizes(block, {name: view.numel() for name, view in held.views.items()})
+            held.sources["grads"] = self._source(info, buffer, writable=False)
+            for name, key in held.new.items():
+                held.sources[name] = self._stream(key, block.state_nbytes, None, (), writable=True)
+            _check_sizes(block, {name: _nbytes(s) for name, s in held.sources.items()})
+            if any(isinstance(s, _Streamed) for s in held.sources.values()):
+                _check_order(block)
+                self.streamed_blocks += 1
         except BaseException:
             self._finish(held, changed=False, durable=False)
             raise
         return held
 
-    def _create_zeros(self, key: str, nbytes: int, placement: Placement) -> None:
-        buffer = self.registry.allocate_buffer(nbytes)
+    def _source(self, info: TensorInfo, buffer, writable: bool) -> _Resident | _Streamed:
+        if buffer is not None or info.nbytes == 0:
+            return _Resident(tensor_view(self.registry, info, buffer).view(-1).view(torch.uint8))
+        extent, checksums = self.registry.location(info)
+        return self._stream(info.key, info.nbytes, extent, checksums, writable)
+
+    def _stream(self, key: str, nbytes: int, source: NvmeExtent | None, checksums: tuple[int, ...],
+                writable: bool) -> _Streamed:
+        durable = self.registry.durable
+        out = durable.allocate(nbytes) if writable else None
+        scratch = self._scratch.take(_STREAMED_SPAN + 2 * durable.pool.block_size)
+        return _Streamed(durable, nbytes, source, checksums, out, scratch, f"AdamW state {key!r}")
+
+    def _create_zeros(self, key: str, nbytes: int, placement: Placement) -> bool:
+        """Moments of zeros in the CPU pool; False when the pool has no room for them."""
         try:
-            if buffer is not None:
-                torch.frombuffer(self.registry.view(buffer), dtype=torch.uint8).zero_()
+            buffer = self.registry.allocate_buffer(nbytes)
+        except CpuPoolFullError:
+            return False
+        try:
+            if buffer is not None:  # numpy, not torch: no OpenMP team on this thread
+                np.frombuffer(self.registry.view(buffer), dtype=np.uint8).fill(0)
             self.registry.adopt(key, buffer, "float32", (nbytes // _STATE_ITEMSIZE,),
                                 placement=placement)
         except BaseException:
             self.registry.free_buffer(buffer)
             raise
+        return True
 
-    def _float_scratch(self, numel: int) -> torch.Tensor:
-        """A float32 buffer of at least `numel` elements, reused: a fresh one per block
-        would page-fault its way in each time (~25 ms per 200 MB)."""
-        buffer = getattr(self._scratch, "buffer", None)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._scratch.buffer = torch.empty(numel, dtype=_FLOAT)
-        return buffer[:numel]
+    # ---- updating ----------------------------------------------------------------------
+
+    def _update(self, held: _Held, hyper: AdamWHyper) -> None:
+        """The block's step, tile by tile (on the compute thread)."""
+        block, sources = held.block, held.sources
+        p_dtype, g_dtype = dtype_from_name(block.param_dtype), dtype_from_name(block.grad_dtype)
+        convert = g_dtype != _FLOAT or hyper.grad_scale != 1.0
+        counter = torch.zeros(())
+        for tile in _tiles(block, p_dtype.itemsize, g_dtype.itemsize):
+            spans = {"params": _span(tile, "param", p_dtype.itemsize),
+                     "grads": _span(tile, "grad", g_dtype.itemsize)}
+            state_span = _span(tile, "state", _STATE_ITEMSIZE)
+            windows = {name: src.window(*(spans.get(name, state_span)))
+                       for name, src in sources.items()}
+            targets, grads, m_list, v_list, rounded = [], [], [], [], []
+            at = 0
+            for s, first, n in tile:
+                p = _piece(windows["params"], spans["params"][0], s.param_offset, first, n, p_dtype)
+                g = _piece(windows["grads"], spans["grads"][0], s.grad_offset, first, n, g_dtype)
+                if convert:  # the kernel wants float32 gradients; the stored ones stay as they are
+                    g = self._scratch.floats[at:at + n].copy_(g)
+                    at += n
+                    if hyper.grad_scale != 1.0:
+                        g.mul_(hyper.grad_scale)
+                st = (state_span[0], s.state_offset, first, n, _FLOAT)
+                m_list.append(_piece(windows["exp_avg"], *st))
+                v_list.append(_piece(windows["exp_avg_sq"], *st))
+                if block.master:
+                    master = _piece(windows["master"], *st)
+                    targets.append(master)
+                    rounded.append((p, master))
+                else:
+                    targets.append(p)
+                grads.append(g)
+            # AdamW increments each step counter itself: hand it the count before this step.
+            counters = [counter.fill_(hyper.step - 1).clone() for _ in targets]
+            adamw.adamw(targets, grads, m_list, v_list, [], counters, foreach=False, fused=True,
+                        amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr,
+                        weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
+            for p, master in rounded:
+                p.copy_(master)
+
+    # ---- finishing -----------------------------------------------------------------------
 
     def _finish(self, held: _Held, changed: bool, durable: bool,
                 release_gradients: bool = False) -> list[TensorInfo]:
         """Give the block's state back: new versions when `changed`."""
-        held.views.clear()  # no view of a buffer may outlive its hold
+        streams = {name: s for name, s in held.sources.items() if isinstance(s, _Streamed)}
+        held.sources.clear()  # no view of a buffer may outlive its hold
         # The gradients go first: while the block's other tensors are still being updated,
         # an allocation that finds the pool full waits for them (see `_acquire`) rather
         # than failing on the gradients' pin.
@@ -171,19 +384,103 @@ class AdamWStepper:
                     pass
             held.grads = None
         out, first_error = [], None
-        for info in held.exclusive:
+        written: dict[str, tuple[NvmeExtent, tuple[int, ...]]] = {}
+        for name, stream in streams.items():
+            if stream.out is None:
+                continue
             try:
-                out.append(self.registry.end_update(info, changed, durable))
+                if changed and first_error is None:
+                    written[name] = stream.finish()
+                else:
+                    self.registry.durable.free(stream.out)
             except Exception as e:  # noqa: BLE001 - finish every hold, then report
                 first_error = first_error or e
+                self.registry.durable.free(stream.out)
+        self._scratch.give([s.scratch for s in streams.values()])
+        ok = changed and first_error is None
+        by_key = {info.key: name for name, info in held.infos.items()}
+        for info in held.exclusive:
+            name = by_key[info.key]
+            try:
+                out.append(self.registry.end_update(info, ok, durable, written.pop(name, None)))
+            except Exception as e:  # noqa: BLE001
+                first_error = first_error or e
+        for name, key in held.new.items():
+            if name in written:
+                try:
+                    out.append(self.registry.adopt_nvme(key, written.pop(name), "float32",
+                                                        (held.block.state_nbytes // _STATE_ITEMSIZE,),
+                                                        held.block.state_placement))
+                except Exception as e:  # noqa: BLE001
+                    first_error = first_error or e
+        for extent, _ in written.values():
+            self.registry.durable.free(extent)
         held.exclusive.clear()
+        held.new.clear()
         if first_error is not None:
             raise first_error
         return out
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)
+        self._compute.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+
+
+# ---- tiles ---------------------------------------------------------------------------------
+
+Tile = list[tuple[AdamWSegment, int, int]]  # (segment, first element, element count)
+
+
+def _tiles(block: AdamWBlock, p_size: int, g_size: int) -> list[Tile]:
+    """The block's segments cut into tiles of at most TILE_ELEMENTS elements whose span in
+    each tensor is at most _STREAMED_SPAN bytes; cuts fall at TILE_ALIGN multiples."""
+    tiles: list[Tile] = []
+    tile: Tile = []
+    count = 0
+    for s in sorted(block.segments, key=lambda s: s.state_offset):
+        first = 0
+        while first < s.numel:
+            n = min(s.numel - first, TILE_ELEMENTS - count)
+            if n < s.numel - first:
+                n = n // TILE_ALIGN * TILE_ALIGN
+            piece = (s, first, n)
+            if n == 0 or (tile and not _fits(tile + [piece], p_size, g_size)):
+                tiles.append(tile)
+                tile, count = [], 0
+                continue
+            tile.append(piece)
+            count += n
+            first += n
+    if tile:
+        tiles.append(tile)
+    return tiles
+
+
+def _fits(tile: Tile, p_size: int, g_size: int) -> bool:
+    return all(hi - lo <= _STREAMED_SPAN for lo, hi in
+               (_span(tile, "param", p_size), _span(tile, "grad", g_size),
+                _span(tile, "state", _STATE_ITEMSIZE)))
+
+
+def _span(tile: Tile, which: str, itemsize: int) -> tuple[int, int]:
+    """The bytes [lo, hi) a tile covers in the params, grads or state tensors."""
+    starts = [getattr(s, f"{which}_offset") + first * itemsize for s, first, _ in tile]
+    ends = [start + n * itemsize for start, (_, _, n) in zip(starts, tile)]
+    return min(starts), max(ends)
+
+
+def _piece(window: torch.Tensor, window_lo: int, offset: int, first: int, n: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    at = offset + first * dtype.itemsize - window_lo
+    return window[at:at + n * dtype.itemsize].view(dtype)
+
+
+def _nbytes(source: _Resident | _Streamed) -> int:
+    return source.data.numel() if isinstance(source, _Resident) else source.nbytes
+
+
+# ---- checks ------------------------------------------------------------------------------
 
 
 def _check_hyper(hyper: AdamWHyper) -> None:
@@ -231,49 +528,15 @@ def _check_sizes(block: AdamWBlock, sizes: dict[str, int]) -> None:
                     f"elements): the request's layout does not match the stored tensors")
 
 
-def _typed(buffer: torch.Tensor, dtype: str) -> torch.Tensor:
-    return buffer.view(dtype_from_name(dtype))
-
-
-def _update(held: _Held, hyper: AdamWHyper, scratch) -> None:
-    block, v = held.block, held.views
-    params = _typed(v["params"], block.param_dtype)
-    grads = _typed(v["grads"], block.grad_dtype)
-    states = {k: _typed(v[k], "float32") for k in ("master", "exp_avg", "exp_avg_sq") if k in v}
-    p_size = params.element_size()
-    g_size = grads.element_size()
-
-    def seg(t: torch.Tensor, offset: int, itemsize: int, n: int) -> torch.Tensor:
-        return t[offset // itemsize: offset // itemsize + n]
-
-    targets, grad_list, m_list, v_list, rounded = [], [], [], [], []
-    converted = grads.dtype != _FLOAT or hyper.grad_scale != 1.0
-    floats = scratch(sum(s.numel for s in block.segments)) if converted else None
-    at = 0
-    for s in block.segments:
-        p = seg(params, s.param_offset, p_size, s.numel)
-        g = seg(grads, s.grad_offset, g_size, s.numel)
-        if converted:  # the kernel wants float32 gradients; the stored ones stay as they are
-            g = floats[at:at + s.numel].copy_(g)
-            at += s.numel
-            if hyper.grad_scale != 1.0:
-                g.mul_(hyper.grad_scale)
-        m = seg(states["exp_avg"], s.state_offset, _STATE_ITEMSIZE, s.numel)
-        sq = seg(states["exp_avg_sq"], s.state_offset, _STATE_ITEMSIZE, s.numel)
-        if block.master:
-            target = seg(states["master"], s.state_offset, _STATE_ITEMSIZE, s.numel)
-            rounded.append((p, target))
-        else:
-            target = p
-        targets.append(target)
-        grad_list.append(g)
-        m_list.append(m)
-        v_list.append(sq)
-    # AdamW increments each step counter itself: hand it the count before this step.
-    counters = [torch.tensor(float(hyper.step - 1)) for _ in targets]
-    if targets:
-        adamw.adamw(targets, grad_list, m_list, v_list, [], counters, foreach=False, fused=True,
-                    amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr,
-                    weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
-    for p, master in rounded:
-        p.copy_(master)
+def _check_order(block: AdamWBlock) -> None:
+    """Streaming reads each tensor front to back once: the segments must lie in the same
+    order, without overlap, in the parameters, the gradients and the state."""
+    ordered = sorted(block.segments, key=lambda s: s.state_offset)
+    for which in ("param", "grad", "state"):
+        offsets = [getattr(s, f"{which}_offset") for s in ordered]
+        if offsets != sorted(offsets) or len(set(offsets)) != len(offsets):
+            raise InvalidArgumentError(
+                f"block {block.params!r}: its segments are not in the same order in the "
+                f"parameters, gradients and state, which a step streamed from NVMe needs "
+                f"(lay the state out in parameter order), or give the CPU pool room for the "
+                f"block's state")

@@ -10,7 +10,10 @@ arenas and finds every durable tensor again through the manifest.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+
+import torch
 
 from tierstack.addresses import TIER_MANAGER_ENV, default_tier_manager_address
 from tierstack.config import TierManagerConfig
@@ -29,6 +32,9 @@ class TierManagerDaemon:
     """Owns the registry, the gRPC server and the health status of one node."""
 
     def __init__(self, config: TierManagerConfig, max_workers: int = 32) -> None:
+        # PyTorch's intra-op threads, set once for the process: the optimizer step's one
+        # compute thread uses them all (adamw.py); nothing else here runs torch kernels.
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
         self.config = config
         self.endpoint = ServiceEndpoint(config.listen or default_tier_manager_address(),
                                         SERVICE_NAME, "a tier manager", TIER_MANAGER_ENV)

@@ -29,13 +29,14 @@ MakeRoom = Callable[[int], bool]
 class DurableCopies:
     """The NVMe pool and its manifest, written in the order that keeps rows honest."""
 
-    def __init__(self, config: TierManagerConfig, make_room: MakeRoom) -> None:
+    def __init__(self, config: TierManagerConfig, make_room: MakeRoom, capacity: int) -> None:
         self.make_room = make_room
-        self.pool = NvmePool(config.nvme_pool)
+        self.pool = NvmePool(config.nvme_pool, capacity)
         try:
             nvme = config.nvme_pool
-            layout = {"paths": [str(p) for p in nvme.paths], "size": nvme.size,
-                      "block_size": nvme.aio.block_size}
+            # Not the size: it is a cap that may change between starts ('auto' follows the
+            # disk's free space); recovery checks every extent against the new one.
+            layout = {"paths": [str(p) for p in nvme.paths], "block_size": nvme.aio.block_size}
             self.manifest = Manifest(config.resolved_manifest_path(), layout)
         except BaseException:
             self.pool.close()
@@ -54,6 +55,7 @@ class DurableCopies:
                     f"manifest {self.manifest.path} is inconsistent at key {entry.key!r}: {e}"
                 ) from None
             self._last_version = max(self._last_version, entry.version)
+        self.pool.fit_files()  # a crashed instance's free tail goes back to the disk
         # Volatile (CPU-only) versions are not in the manifest; the reserved high-water
         # mark keeps a restarted daemon from handing any (key, version) out twice.
         self._last_version = max(self._last_version, self.manifest.version_high_water())
@@ -71,18 +73,23 @@ class DurableCopies:
             self.manifest.reserve_versions(self._version_limit)
         return self._last_version
 
-    def write(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
-        """Write bytes to a fresh extent and fdatasync; the caller records or frees it.
+    def allocate(self, nbytes: int) -> NvmeExtent:
+        """A fresh extent of `nbytes` (nothing written yet); a full pool asks `make_room`
+        once (the registry drops copies it can rebuild)."""
+        if nbytes == 0:
+            return NvmeExtent(0, self.pool.block_size, ())
+        try:
+            return self.pool.allocate(nbytes)
+        except NvmePoolFullError:
+            if not self.make_room(nbytes):
+                raise
+            return self.pool.allocate(nbytes)
 
-        A full pool asks `make_room` once (the registry drops copies it can rebuild)."""
+    def write(self, label: str, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
+        """Write bytes to a fresh extent and fdatasync; the caller records or frees it."""
         if len(data) == 0:
             return NvmeExtent(0, self.pool.block_size, ()), ()
-        try:
-            extent = self.pool.allocate(len(data))
-        except NvmePoolFullError:
-            if not self.make_room(len(data)):
-                raise
-            extent = self.pool.allocate(len(data))
+        extent = self.allocate(len(data))
         try:
             checksums = tuple(self.pool.write(extent, data, label=f"tensor {label!r}"))
             self.pool.sync([extent])

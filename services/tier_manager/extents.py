@@ -49,6 +49,15 @@ class ExtentAllocator:
     def used_bytes(self) -> int:
         return self.capacity - self._free_bytes
 
+    def high_water(self) -> int:
+        """The end of the highest used byte (0 when nothing is used): the space above it
+        is one free tail."""
+        with self._lock:
+            if not self._starts:
+                return self.capacity
+            last = self._starts[-1]
+            return last if last + self._lengths[last] == self.capacity else self.capacity
+
     def largest_free(self) -> int:
         with self._lock:
             return max(self._lengths.values(), default=0)

@@ -154,9 +154,10 @@ class IoStats:
 
 
 class DirectFile:
-    """A preallocated data file opened with O_DIRECT (or, where the filesystem lacks it, without)."""
+    """A data file opened with O_DIRECT (or, where the filesystem lacks it, without),
+    grown and shrunk by its owner (`resize`); nothing is reserved when it is opened."""
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str) -> None:
         self.path = path
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
         self.direct = True
@@ -170,18 +171,26 @@ class DirectFile:
             log.warning(
                 "%s is on a filesystem without O_DIRECT (tmpfs?): using buffered IO with "
                 "fdatasync; bandwidth figures from it do not describe a drive", path)
-        try:
-            # Always reserve, also for an existing file: a sparse file of the right size
-            # would otherwise run out of disk in the middle of a write.
-            os.posix_fallocate(self.fd, 0, size)
-        except OSError as e:
-            os.close(self.fd)
-            if e.errno == errno.ENOSPC:
-                raise NvmePoolFullError(
-                    f"cannot preallocate {size} bytes for {path}: the disk is full; lower "
-                    f"nvme_pool.size or free space there"
-                ) from None
-            raise StorageIOError(f"cannot preallocate {path}: {e.strerror}") from e
+        self.size = os.fstat(self.fd).st_size
+
+    def resize(self, size: int) -> None:
+        """Grow the file to `size` bytes, reserved on the disk (a sparse file would run out
+        of disk in the middle of a write), or give back the bytes past `size`."""
+        if size > self.size:
+            try:
+                os.posix_fallocate(self.fd, self.size, size - self.size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise NvmePoolFullError(
+                        f"the disk under the NVMe pool is full: {self.path} cannot grow from "
+                        f"{self.size} to {size} bytes; free space there or lower nvme_pool.size"
+                    ) from None
+                raise StorageIOError(f"cannot grow {self.path}: {e.strerror}") from e
+        elif size < self.size:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError as e:
+                raise StorageIOError(f"cannot shrink {self.path}: {e.strerror}") from e
         self.size = size
 
     def sync(self) -> None:

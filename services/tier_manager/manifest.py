@@ -56,12 +56,15 @@ class Manifest:
     def _check_layout(self, layout: dict) -> None:
         wanted = json.dumps({"schema": SCHEMA_VERSION, **layout}, sort_keys=True)
         row = self._db.execute("SELECT value FROM meta WHERE name='layout'").fetchone()
+        # Manifests written before pools were capped rather than sized recorded the size.
+        same = row is not None and {k: v for k, v in json.loads(row[0]).items()
+                                    if k != "size"} == json.loads(wanted)
         if row is None:
             self._db.execute("INSERT INTO meta VALUES ('layout', ?)", (wanted,))
-        elif row[0] != wanted and self.count():
+        elif not same and self.count():
             raise ConfigError(
                 f"the manifest {self.path} was written for NVMe pool layout {row[0]}, but the "
-                f"config now gives {wanted}; restore nvme_pool.paths/size/aio.block_size, or "
+                f"config now gives {wanted}; restore nvme_pool.paths/aio.block_size, or "
                 f"point manifest_path and nvme_pool.paths at fresh directories"
             )
         elif row[0] != wanted:

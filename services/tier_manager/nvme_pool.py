@@ -1,7 +1,11 @@
-"""The node's NVMe pool: preallocated files, one per drive, with extents striped across them.
+"""The node's NVMe pool: one data file per drive, grown as needed, extents striped across them.
 
-Each configured directory (one per drive) holds one preallocated data file of
-size / len(paths) bytes; an `ExtentAllocator` per file hands out 4 KiB-aligned extents.
+Each configured directory (one per drive) holds one data file of at most
+capacity / len(paths) bytes; an `ExtentAllocator` per file hands out 4 KiB-aligned
+extents. A file grows (reserved with posix_fallocate) in chunks of GROWTH bytes as
+extents need it and gives back its free tail when the tensors at its end go, so the
+disk holds about what is stored, never more than the cap. Best-fit allocation keeps the
+free tail for last, which is what lets a file shrink.
 A tensor's bytes are cut into `block_size` blocks dealt round-robin over the drives,
 starting at a rotating drive so that small tensors spread too; on each drive a tensor's
 blocks are contiguous. All bulk IO goes through the `IoEngine`; the pool never names a
@@ -30,6 +34,21 @@ from tierstack.errors import InvalidArgumentError, NvmePoolFullError
 log = logging.getLogger(__name__)
 
 DATA_FILE = "tierstack-nvme.data"
+GROWTH = 64 << 20
+"""A data file grows by this much at a time (one fallocate per 64 MiB written, not per
+tensor) and shrinks once more than twice this is free at its end."""
+
+
+def held_bytes(paths: list[str]) -> int:
+    """Bytes the pool's data files already take in `paths` (a restarted daemon's): they
+    count as the pool's own room, not as used disk."""
+    total = 0
+    for p in paths:
+        try:
+            total += (Path(p) / DATA_FILE).stat().st_size
+        except OSError:
+            pass
+    return total
 
 
 @dataclass(frozen=True)
@@ -58,22 +77,28 @@ class NvmeExtent:
 
 
 class NvmePool:
-    """Preallocated, striped, O_DIRECT storage with a fixed capacity."""
+    """Striped O_DIRECT storage whose files grow to what is stored, up to `capacity`."""
 
-    def __init__(self, config: NvmePoolConfig) -> None:
+    def __init__(self, config: NvmePoolConfig, capacity: int | None = None) -> None:
         config.validate()
+        if capacity is None:
+            if not isinstance(config.size, int):
+                raise InvalidArgumentError("an NvmePool needs its capacity resolved: pass "
+                                           "capacity= or give nvme_pool.size in bytes")
+            capacity = config.size
         self.config = config
         self.block_size = config.aio.block_size
-        per_drive = config.size // len(config.paths) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
+        per_drive = capacity // len(config.paths) // DIRECT_IO_ALIGNMENT * DIRECT_IO_ALIGNMENT
         self.files: list[DirectFile] = []
         try:
             for p in config.paths:
                 Path(p).mkdir(parents=True, exist_ok=True)
-                self.files.append(DirectFile(str(Path(p) / DATA_FILE), per_drive))
+                self.files.append(DirectFile(str(Path(p) / DATA_FILE)))
         except BaseException:
             for f in self.files:
                 f.close()
             raise
+        self.per_drive = per_drive
         self.allocators = [ExtentAllocator(per_drive, DIRECT_IO_ALIGNMENT) for _ in self.files]
         self.capacity = per_drive * len(self.files)
         self.engine = IoEngine(config.aio)
@@ -93,6 +118,32 @@ class NvmePool:
     def free_bytes(self) -> int:
         return self.capacity - self.used_bytes
 
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the data files take on the disks now."""
+        return sum(f.size for f in self.files)
+
+    def _fit(self, drive: int) -> None:
+        """Grow a file to cover its highest extent, or give back a free tail of more than
+        2 x GROWTH (keeping one GROWTH of slack, so a tensor freed and stored again at the
+        boundary does not resize the file each time); self._lock held."""
+        f = self.files[drive]
+        high = self.allocators[drive].high_water()
+        if high > f.size:
+            try:
+                f.resize(min(self.per_drive, align_up(high, GROWTH)))
+            except NvmePoolFullError:
+                f.resize(high)  # a nearly full disk: the extent itself may still fit
+        elif f.size - high > 2 * GROWTH:
+            f.resize(align_up(high, GROWTH) + GROWTH)
+
+    def fit_files(self) -> None:
+        """Size every file to its extents (after recovery: a crashed daemon's tail goes)."""
+        with self._lock:
+            for drive, f in enumerate(self.files):
+                high = self.allocators[drive].high_water()
+                f.resize(align_up(high, GROWTH) if high else 0)
+
     def _layout(self, nbytes: int, first: int) -> list[tuple[int, int]]:
         """(drive, on-disk bytes) per drive slot for a tensor of nbytes starting at `first`."""
         drives = len(self.files)
@@ -110,67 +161,92 @@ class NvmePool:
             raise InvalidArgumentError(f"cannot store a tensor of {nbytes} bytes")
         with self._lock:
             first = next(self._next_drive)
-        taken: list[tuple[int, Extent]] = []
-        for drive, length in self._layout(nbytes, first):
-            extent = self.allocators[drive].allocate(length)
-            if extent is None:
+            taken: list[tuple[int, Extent]] = []
+            try:
+                for drive, length in self._layout(nbytes, first):
+                    extent = self.allocators[drive].allocate(length)
+                    if extent is None:
+                        raise NvmePoolFullError(
+                            f"NVMe pool full: {nbytes} bytes requested, {self.free_bytes} of "
+                            f"{self.capacity} free (drive {self.config.paths[drive]} has no free "
+                            f"extent of {length} bytes); raise nvme_pool.size (or the NVMe "
+                            f"budget) or delete tensors")
+                    taken.append((drive, extent))
+                    self._fit(drive)
+            except BaseException:
                 for d, e in taken:
                     self.allocators[d].free(e)
-                raise NvmePoolFullError(
-                    f"NVMe pool full: {nbytes} bytes requested, {self.free_bytes} of "
-                    f"{self.capacity} free (drive {self.config.paths[drive]} has no free "
-                    f"extent of {length} bytes); raise nvme_pool.size or delete tensors"
-                )
-            taken.append((drive, extent))
+                for d in {d for d, _ in taken}:
+                    self._fit(d)
+                raise
         return NvmeExtent(nbytes, self.block_size, tuple(taken))
 
     def reserve(self, extent: NvmeExtent) -> None:
-        """Mark an extent found in the manifest as used (daemon restart)."""
+        """Mark an extent found in the manifest as used (daemon restart; then `fit_files`)."""
         for drive, e in extent.stripes:
+            if e.end > self.per_drive:
+                raise NvmePoolFullError(
+                    f"the manifest holds a tensor at bytes {e.offset}..{e.end} of "
+                    f"{self.files[drive].path}, beyond this pool's {self.per_drive} bytes per "
+                    f"drive; raise nvme_pool.size to at least {e.end * len(self.files)}")
             self.allocators[drive].reserve(e)
 
     def free(self, extent: NvmeExtent) -> None:
-        for drive, e in extent.stripes:
-            self.allocators[drive].free(e)
+        with self._lock:
+            for drive, e in extent.stripes:
+                self.allocators[drive].free(e)
+            for drive in {d for d, _ in extent.stripes}:
+                self._fit(drive)
 
     def _requests(self, extent: NvmeExtent, buffer: memoryview, checksums: list[int] | None,
-                  label: str) -> list[BlockRequest]:
-        if len(buffer) != extent.nbytes:
+                  label: str, blocks: tuple[int, int] | None = None) -> list[BlockRequest]:
+        """Requests for blocks [first, end) of `extent` (all by default); `buffer` holds
+        exactly their payload bytes and `checksums` one crc per block of the range."""
+        first, end = blocks if blocks is not None else (0, extent.nblocks)
+        if not 0 <= first <= end <= extent.nblocks:
+            raise InvalidArgumentError(f"{label}: blocks {first}..{end} are outside the "
+                                       f"extent's {extent.nblocks}")
+        payload_bytes = min(extent.nbytes, end * extent.block_size) - first * extent.block_size
+        if len(buffer) != max(0, payload_bytes):
             raise InvalidArgumentError(
-                f"{label}: buffer has {len(buffer)} bytes but the extent holds {extent.nbytes}"
-            )
-        if checksums is not None and len(checksums) != extent.nblocks:
+                f"{label}: buffer has {len(buffer)} bytes but blocks {first}..{end} of the "
+                f"extent hold {payload_bytes}")
+        if checksums is not None and len(checksums) != end - first:
             raise InvalidArgumentError(
-                f"{label}: {len(checksums)} checksums for {extent.nblocks} blocks"
+                f"{label}: {len(checksums)} checksums for {end - first} blocks"
             )
         buffer = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
         slots = len(extent.stripes)
         requests = []
-        for j in range(extent.nblocks):
+        for j in range(first, end):
             drive, stripe = extent.stripes[j % slots]
             start = j * extent.block_size
-            payload = buffer[start:start + extent.block_size]
+            at = start - first * extent.block_size
+            payload = buffer[at:at + extent.block_size]
             requests.append(BlockRequest(
                 fd=self.files[drive].fd,
                 file_offset=stripe.offset + (j // slots) * extent.block_size,
                 length=align_up(len(payload), DIRECT_IO_ALIGNMENT),
                 data=payload,
-                expected_crc=None if checksums is None else checksums[j],
+                expected_crc=None if checksums is None else checksums[j - first],
                 label=f"{label} block {j} (bytes {start}..{start + len(payload)})",
             ))
         return requests
 
-    def write(self, extent: NvmeExtent, buffer: memoryview, label: str = "tensor") -> list[int]:
-        """Write `buffer` into `extent`; returns per-block crc32c. Durable after `sync([extent])`."""
-        return self.engine.write(self._requests(extent, memoryview(buffer), None, label))
+    def write(self, extent: NvmeExtent, buffer: memoryview, label: str = "tensor",
+              blocks: tuple[int, int] | None = None) -> list[int]:
+        """Write `buffer` into `extent` (or into its blocks [first, end)); returns per-block
+        crc32c. Durable after `sync([extent])`."""
+        return self.engine.write(self._requests(extent, memoryview(buffer), None, label, blocks))
 
     def read(self, extent: NvmeExtent, buffer: memoryview, checksums: list[int] | None,
-             label: str = "tensor") -> None:
-        """Fill `buffer` from `extent`, verifying each block's checksum when given.
+             label: str = "tensor", blocks: tuple[int, int] | None = None) -> None:
+        """Fill `buffer` from `extent` (or from its blocks [first, end), `checksums` then
+        theirs), verifying each block's checksum when given.
 
         On an error the contents of `buffer` are undefined (a failed block is not copied).
         """
-        self.engine.read(self._requests(extent, memoryview(buffer), checksums, label))
+        self.engine.read(self._requests(extent, memoryview(buffer), checksums, label, blocks))
 
     def sync(self, extents: list[NvmeExtent]) -> None:
         """Make the completed writes to `extents` durable: fdatasync each drive they touch.

@@ -30,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from tierstack.budgets import measure, pool_caps
 from tierstack.config import TierManagerConfig
 from tierstack.dtypes import dtype_from_name, dtype_name, nbytes_of
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
@@ -37,7 +38,7 @@ from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.eviction import EvictionPolicy, EvictionState, JobPlan
 from tierstack.services.tier_manager.manifest import ManifestEntry
-from tierstack.services.tier_manager.nvme_pool import NvmeExtent
+from tierstack.services.tier_manager.nvme_pool import NvmeExtent, held_bytes
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes, tensor_bytes, tensor_from_buffer
 from tierstack.services.tier_manager.types import NodeStats, TensorInfo
 from tierstack.tiers import HOST_TIERS, PLACEMENTS, Placement
@@ -108,12 +109,17 @@ class TierRegistry:
         self._eviction = EvictionPolicy()  # knows the CPU-resident keys; guarded by _lock
         self._leases: dict[tuple[str, int], tuple[_Record, int]] = {}
         self.evictions = 0
+        # The pools' caps: stated sizes checked against the machine (one line if above
+        # it), 'auto' ones from its default budgets. Nothing is allocated yet.
+        nvme = config.nvme_pool
+        self.caps = pool_caps(config.cpu_pool.size, nvme.size,
+                              measure(nvme.paths, device="cpu", nvme_held=held_bytes(nvme.paths)))
         # Versions come from one registry-wide counter (DurableCopies.next_version), so
         # (key, version) names one record even across delete and re-put.
-        self.durable = DurableCopies(config, make_room=self._drop_nvme_copies)
+        self.durable = DurableCopies(config, make_room=self._drop_nvme_copies, capacity=self.caps.nvme)
         self.nvme_pool, self.manifest = self.durable.pool, self.durable.manifest
         try:
-            self.cpu_pool = CpuPool(config.cpu_pool, on_full=self._evict_for)
+            self.cpu_pool = CpuPool(config.cpu_pool, on_full=self._evict_for, capacity=self.caps.cpu)
         except BaseException:
             self.durable.close()
             raise
@@ -211,6 +217,20 @@ class TierRegistry:
                 self._retire(old)
             return record.info()
 
+    def adopt_nvme(self, key: str, written: tuple[NvmeExtent, tuple[int, ...]], dtype: str,
+                   shape: tuple[int, ...], placement: Placement = "auto") -> TensorInfo:
+        """Make bytes already written (and synced) to a fresh NVMe extent the new version of
+        `key` (the optimizer's streamed step creates its moments this way)."""
+        validate_key(key)
+        validate_placement(placement)
+        extent, checksums = written
+        return self._install(key, dtype, tuple(shape), nbytes_of(dtype, tuple(shape)), nvme=extent,
+                             checksums=checksums, placement=placement)
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether the CPU pool could take `nbytes` now without evicting anything."""
+        return self.cpu_pool.used_bytes + nbytes <= self.cpu_pool.capacity
+
     def delete(self, key: str) -> None:
         """Forget `key` and free its bytes in every tier (once no reader holds them)."""
         validate_key(key)
@@ -253,10 +273,12 @@ class TierRegistry:
         finally:
             self._unpin(record)
 
-    def fetch(self, key: str) -> tuple[TensorInfo, CpuBuffer | None]:
+    def fetch(self, key: str, load: bool = True) -> tuple[TensorInfo, CpuBuffer | None]:
         """Make `key` resident in the CPU pool and pin it there until `release(key)`.
 
         Returns the buffer (None for an empty tensor); a pinned buffer is never evicted.
+        With `load` False a tensor only on NVMe is pinned where it is (buffer None; its
+        bytes are read in pieces through `location`: the optimizer's streamed step).
         """
         validate_key(key)
         while True:
@@ -264,7 +286,7 @@ class TierRegistry:
                 record = self._get(key)
                 if record.updating is not None:  # changing in place: wait for the new version
                     waiting = record.updating
-                elif record.cpu is not None or record.nbytes == 0:
+                elif record.cpu is not None or record.nbytes == 0 or not load:
                     self._lease(record)
                     if record.cpu is not None:  # an empty tensor holds no buffer to evict
                         self._eviction.touch(key)
@@ -340,13 +362,22 @@ class TierRegistry:
 
     # ---- in-place updates ----------------------------------------------------------
 
-    def begin_update(self, key: str, timeout: float = 60.0) -> tuple[TensorInfo, CpuBuffer | None]:
+    def location(self, info: TensorInfo) -> tuple[NvmeExtent | None, tuple[int, ...]]:
+        """The NVMe extent and checksums of a fetched (pinned) version."""
+        with self._lock:
+            record = self._leases[(info.key, info.version)][0]
+            return record.nvme, record.checksums
+
+    def begin_update(self, key: str, timeout: float = 60.0,
+                     load: bool = True) -> tuple[TensorInfo, CpuBuffer | None]:
         """Make `key` resident and hold it exclusively, to change its bytes in place.
 
         Waits (up to `timeout` s) for other readers to let go; new fetches wait until
-        `end_update`. The caller must call `end_update` with the returned info.
+        `end_update`. The caller must call `end_update` with the returned info. With
+        `load` False a tensor only on NVMe stays there (buffer None): its new version is
+        written to a fresh extent and handed to `end_update`.
         """
-        info, buffer = self.fetch(key)
+        info, buffer = self.fetch(key, load=load)
         with self._lock:
             record = self._leases[(key, info.version)][0]
             while record.updating is not None:  # another updater: queue behind it
@@ -364,23 +395,29 @@ class TierRegistry:
                 raise InvalidArgumentError(
                     f"tensor {key!r} is still read by {record.pins - 1} reader(s) after "
                     f"{timeout:.0f} s; it cannot be updated in place until they release it")
-            if record.nvme is not None and record.nvme.stripes and not record.durable:
+            if (record.cpu is not None and record.nvme is not None and record.nvme.stripes
+                    and not record.durable):
                 # Its NVMe copy is about to go stale and nobody else reads it: give its room
                 # back now, not at end_update, so evictions during a step find space.
                 self._drop_nvme_copy(record)
         return info, buffer
 
-    def end_update(self, info: TensorInfo, changed: bool, durable: bool = False) -> TensorInfo:
+    def end_update(self, info: TensorInfo, changed: bool, durable: bool = False,
+                   written: tuple[NvmeExtent, tuple[int, ...]] | None = None) -> TensorInfo:
         """Finish `begin_update`: with `changed`, the bytes become a new version of the key
-        (its NVMe copy is stale: rewritten now with `durable`, else dropped)."""
+        (its NVMe copy is stale: rewritten now with `durable`, else dropped). `written`:
+        the new version's fresh NVMe extent and checksums, for a tensor updated without a
+        CPU copy (durable already; the caller synced it)."""
         key = info.key
         with self._lock:
             record = self._leases[(key, info.version)][0]
         try:
             if not changed:
+                if written is not None:
+                    self.durable.free(written[0])
                 return record.info()
-            extent, checksums = None, ()
-            if durable:
+            extent, checksums = written if written is not None else (None, ())
+            if durable and written is None:
                 extent, checksums = self.durable.write(key, self.view(record.cpu) if record.cpu
                                                        else memoryview(b""))
             with self._lock:

@@ -67,9 +67,10 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     @rpc_method
     def GetNode(self, request, context):
         pool = self.registry.cpu_pool
+        epoch = pool.epoch  # read first: an arena returned after this is still listed
         return wire.node_info_pb(NodeInfo(
             pool.instance_id, tuple(pool.arenas), pool.capacity, self.registry.nvme_pool.capacity,
-            self.registry.nvme_pool.block_size, pool.config.alignment))
+            self.registry.nvme_pool.block_size, pool.config.alignment, epoch))
 
     # ---- writes -----------------------------------------------------------------------
 
@@ -80,10 +81,11 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             lease_id = next(self._lease_ids)
             self._leases[lease_id] = buffer
             self._lease_deadlines[lease_id] = time.monotonic() + self.lease_timeout
-        instance = self.registry.cpu_pool.instance_id
+        pool = self.registry.cpu_pool
         if buffer is None:
-            return wire.lease_pb(BufferLease(lease_id, 0, 0, 0, instance))
-        return wire.lease_pb(BufferLease(lease_id, buffer.arena, buffer.offset, buffer.nbytes, instance))
+            return wire.lease_pb(BufferLease(lease_id, 0, 0, 0, pool.instance_id, pool.epoch))
+        return wire.lease_pb(BufferLease(lease_id, buffer.arena, buffer.offset, buffer.nbytes,
+                                         pool.instance_id, pool.epoch))
 
     def _take_lease(self, lease_id: int) -> CpuBuffer | None:
         with self._lock:
@@ -141,7 +143,8 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         with self._lock:
             for pin in fetched:
                 self._pins.setdefault(pin, []).append(deadline)
-        return wire.fetch_pb(FetchResult(tuple(out), self.registry.cpu_pool.instance_id))
+        pool = self.registry.cpu_pool
+        return wire.fetch_pb(FetchResult(tuple(out), pool.instance_id, pool.epoch))
 
     def _prefetch_one(self, key: str) -> None:
         try:
@@ -243,10 +246,16 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         return len(expired) + len(stale_pins)
 
     def run_lease_reaper(self) -> None:
-        """Expire leases periodically until `stop` (run on a daemon thread)."""
+        """Until `stop` (on a daemon thread): return the CPU pool's idle empty arenas to the
+        host about once a second, and expire leases periodically."""
         period = max(0.05, min(30.0, self.lease_timeout / 4))
-        while not self._stopping.wait(period):
-            self.expire_leases()
+        tick = min(period, 1.0)
+        next_expiry = time.monotonic() + period
+        while not self._stopping.wait(tick):
+            self.registry.cpu_pool.trim()
+            if time.monotonic() >= next_expiry:
+                self.expire_leases()
+                next_expiry = time.monotonic() + period
 
     def stop(self) -> None:
         """Stop streams and background prefetches (in-flight ones finish)."""

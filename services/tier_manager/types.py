@@ -31,6 +31,9 @@ class NodeInfo:
     nvme_capacity: int
     block_size: int
     alignment: int
+    arenas_epoch: int = 0
+    """Counts the arenas the CPU pool returned: a worker that sees it change unmaps the
+    arenas no longer listed."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class BufferLease:
     offset: int
     nbytes: int
     instance_id: str
+    arenas_epoch: int = 0  # as NodeInfo.arenas_epoch
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class FetchResult:
     tensors: tuple[Resident, ...]
     instance_id: str
     """The daemon instance whose arenas the offsets refer to."""
+    arenas_epoch: int = 0  # as NodeInfo.arenas_epoch
 
 
 @dataclass(frozen=True)

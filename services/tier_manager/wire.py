@@ -45,21 +45,25 @@ def node_info_pb(node: NodeInfo) -> pb.NodeInfo:
     return pb.NodeInfo(instance_id=node.instance_id,
                        arenas=[pb.Arena(index=a.index, path=a.path, size=a.size) for a in node.arenas],
                        cpu_capacity=node.cpu_capacity, nvme_capacity=node.nvme_capacity,
-                       block_size=node.block_size, alignment=node.alignment)
+                       block_size=node.block_size, alignment=node.alignment,
+                       arenas_epoch=node.arenas_epoch)
 
 
 def node_info_from(msg: pb.NodeInfo) -> NodeInfo:
     return NodeInfo(msg.instance_id, tuple(ArenaInfo(a.index, a.path, a.size) for a in msg.arenas),
-                    msg.cpu_capacity, msg.nvme_capacity, msg.block_size, msg.alignment)
+                    msg.cpu_capacity, msg.nvme_capacity, msg.block_size, msg.alignment,
+                    msg.arenas_epoch)
 
 
 def lease_pb(lease: BufferLease) -> pb.BufferLease:
     return pb.BufferLease(lease_id=lease.lease_id, arena=lease.arena, offset=lease.offset,
-                          nbytes=lease.nbytes, instance_id=lease.instance_id)
+                          nbytes=lease.nbytes, instance_id=lease.instance_id,
+                          arenas_epoch=lease.arenas_epoch)
 
 
 def lease_from(msg: pb.BufferLease) -> BufferLease:
-    return BufferLease(msg.lease_id, msg.arena, msg.offset, msg.nbytes, msg.instance_id)
+    return BufferLease(msg.lease_id, msg.arena, msg.offset, msg.nbytes, msg.instance_id,
+                       msg.arenas_epoch)
 
 
 def tensor_info_pb(info: TensorInfo) -> pb.TensorInfo:
@@ -76,12 +80,13 @@ def tensor_info_from(msg: pb.TensorInfo) -> TensorInfo:
 def fetch_pb(result: FetchResult) -> pb.FetchResponse:
     return pb.FetchResponse(
         tensors=[pb.Resident(info=tensor_info_pb(r.info), arena=r.arena, offset=r.offset)
-                 for r in result.tensors], instance_id=result.instance_id)
+                 for r in result.tensors], instance_id=result.instance_id,
+        arenas_epoch=result.arenas_epoch)
 
 
 def fetch_from(msg: pb.FetchResponse) -> FetchResult:
     return FetchResult(tuple(Resident(tensor_info_from(r.info), r.arena, r.offset) for r in msg.tensors),
-                       msg.instance_id)
+                       msg.instance_id, msg.arenas_epoch)
 
 
 def stats_pb(stats: NodeStats) -> pb.NodeStats:

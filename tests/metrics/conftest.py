@@ -22,7 +22,7 @@ def metrics_daemon(tmp_path: Path, shm_dir: Path):
     """A daemon with a 16 MiB CPU pool and metrics on a free port; `.url` is its HTTP API."""
     config = tmp_path / "tier-manager.json"
     config.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": "16MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
+        "cpu_pool": {"size": "16MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "nvme0")], "size": "256MiB",
                       "aio": {"block_size": "256KiB", "queue_depth": 4}},
         "manifest_path": str(tmp_path / "manifest.sqlite"),

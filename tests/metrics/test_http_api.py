@@ -147,7 +147,7 @@ def test_cluster_view_adds_up_nodes_and_names_the_one_that_does_not_answer(
     dead = "http://127.0.0.1:9"  # the discard port: nothing serves HTTP there
     config = tmp_path / "second.json"
     config.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": "8MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
+        "cpu_pool": {"size": "8MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "second-nvme")], "size": "64MiB"},
         "manifest_path": str(tmp_path / "second.sqlite"),
         "metrics": {"http_listen": "127.0.0.1:0", "node_name": "second",
@@ -195,7 +195,7 @@ def test_a_report_with_other_buckets_is_refused_with_the_reason(metrics_daemon):
 def test_with_metrics_disabled_the_daemon_serves_and_workers_still_train(tmp_path, shm_dir):
     config = tmp_path / "off.json"
     config.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": "16MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
+        "cpu_pool": {"size": "16MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "128MiB"},
         "manifest_path": str(tmp_path / "off.sqlite"), "metrics": {"enabled": False}}}))
     daemon = tier_manager_process(config, tmp_path / "off.sock").start()

@@ -17,7 +17,7 @@ from tierstack.services.scheduler.embedded import EmbeddedScheduler
 def _node(tmp_path, shm_dir, name: str, scheduler: str) -> ServiceProcess:
     config = tmp_path / f"{name}.json"
     config.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": "16MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
+        "cpu_pool": {"size": "16MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / f"{name}-nvme")], "size": "64MiB",
                       "aio": {"block_size": "256KiB", "queue_depth": 4}},
         "manifest_path": str(tmp_path / f"{name}.sqlite"),

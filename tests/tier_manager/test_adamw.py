@@ -150,3 +150,115 @@ def test_grad_scale_scales_the_gradients(tier_config):
         got = _unpack(reg.get(block.params), p_off, [(50,)], torch.float32)[0]
         torch.testing.assert_close(got, ref.detach(), rtol=1e-6, atol=1e-7)
         stepper.close()
+
+
+def _run_steps(config, param_dtype, steps=3, tier="nvme", monkeypatch=None):
+    """`steps` AdamW steps of one block whose tensors are put on `tier`; returns the final
+    bytes of every state tensor and how many blocks were streamed."""
+    shapes = [(700, 900), (37,), (1000, 300)]
+    masters = param_dtype != torch.float32
+    g = torch.Generator().manual_seed(5)
+    params = [torch.randn(s, generator=g) for s in shapes]
+    with TierRegistry(config) as reg:
+        stepper = AdamWStepper(reg)
+        try:
+            # A gap (a 1 MiB buffer between two parameters) that streaming must copy through.
+            p_block, p_off = _pack([params[0].to(param_dtype), torch.zeros(1 << 18).to(param_dtype),
+                                    params[1].to(param_dtype), params[2].to(param_dtype)], param_dtype)
+            p_off = [p_off[0], p_off[2], p_off[3]]
+            p_block[p_off[1] - 7:p_off[1]] = 9  # padding bytes a step must not change
+            reg.put("b/params", p_block, tier=tier)
+            s_block, s_off = _pack([p.float() for p in params], torch.float32)
+            if masters:
+                reg.put("b/master", s_block, tier=tier)
+            for step in range(1, steps + 1):
+                grads = [torch.randn(s, generator=g) for s in shapes]
+                g_block, g_off = _pack([x.to(param_dtype) for x in grads], param_dtype, align=512)
+                reg.put("b/grad", g_block, tier=tier)
+                name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[param_dtype]
+                block = AdamWBlock("b/params", "b/grad", "b/master" if masters else "", "b/exp_avg",
+                                   "b/exp_avg_sq", name, name, s_block.numel(),
+                                   tuple(AdamWSegment(p.numel(), po, go, so)
+                                         for p, po, go, so in zip(params, p_off, g_off, s_off)),
+                                   state_placement=tier if tier == "nvme" else "auto")
+                stepper.step([block], AdamWHyper(step, 1e-2, 0.9, 0.95, 1e-8, 0.1, grad_scale=0.5,
+                                                 release_gradients=True))
+            assert reg.stats().pinned == 0 and "b/grad" not in reg.keys()
+            keys = ["b/params", "b/exp_avg", "b/exp_avg_sq"] + (["b/master"] if masters else [])
+            return {k: reg.get(k) for k in keys}, stepper.streamed_blocks
+        finally:
+            stepper.close()
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_a_step_streamed_through_a_tiny_cpu_pool_is_bit_identical_to_the_whole_block_step(
+        tmp_path, shm_dir, param_dtype, monkeypatch):
+    """The block's state (~4 x 3.7 MB, plus 1 MiB of buffer between its parameters) is far
+    larger than a 1 MiB CPU pool: the step streams it from NVMe in tiles (made small here
+    so that tensors are cut across NVMe blocks and tiles) and writes new versions; the
+    result equals, bit for bit, the same steps with everything resident in a large pool."""
+    from tierstack.config import CpuPoolConfig, NvmePoolConfig, AioConfig, TierManagerConfig
+    from tierstack.services.tier_manager import adamw as adamw_module
+
+    monkeypatch.setattr(adamw_module, "TILE_ELEMENTS", 100 * 1024)
+    monkeypatch.setattr(adamw_module, "_STREAMED_SPAN", 100 * 1024 * 4)
+
+    def config(name, pool):
+        return TierManagerConfig(
+            cpu_pool=CpuPoolConfig(size=pool, shm_dir=str(shm_dir)),
+            nvme_pool=NvmePoolConfig(paths=[str(tmp_path / f"{name}-d0"), str(tmp_path / f"{name}-d1")],
+                                     size=256 << 20, aio=AioConfig(block_size=64 << 10)),
+            manifest_path=str(tmp_path / f"{name}.sqlite"))
+
+    streamed, n_streamed = _run_steps(config("small", 1 << 20), param_dtype)
+    whole, n_whole = _run_steps(config("large", 256 << 20), param_dtype, tier="cpu")
+    assert n_streamed == 3 and n_whole == 0
+    for key in whole:
+        assert torch.equal(streamed[key].view(torch.uint8), whole[key].view(torch.uint8)), key
+    assert not torch.equal(whole["b/exp_avg"], torch.zeros_like(whole["b/exp_avg"]))
+
+
+def test_the_stepper_runs_every_kernel_on_one_thread_whatever_thread_calls_it(tier_config):
+    """gRPC serves AdamWStep on any of its handler threads; the kernels (and so PyTorch's
+    OpenMP team) stay on the stepper's one compute thread: the process's thread count is
+    the same after steps from eight different threads as after the first."""
+    import os
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    with TierRegistry(tier_config) as reg:
+        stepper = AdamWStepper(reg)
+        try:
+            block = _one_block(reg)
+            for step in (1, 2):  # warm up: the stepper's and PyTorch's threads start here
+                reg.put(block.grads, torch.full((_pack_numel(block),), 0.5), tier="cpu")
+                stepper.step([block], AdamWHyper(step, 1e-3, 0.9, 0.999, 1e-8, 0.0))
+            before = threads()
+            # Eight callers that stay alive, as gRPC's handler threads do (an OpenMP team
+            # lives as long as the thread that started it).
+            turn, done, stop = threading.Lock(), threading.Barrier(9), threading.Event()
+            grads = torch.full((_pack_numel(block),), 0.5)  # made here: a torch op in a caller
+            # would start that caller's own OpenMP team, which is not what is measured
+
+            def caller(step: int) -> None:
+                with turn:
+                    reg.put(block.grads, grads, tier="cpu")
+                    stepper.step([block], AdamWHyper(step, 1e-3, 0.9, 0.999, 1e-8, 0.0))
+                done.wait()
+                stop.wait()
+
+            callers = [threading.Thread(target=caller, args=(step,)) for step in range(3, 11)]
+            [t.start() for t in callers]
+            done.wait()
+            try:
+                assert threads() == before + len(callers)  # the callers themselves, no more
+            finally:
+                stop.set()
+                [t.join() for t in callers]
+        finally:
+            stepper.close()
+
+
+def _pack_numel(block):
+    return max(s.grad_offset // 4 + s.numel for s in block.segments) + 64

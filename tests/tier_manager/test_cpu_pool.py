@@ -1,51 +1,95 @@
 import os
+import random
 import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from tests.conftest import shm_bytes_used
 from tierstack.config import MiB, CpuPoolConfig
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError
-from tierstack.services.tier_manager.cpu_pool import CpuPool
+from tierstack.services.tier_manager.cpu_pool import ARENA_PREFIX, CpuPool
 
 
-def test_arenas_are_private_files_sized_to_the_budget(shm_dir):
-    with CpuPool(CpuPoolConfig(size=5 * MiB, arena_size=2 * MiB, shm_dir=str(shm_dir))) as pool:
-        assert [a.size for a in pool.arenas] == [2 * MiB, 2 * MiB, 1 * MiB]
-        for a in pool.arenas:
-            st = os.stat(a.path)
-            assert stat.S_IMODE(st.st_mode) == 0o600
-            assert pool.instance_id in a.path
-        assert shm_bytes_used(shm_dir) == 5 * MiB
-    assert list(shm_dir.iterdir()) == []
+def _arenas(shm_dir):
+    return sorted(p for p in shm_dir.iterdir() if p.name.startswith(ARENA_PREFIX))
 
 
-def test_pool_never_exceeds_its_size(shm_dir):
-    with CpuPool(CpuPoolConfig(size=4 * MiB, arena_size=1 * MiB, shm_dir=str(shm_dir))) as pool:
-        held = [pool.allocate(300_000) for _ in range(12)]  # 3 x 303 KiB per arena
-        with pytest.raises(CpuPoolFullError, match="raise cpu_pool.size"):
-            pool.allocate(300_000)
-        assert pool.used_bytes <= pool.capacity == 4 * MiB
-        for b in held:
+def test_nothing_is_reserved_at_start_and_a_64_gib_cap_starts_at_once(shm_dir):
+    start = time.perf_counter()
+    with CpuPool(CpuPoolConfig(size=64 << 30, shm_dir=str(shm_dir))) as pool:
+        elapsed = time.perf_counter() - start
+        assert pool.capacity == 64 << 30 and pool.arenas == [] and _arenas(shm_dir) == []
+        assert elapsed < 2.0, elapsed
+    assert list(shm_dir.iterdir()) == []  # the lock file goes too
+
+
+def test_arenas_are_private_files_created_per_buffer_and_returned_when_idle(shm_dir):
+    config = CpuPoolConfig(size=5 * MiB, shm_dir=str(shm_dir), keep_empty_seconds=60)
+    with CpuPool(config) as pool:
+        a, b = pool.allocate(2 * MiB), pool.allocate(100_000)
+        assert [x.size for x in pool.arenas] == [2 * MiB, 102_400]  # rounded to 4 KiB pages
+        for info in pool.arenas:
+            st = os.stat(info.path)
+            assert stat.S_IMODE(st.st_mode) == 0o600 and pool.instance_id in info.path
+        assert shm_bytes_used(shm_dir) == 2 * MiB + 102_400
+        pool.free(a)
+        assert pool.used_bytes == 102_400 and pool.arena_bytes == 2 * MiB + 102_400
+        again = pool.allocate(2 * MiB - 5)  # same rounded size: the empty arena is reused
+        assert again.arena == a.arena and pool.created == 2
+        pool.free(again)
+        assert pool.trim(now=time.monotonic() + 61) == 1  # idle past keep_empty_seconds
+        assert pool.epoch == 1 and [x.index for x in pool.arenas] == [b.arena]
+        assert shm_bytes_used(shm_dir) == 102_400
+        c = pool.allocate(2 * MiB)
+        assert c.arena not in (a.arena, b.arena)  # an id is never reused for another file
+
+
+def test_the_cap_is_never_exceeded_and_empty_arenas_make_room_first(shm_dir):
+    config = CpuPoolConfig(size=4 * MiB, shm_dir=str(shm_dir), keep_empty_seconds=3600)
+    with CpuPool(config) as pool:
+        held = [pool.allocate(MiB) for _ in range(4)]
+        with pytest.raises(CpuPoolFullError, match=r"raise cpu_pool.size \(or the host budget\)"):
+            pool.allocate(1)
+        pool.free(held.pop())
+        pool.free(held.pop())
+        big = pool.allocate(2 * MiB)  # the two empty 1 MiB arenas are returned for it
+        assert pool.arena_bytes == 4 * MiB and pool.epoch == 2
+        for b in held + [big]:
             pool.view(b)[:] = b"\xab" * b.nbytes
         assert shm_bytes_used(shm_dir) <= 4 * MiB
-        with pytest.raises(CpuPoolFullError, match="arena_size"):
-            pool.allocate(2 * MiB)
+        with pytest.raises(CpuPoolFullError, match="larger than the whole CPU pool"):
+            pool.allocate(5 * MiB)
         with pytest.raises(InvalidArgumentError):
             pool.allocate(0)
 
 
-def test_buffers_are_aligned_and_do_not_overlap(shm_dir):
-    with CpuPool(CpuPoolConfig(size=4 * MiB, arena_size=2 * MiB, shm_dir=str(shm_dir))) as pool:
-        bufs = [pool.allocate(n) for n in (1, 4095, 4097, 100_000, 12345)]
-        for i, b in enumerate(bufs):
-            assert b.offset % 4096 == 0
-            pool.view(b)[:] = bytes([i]) * b.nbytes
-        for i, b in enumerate(bufs):
-            assert bytes(pool.view(b)) == bytes([i]) * b.nbytes
+def test_any_mix_of_sizes_fits_while_used_bytes_leave_room_for_the_largest(shm_dir):
+    """No fragmentation failure: 4000 random allocations and frees of sizes from 1 byte to
+    1 MiB (a few large, most small) in a 16 MiB pool; every allocation made while the used
+    bytes are at most cap - largest succeeds with no eviction, and the arenas' bytes never
+    exceed the cap. Counted as the pool counts (each buffer rounded up to 4 KiB)."""
+    cap, largest = 16 * MiB, MiB
+    rng = random.Random(13)
+    evictions = []
+    pool = CpuPool(CpuPoolConfig(size=cap, shm_dir=str(shm_dir), keep_empty_seconds=3600),
+                   on_full=lambda n: evictions.append(n) or False)
+    held, tried = [], 0
+    with pool:
+        for _ in range(4000):
+            if held and (rng.random() < 0.45 or pool.used_bytes > cap - largest):
+                pool.free(held.pop(rng.randrange(len(held))))
+                continue
+            n = rng.choice([rng.randint(1, 8192), rng.randint(1, 200_000), rng.randint(1, largest)])
+            assert pool.used_bytes <= cap - largest
+            held.append(pool.allocate(n))  # must not fail
+            tried += 1
+            assert pool.arena_bytes <= cap
+        assert evictions == [] and tried > 1500
+        assert shm_bytes_used(shm_dir) <= cap
 
 
 def test_eviction_callback_is_asked_before_failing(shm_dir):
@@ -57,8 +101,7 @@ def test_eviction_callback_is_asked_before_failing(shm_dir):
         pool.free(held.pop(0))
         return True
 
-    pool = CpuPool(CpuPoolConfig(size=2 * MiB, arena_size=2 * MiB, shm_dir=str(shm_dir)),
-                   on_full=evict)
+    pool = CpuPool(CpuPoolConfig(size=2 * MiB, shm_dir=str(shm_dir)), on_full=evict)
     with pool:
         held.extend(pool.allocate(512 * 1024) for _ in range(4))
         extra = pool.allocate(512 * 1024)  # needs one eviction
@@ -66,10 +109,10 @@ def test_eviction_callback_is_asked_before_failing(shm_dir):
 
 
 def test_another_process_maps_an_arena_and_sees_the_bytes(shm_dir):
-    with CpuPool(CpuPoolConfig(size=2 * MiB, arena_size=2 * MiB, shm_dir=str(shm_dir))) as pool:
+    with CpuPool(CpuPoolConfig(size=2 * MiB, shm_dir=str(shm_dir))) as pool:
         buf = pool.allocate(4096)
         pool.view(buf)[:] = bytes(range(256)) * 16
-        arena = pool.arenas[buf.arena]
+        arena = {a.index: a for a in pool.arenas}[buf.arena]
         code = (
             "import mmap,sys; f=open(sys.argv[1],'r+b'); m=mmap.mmap(f.fileno(),0);"
             "o=int(sys.argv[2]); assert m[o:o+4096]==bytes(range(256))*16; m[o]=7"
@@ -82,23 +125,25 @@ def test_stale_arenas_of_a_crashed_pool_are_reclaimed(shm_dir):
     code = (
         "import os,sys; from tierstack.config import CpuPoolConfig;"
         "from tierstack.services.tier_manager.cpu_pool import CpuPool;"
-        "p=CpuPool(CpuPoolConfig(size=1<<20, arena_size=1<<20, shm_dir=sys.argv[1]));"
-        "os._exit(0)"  # crash: no close, arenas left behind
+        "p=CpuPool(CpuPoolConfig(size=1<<20, shm_dir=sys.argv[1])); p.allocate(4096); p.allocate(5000);"
+        "os._exit(0)"  # crash: no close, arenas and lock file left behind
     )
     subprocess.run([sys.executable, "-c", code, str(shm_dir)], check=True)
-    assert len(list(shm_dir.iterdir())) == 1
-    live = CpuPool(CpuPoolConfig(size=1 << 20, arena_size=1 << 20, shm_dir=str(shm_dir)))
+    assert len(_arenas(shm_dir)) == 2 and len(list(shm_dir.iterdir())) == 3
+    live = CpuPool(CpuPoolConfig(size=1 << 20, shm_dir=str(shm_dir)))
     try:
-        assert [p.name for p in shm_dir.iterdir()] == [os.path.basename(live.arenas[0].path)]
+        live.allocate(4096)
+        assert [p.name for p in _arenas(shm_dir)] == [os.path.basename(live.arenas[0].path)]
         # A second pool must not reclaim the arenas of a living one.
-        with CpuPool(CpuPoolConfig(size=1 << 20, arena_size=1 << 20, shm_dir=str(shm_dir))):
+        with CpuPool(CpuPoolConfig(size=1 << 20, shm_dir=str(shm_dir))):
             assert os.path.exists(live.arenas[0].path)
     finally:
         live.close()
+    assert list(shm_dir.iterdir()) == []
 
 
 def test_concurrent_allocation_stays_within_budget(shm_dir):
-    with CpuPool(CpuPoolConfig(size=8 * MiB, arena_size=2 * MiB, shm_dir=str(shm_dir))) as pool:
+    with CpuPool(CpuPoolConfig(size=8 * MiB, shm_dir=str(shm_dir), keep_empty_seconds=0)) as pool:
         errors, got = [], []
 
         def worker(seed: int) -> None:
@@ -114,6 +159,7 @@ def test_concurrent_allocation_stays_within_budget(shm_dir):
                         errors.append(b)
                     got.remove((seed, b))
                     pool.free(b)
+                assert pool.arena_bytes <= pool.capacity
 
         threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
         [t.start() for t in threads]

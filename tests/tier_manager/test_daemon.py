@@ -2,6 +2,7 @@
 
 import signal
 import threading
+import time
 
 import grpc
 import pytest
@@ -22,8 +23,8 @@ def write(client: TierManagerClient, arenas: ArenaMap, key: str, data: torch.Ten
 def test_health_node_info_and_a_round_trip_through_shared_memory(daemon):
     client = TierManagerClient(daemon.address)
     node = client.node()
-    assert node.cpu_capacity == 16 << 20 and len(node.arenas) == 2
-    arenas = ArenaMap(node, pin_for_cuda=False)
+    assert node.cpu_capacity == 16 << 20 and node.arenas == ()  # arenas come as needed
+    arenas = ArenaMap(node, pin_for_cuda=False, describe=client.node)
     data = torch.randint(0, 255, (3_000_000,), dtype=torch.uint8)
     info = write(client, arenas, "a/b", data)
     assert info.nbytes == 3_000_000 and info.on_nvme and info.in_cpu
@@ -48,26 +49,56 @@ def test_errors_map_to_grpc_statuses_with_useful_messages(daemon):
     client.commit("k", lease.lease_id, "uint8", (100,), True)  # the lease survived the errors
     with pytest.raises(InvalidArgumentError, match="lease .* is unknown"):
         client.commit("k2", lease.lease_id, "uint8", (100,), True)
-    with pytest.raises(PoolExhaustedError, match="arena_size"):
+    with pytest.raises(PoolExhaustedError, match="larger than the whole CPU pool"):
         client.allocate(64 << 20)
     # RESOURCE_EXHAUSTED when the pool is full of pinned tensors and nothing can be evicted.
     node = client.node()
-    arenas = ArenaMap(node, pin_for_cuda=False)
+    arenas = ArenaMap(node, pin_for_cuda=False, describe=client.node)
     keys = []
-    for i in range(2):  # one 5 MiB tensor per 8 MiB arena, then pinned
+    for i in range(2):  # 10 of the 16 MiB in two tensors, then pinned
         write(client, arenas, f"big{i}", torch.zeros(5 << 20, dtype=torch.uint8))
         keys.append(f"big{i}")
     pins = client.fetch(keys).tensors
     with pytest.raises(PoolExhaustedError, match="CPU pool full"):
-        client.allocate(5 << 20)
+        client.allocate(7 << 20)
     for key, res in zip(keys, pins):
         client.release(key, res.info.version)
-    client.allocate(5 << 20)  # evicts now
+    client.allocate(7 << 20)  # evicts now
     with grpc.insecure_channel(daemon.address) as channel:  # the raw status code, too
         from tierstack.proto import tier_manager_pb2 as pb, tier_manager_pb2_grpc as pbg
         with pytest.raises(grpc.RpcError) as err:
             pbg.TierManagerStub(channel).Describe(pb.DescribeRequest(key="nope"))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_worker_maps_arenas_as_they_come_and_unmaps_the_ones_returned(daemon_config, tmp_path):
+    """The daemon's pool grows arena by arena and returns idle empty ones; a worker's
+    ArenaMap maps an arena when an answer first names it and drops it once an answer's
+    epoch says it was returned (its memory goes back to the host only then)."""
+    import json
+    from tests.conftest import tier_manager_process
+    from tierstack.worker.tier_session import TierSession
+
+    config = json.loads(daemon_config.read_text())
+    config["tier_manager"]["cpu_pool"]["keep_empty_seconds"] = 0.5
+    daemon_config.write_text(json.dumps(config))
+    with tier_manager_process(daemon_config, tmp_path / "tm2.sock") as proc:
+        session = TierSession(proc.address, reconnect_timeout=10, pin_for_cuda=False)
+        try:
+            assert session.arenas.mapped == []
+            for i in range(3):
+                session.write_block(f"t{i}", torch.full((300_000,), i, dtype=torch.uint8))
+            assert len(session.arenas.mapped) == 3
+            assert torch.equal(session.read_block("t1"), torch.full((300_000,), 1, dtype=torch.uint8))
+            session.client.delete(["t0", "t1"])
+            deadline = time.monotonic() + 10
+            while len(session.client.node().arenas) != 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(session.client.node().arenas) == 1  # idle arenas went back to the host
+            assert torch.equal(session.read_block("t2"), torch.full((300_000,), 2, dtype=torch.uint8))
+            assert len(session.arenas.mapped) == 1  # the answer's epoch moved: unmapped here too
+        finally:
+            session.close()
 
 
 def test_many_concurrent_clients(daemon):
@@ -76,7 +107,7 @@ def test_many_concurrent_clients(daemon):
     def worker(n: int) -> None:
         try:
             client = TierManagerClient(daemon.address)
-            arenas = ArenaMap(client.node(), pin_for_cuda=False)
+            arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
             for i in range(10):
                 data = torch.full((200_000 + n,), n * 10 + i, dtype=torch.uint8)
                 write(client, arenas, f"c{n}/{i}", data, durable=i % 2 == 0)
@@ -95,14 +126,14 @@ def test_many_concurrent_clients(daemon):
 
 def test_graceful_shutdown_and_restart_keep_durable_tensors(daemon):
     client = TierManagerClient(daemon.address, reconnect_timeout=30)
-    arenas = ArenaMap(client.node(), pin_for_cuda=False)
+    arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
     data = torch.arange(1_000_000, dtype=torch.int32)
     write(client, arenas, "kept", data)
     assert daemon.stop() == 0  # SIGTERM
     daemon.start()
     node = client.node()
     assert node.instance_id != arenas.instance_id
-    arenas = ArenaMap(node, pin_for_cuda=False)
+    arenas = ArenaMap(node, pin_for_cuda=False, describe=client.node)
     (res,) = client.fetch(["kept"]).tensors
     assert torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes).view(torch.int32), data)
 
@@ -146,13 +177,13 @@ def test_sigterm_lets_an_in_flight_durable_write_finish(tmp_path, shm_dir):
     from tests.conftest import tier_manager_process
     config = tmp_path / "big.json"
     config.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": "320MiB", "arena_size": "320MiB", "shm_dir": str(shm_dir)},
+        "cpu_pool": {"size": "320MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "640MiB"},
         "manifest_path": str(tmp_path / "m.sqlite"), "shutdown_grace_seconds": 60}}))
     daemon = tier_manager_process(config, tmp_path / "big.sock").start()
     try:
         client = TierManagerClient(daemon.address)
-        arenas = ArenaMap(client.node(), pin_for_cuda=False)
+        arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
         data = torch.randint(0, 255, (300 << 20,), dtype=torch.uint8)
         lease = client.allocate(data.numel())
         arenas.view(lease.arena, lease.offset, data.numel()).copy_(data)
@@ -174,7 +205,7 @@ def test_sigterm_lets_an_in_flight_durable_write_finish(tmp_path, shm_dir):
         assert daemon.proc.wait(timeout=120) == 0
         daemon.start()
         client = TierManagerClient(daemon.address)
-        arenas = ArenaMap(client.node(), pin_for_cuda=False)
+        arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
         (res,) = client.fetch(["big"]).tensors
         assert torch.equal(arenas.view(res.arena, res.offset, res.info.nbytes), data)
     finally:
@@ -187,7 +218,7 @@ def test_a_lease_never_committed_is_freed_after_its_timeout(tmp_path, shm_dir):
     from tests.conftest import tier_manager_process
     config = tmp_path / "lease.json"
     config.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": "8MiB", "arena_size": "8MiB", "shm_dir": str(shm_dir)},
+        "cpu_pool": {"size": "8MiB", "shm_dir": str(shm_dir)},
         "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "64MiB"},
         "manifest_path": str(tmp_path / "m.sqlite"), "lease_timeout_seconds": 0.5}}))
     daemon = tier_manager_process(config, tmp_path / "lease.sock").start()
@@ -203,7 +234,7 @@ def test_a_lease_never_committed_is_freed_after_its_timeout(tmp_path, shm_dir):
         with pytest.raises(InvalidArgumentError, match="expired"):
             client.commit("late", lease.lease_id, "uint8", (4 << 20,), True)
         # A pin a dead worker never released expires the same way.
-        arenas = ArenaMap(client.node(), pin_for_cuda=False)
+        arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
         write(client, arenas, "pinned", torch.zeros(1 << 20, dtype=torch.uint8))
         (res,) = client.fetch(["pinned"]).tensors
         assert client.stats().pinned == 1

@@ -70,7 +70,33 @@ def test_files_are_opened_with_o_direct_on_a_real_disk(tmp_path):
         assert pool.direct_io
         flags = int(Path(f"/proc/self/fdinfo/{pool.files[0].fd}").read_text().split()[3], 8)
         assert flags & os.O_DIRECT
-        assert os.path.getsize(tmp_path / "a" / DATA_FILE) == 32 * MiB
+    finally:
+        pool.close()
+
+
+def test_data_files_grow_in_chunks_to_the_cap_and_give_back_their_free_tail(tmp_path, monkeypatch):
+    from tierstack.services.tier_manager import nvme_pool
+    monkeypatch.setattr(nvme_pool, "GROWTH", 1 * MiB)
+    pool = make_pool([tmp_path / "a", tmp_path / "b"], size=16 * MiB)
+    files = [tmp_path / d / DATA_FILE for d in "ab"]
+    try:
+        assert [os.path.getsize(f) for f in files] == [0, 0]  # nothing reserved at start
+        small = pool.allocate(300 * KiB)  # 2 blocks of 256 KiB: one per drive
+        assert [os.path.getsize(f) for f in files] == [MiB, MiB]
+        big = [pool.allocate(2 * MiB) for _ in range(3)]  # 6 MiB: 3 MiB per drive
+        assert pool.file_bytes <= 8 * MiB and all(os.path.getsize(f) <= 4 * MiB for f in files)
+        crcs = pool.write(big[0], random_bytes(2 * MiB, 4))
+        with pytest.raises(NvmePoolFullError, match="raise nvme_pool.size"):
+            pool.allocate(12 * MiB)  # above the cap: the files never pass 8 MiB each
+        assert all(os.path.getsize(f) <= 8 * MiB for f in files)
+        for e in big[1:]:
+            pool.free(e)
+        pool.free(small)
+        # The tail past the last extent in use goes back (one chunk of slack is kept).
+        assert all(os.path.getsize(f) <= 3 * MiB for f in files)
+        out = bytearray(2 * MiB)
+        pool.read(big[0], memoryview(out), crcs)  # what is kept is intact
+        assert out == random_bytes(2 * MiB, 4).tobytes()
     finally:
         pool.close()
 
@@ -169,7 +195,16 @@ def test_filesystem_without_o_direct_works_with_a_warning(mounted, caplog):
         pool.close()
 
 
-def test_a_disk_too_small_for_the_pool_fails_at_start(mounted):
+def test_a_disk_too_small_for_the_pool_says_so_when_it_fills_and_keeps_what_it_holds(mounted):
     small = mounted("tmpfs", "size=2m")
-    with pytest.raises(NvmePoolFullError, match="disk is full"):
-        make_pool([small], size=8 * MiB)
+    pool = make_pool([small], size=8 * MiB)  # the cap is above the disk: nothing reserved yet
+    try:
+        kept = pool.allocate(MiB)
+        crcs = pool.write(kept, random_bytes(MiB, 5))
+        with pytest.raises(NvmePoolFullError, match="disk under the NVMe pool is full"):
+            pool.allocate(2 * MiB)
+        out = bytearray(MiB)
+        pool.read(kept, memoryview(out), crcs)
+        assert out == random_bytes(MiB, 5).tobytes()
+    finally:
+        pool.close()

@@ -33,8 +33,10 @@ def random_tensor(seed: int, max_elems: int = 200_000) -> torch.Tensor:
 
 
 def cpu_bytes_held(reg: TierRegistry) -> int:
-    """CPU pool bytes the registry's CPU-resident tensors account for."""
-    return sum(-(-reg.info(k).nbytes // 4096) * 4096 for k in reg.keys() if reg.info(k).in_cpu)
+    """CPU pool bytes the registry's CPU-resident tensors account for (each rounded up to the
+    pool's granule: 4 KiB, or a huge page on hugetlbfs)."""
+    granule = reg.cpu_pool.granule
+    return sum(-(-reg.info(k).nbytes // granule) * granule for k in reg.keys() if reg.info(k).in_cpu)
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -227,7 +229,7 @@ def test_empty_and_scalar_tensors(tier_config):
 
 def test_cpu_pool_on_hugetlbfs_spills_and_verifies_like_any_other(tier_config, hugetlbfs):
     tier_config.cpu_pool.shm_dir = str(hugetlbfs)
-    tier_config.cpu_pool.arena_size = 5 * 1024 * 1024  # not a whole number of huge pages
+    tier_config.cpu_pool.size = 9 * 1024 * 1024  # not a whole number of huge pages
     with TierRegistry(tier_config) as reg:
         assert reg.cpu_pool.page_size == 2 << 20
         assert all(a.size % (2 << 20) == 0 for a in reg.cpu_pool.arenas)

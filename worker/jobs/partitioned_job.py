@@ -169,7 +169,6 @@ def small_embedded_node(size_mib: int = 64) -> dict:
     """A tier_manager config for an embedded per-rank daemon (CPU pool + NVMe)."""
     tm = TierManagerConfig()
     tm.cpu_pool.size = size_mib * MiB
-    tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
     tm.nvme_pool.paths = ["/var/tmp/tierstack/partitioned"]
     tm.nvme_pool.size = 1024 * MiB
     return config_dict(tm)

@@ -80,10 +80,10 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
             ray.shutdown()
     tm = config.tier_manager
     tm.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
-    tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
     run_dir = os.path.join(args.nvme_path, uuid.uuid4().hex[:8])
     tm.nvme_pool.paths = [run_dir]
-    tm.nvme_pool.size = max(tm.nvme_pool.size, 1024 * MiB)
+    if tm.nvme_pool.size != "auto":  # a stated cap: at least 1 GiB ('auto': the disk's room)
+        tm.nvme_pool.size = max(tm.nvme_pool.size, 1024 * MiB)
     tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
     # address "local": Ray of our own, even where another Ray runs on this machine.
     ray.init(address="local", num_cpus=max(args.ranks, os.cpu_count() or 1),

@@ -89,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
               else config.train.device_budget_bytes(layer_bytes))
     tm: TierManagerConfig = config.tier_manager
     tm.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
-    tm.cpu_pool.arena_size = min(tm.cpu_pool.arena_size, tm.cpu_pool.size)
     run_dir = os.path.join(args.nvme_path, uuid.uuid4().hex[:8])
     tm.nvme_pool.paths = [run_dir]
     tm.nvme_pool.size = max(tm.nvme_pool.aio.block_size, 2 * state_bytes + 64 * MiB)
