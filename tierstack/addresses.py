@@ -15,11 +15,18 @@ from tierstack.errors import InvalidArgumentError
 
 TIER_MANAGER_ENV = "TIERSTACK_TIER_MANAGER"
 SCHEDULER_ENV = "TIERSTACK_SCHEDULER"
+SECURITY_DIR_ENV = "TIERSTACK_SECURITY_DIR"
+"""A directory with the cluster's token, cert.pem, key.pem and ca.pem (config.SecurityConfig)."""
 
 
 def user_dir() -> Path:
     """The per-user directory of default sockets and node state."""
     return Path(f"/tmp/tierstack-{os.getuid()}")
+
+
+def default_token_path() -> Path:
+    """The per-user token of services on loopback TCP (tierstack/rpc.py: default_token)."""
+    return user_dir() / "token"
 
 
 def default_tier_manager_address() -> str:

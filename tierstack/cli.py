@@ -72,7 +72,8 @@ def _tier_manager(args: argparse.Namespace) -> int:
     """Run this node's tier-manager daemon in the foreground."""
     from tierstack.services.tier_manager.daemon import serve
 
-    config = load_config(args.config).tier_manager
+    loaded = load_config(args.config)
+    config = loaded.tier_manager
     if args.listen:
         config.listen = args.listen
     if args.nvme_path:
@@ -86,7 +87,7 @@ def _tier_manager(args: argparse.Namespace) -> int:
     if args.manifest:
         config.manifest_path = args.manifest
     config.validate()
-    serve(config)
+    serve(config, loaded.security, recover=args.recover)
     return 0
 
 
@@ -94,11 +95,12 @@ def _scheduler(args: argparse.Namespace) -> int:
     """Run the cluster scheduler in the foreground."""
     from tierstack.services.scheduler.daemon import serve
 
-    config = load_config(args.config).scheduler
+    loaded = load_config(args.config)
+    config = loaded.scheduler
     if args.listen:
         config.listen = args.listen
     config.validate()
-    serve(config)
+    serve(config, loaded.security)
     return 0
 
 
@@ -133,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--nvme-path", action="append", help="NVMe pool directory (repeatable)")
     tm.add_argument("--nvme-size", help="NVMe pool bytes over all paths, e.g. 512GiB")
     tm.add_argument("--manifest", help="path of the manifest database")
+    tm.add_argument("--recover", action="store_true",
+                    help="rebuild a lost or corrupt manifest from the NVMe data (every extent "
+                         "describes itself), keeping the old one aside, then serve")
     tm.set_defaults(func=_tier_manager)
 
     ray_node = sub.add_parser("ray-node", help="this Ray node's tierstack services (deploy/cluster.yaml)")

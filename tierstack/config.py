@@ -25,6 +25,8 @@ from tierstack.tiers import AUTO, NVME, OFFLOAD_DEVICES, BlockTier
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 AUTO_SIZE = "auto"
+MAX_SIZE = 1 << 62
+"""No size in a config is larger (files, mmap and sqlite take signed 64-bit sizes)."""
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -57,6 +59,9 @@ def parse_size(value: Any, name: str = "size") -> int:
         raise ConfigError(f"{name}: expected a size in bytes, got {value!r}")
     if n < 0:
         raise ConfigError(f"{name}: a size cannot be negative, got {value!r}")
+    if n > MAX_SIZE:
+        raise ConfigError(f"{name}: {value!r} is more than {MAX_SIZE >> 60} EiB; give a size "
+                          f"this machine could hold (e.g. 512GiB)")
     return n
 
 
@@ -130,7 +135,9 @@ def _validate_cap(key: str, value: int | str, at_least: int) -> None:
 class NvmePoolConfig:
     """The node's NVMe pool: one directory per drive, extents striped across them."""
 
-    paths: list[str] = field(default_factory=lambda: ["/var/tmp/tierstack/nvme"])
+    paths: list[str] = field(default_factory=lambda: [f"/var/tmp/tierstack-{os.getuid()}/nvme"])
+    """One directory per drive, each only ours (created 0700; an existing one must be ours
+    and writable by nobody else: tierstack/private_paths.py). Per user by default."""
     size: int | str = "auto"
     """Cap on the bytes over all paths (size / len(paths) each); 'auto': the NVMe budget
     (the drives' free space less a margin, measured when the daemon starts). Each path's
@@ -180,6 +187,68 @@ class MetricsConfig:
 
 
 @dataclass
+class JobsConfig:
+    """Jobs on a node: their state's lifetime and their share of the pools.
+
+    A job is the keys under `<job>/` (a LayerStore's). Its workers open it; when the last
+    one closes (or dies), its state is deleted after `grace_seconds` unless it was opened
+    with keep (or `tierstack jobs` said keep). After a daemon restart, a job no worker
+    opens again within `orphan_seconds` is deleted the same way."""
+
+    default_quota: int = 0
+    """Bytes a job's tensors may hold on this node (all tiers counted once) unless it asks
+    for another quota when it opens; 0: no quota."""
+    grace_seconds: float = 5.0
+    """How long a job without workers keeps its state (a worker attaching late, a
+    restarted worker re-opening it)."""
+    orphan_seconds: float = 600.0
+    """After a daemon restart: how long a job's workers have to open it again."""
+
+    def validate(self, prefix: str = "jobs") -> None:
+        if isinstance(self.default_quota, bool) or not isinstance(self.default_quota, int) \
+                or self.default_quota < 0:
+            raise ConfigError(f"{prefix}.default_quota: expected a size (0: none), got "
+                              f"{self.default_quota!r}")
+        for name in ("grace_seconds", "orphan_seconds"):
+            if not 0 <= getattr(self, name) <= 30 * 86400:
+                raise ConfigError(f"{prefix}.{name} must be between 0 and 30 days, got "
+                                  f"{getattr(self, name)}")
+
+
+@dataclass
+class SecurityConfig:
+    """Who may call a service listening on TCP, and how its clients trust it
+    (tierstack/rpc.py applies it to gRPC, dashboards/http_api.py to HTTP).
+
+    A unix socket needs neither TLS nor a token: it is 0600 in a 0700 directory of ours,
+    so only our user can connect. On a loopback address every local user can connect, so
+    every call must carry the token (TLS is used when a certificate is given). Beyond
+    loopback, TLS and the token are both required: a server refuses to start without
+    them. Empty fields are taken from $TIERSTACK_SECURITY_DIR (token, cert.pem, key.pem,
+    ca.pem) when it is set; `tierstack ray-node --make-secrets DIR` writes such a
+    directory and `ray up` (deploy/cluster.yaml) deploys it to every node."""
+
+    token_file: str = ""
+    """File holding the token (0600). Default: $TIERSTACK_SECURITY_DIR/token, else the
+    per-user /tmp/tierstack-<uid>/token, which a server on loopback creates."""
+    cert_file: str = ""
+    """PEM certificate (chain) a TCP server presents; default $TIERSTACK_SECURITY_DIR/cert.pem."""
+    key_file: str = ""
+    """PEM private key of cert_file (0600); default $TIERSTACK_SECURITY_DIR/key.pem."""
+    ca_file: str = ""
+    """PEM certificates a client trusts; default $TIERSTACK_SECURITY_DIR/ca.pem, else cert_file."""
+    server_name: str = "tierstack"
+    """The name clients check in the server's certificate (nodes share one certificate,
+    so it names the cluster, not a host)."""
+
+    def validate(self, prefix: str = "security") -> None:
+        if not self.server_name or not self.server_name.isprintable():
+            raise ConfigError(f"{prefix}.server_name must be a printable name, got {self.server_name!r}")
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ConfigError(f"{prefix}: give both cert_file and key_file (TLS needs the pair)")
+
+
+@dataclass
 class TierManagerConfig:
     """Everything one node's tier manager owns."""
 
@@ -201,15 +270,18 @@ class TierManagerConfig:
     node_id: str = ""
     """This node's name at the scheduler; default: the host name."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
 
     def validate(self, prefix: str = "tier_manager") -> None:
-        if self.lease_timeout_seconds <= 0:
-            raise ConfigError(f"{prefix}.lease_timeout_seconds must be positive")
+        if not 0 < self.lease_timeout_seconds <= 30 * 86400:
+            raise ConfigError(f"{prefix}.lease_timeout_seconds must be positive and at most 30 "
+                              f"days, got {self.lease_timeout_seconds}")
         if self.node_id and ("/" in self.node_id or not self.node_id.isprintable()):
             raise ConfigError(f"{prefix}.node_id {self.node_id!r}: use printable characters and no '/'")
         self.cpu_pool.validate(f"{prefix}.cpu_pool")
         self.nvme_pool.validate(f"{prefix}.nvme_pool")
         self.metrics.validate(f"{prefix}.metrics")
+        self.jobs.validate(f"{prefix}.jobs")
 
     def resolved_manifest_path(self) -> Path:
         if self.manifest_path:
@@ -433,9 +505,11 @@ class TierstackConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def validate(self) -> None:
         self.budgets.validate("budgets")
+        self.security.validate("security")
         self.tier_manager.validate("tier_manager")
         self.train.validate("train")
         self.scheduler.validate("scheduler")
@@ -445,7 +519,7 @@ class TierstackConfig:
             raise ConfigError("train offloads to nvme but tier_manager.nvme_pool.paths is empty")
 
 
-_SIZE_FIELDS = {"size", "block_size", "alignment", "device_budget"}
+_SIZE_FIELDS = {"size", "block_size", "alignment", "device_budget", "default_quota"}
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:

@@ -74,6 +74,50 @@ class SchedulerUnavailableError(TierstackError):
     grpc_status = "UNAVAILABLE"
 
 
+class QuotaExceededError(PoolExhaustedError):
+    """A job's tensors would exceed its quota on this node."""
+
+
+class ManifestError(TierstackError):
+    """The durable manifest cannot be read as it is: corrupt, missing over existing data,
+    or inconsistent with the data files. Nothing is started over it; the message names
+    `tierstack tier-manager --recover`."""
+
+    grpc_status = "DATA_LOSS"
+
+
+class FailedPreconditionError(TierstackError):
+    """The request is well formed but the state does not allow it now (a job still in
+    use); the message says what has to change first."""
+
+    grpc_status = "FAILED_PRECONDITION"
+
+
+class AlreadyRunningError(TierstackError):
+    """Another daemon holds a resource this one needs (its pool directory, its socket)."""
+
+    grpc_status = "FAILED_PRECONDITION"
+
+
+class UnsafePathError(TierstackError, PermissionError):
+    """A path we would create or open is reachable by another user (owned by them, writable
+    by them, or a symlink): opening it could hand them our data or our clients."""
+
+    grpc_status = "PERMISSION_DENIED"
+
+
+class AuthenticationError(TierstackError):
+    """A call came without the service's token, or with a wrong one."""
+
+    grpc_status = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(TierstackError):
+    """A caller is known but not allowed to do this."""
+
+    grpc_status = "PERMISSION_DENIED"
+
+
 class DeviceBudgetError(TierstackError, MemoryError):
     """A layer does not fit in the worker's device-memory budget."""
 
@@ -87,4 +131,7 @@ ERRORS_BY_STATUS: dict[str, type[TierstackError]] = {
     "RESOURCE_EXHAUSTED": PoolExhaustedError,
     "DATA_LOSS": DataCorruptionError,
     "UNAVAILABLE": TierManagerUnavailableError,
+    "UNAUTHENTICATED": AuthenticationError,
+    "PERMISSION_DENIED": PermissionDeniedError,
+    "FAILED_PRECONDITION": FailedPreconditionError,
 }

@@ -36,7 +36,8 @@ class ServiceProcess:
     def __init__(self, command: str, section: str, config: dict, *, name: str = "",
                  listen: str = "", workdir: str | Path | None = None,
                  env: dict[str, str] | None = None, startup_timeout: float = 120.0,
-                 stop_timeout: float = 60.0) -> None:
+                 stop_timeout: float = 60.0, security: dict | None = None,
+                 args: list[str] | None = None) -> None:
         self.command = command  # the CLI subcommand, also the name of its files
         self.section = section  # the config section the service reads
         self.config = config
@@ -44,6 +45,8 @@ class ServiceProcess:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout  # a SIGTERM'ed service may finish in-flight work
         self.env = env
+        self.security = security  # the config's security section (TLS, token), if any
+        self.args = list(args or [])  # more command-line arguments (e.g. --recover)
         self._private = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(
             tempfile.mkdtemp(prefix=f"tierstack-{command}-"))
@@ -57,11 +60,14 @@ class ServiceProcess:
 
     def start(self) -> Self:
         """Start the process and return once it serves; raise with its log if it does not."""
-        self.config_path.write_text(json.dumps({self.section: self.config}))
+        document = {self.section: self.config}
+        if self.security:
+            document["security"] = self.security
+        self.config_path.write_text(json.dumps(document))
         with open(self.log_path, "a") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tierstack.cli", self.command, "--config",
-                 str(self.config_path), "--listen", self.address],
+                 str(self.config_path), "--listen", self.address, *self.args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir,
                 env=None if self.env is None else {**os.environ, **self.env})
         try:
@@ -78,8 +84,16 @@ class ServiceProcess:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from tierstack.addresses import SECURITY_DIR_ENV
+        from tierstack.config import SecurityConfig, section
+        from tierstack.rpc import open_channel, security_from_dir
+
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        security = section(SecurityConfig, self.security, "security") if self.security else None
+        if self.env and self.env.get(SECURITY_DIR_ENV):  # the child's, not ours
+            security = security_from_dir(self.env[SECURITY_DIR_ENV], security)
+        channel, _ = open_channel(self.address, [], security)  # health needs no token
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if self.proc is not None and self.proc.poll() is not None:

@@ -13,6 +13,7 @@ from typing import Callable, Generic, Iterator, TypeVar
 import grpc
 
 from tierstack.addresses import default_scheduler_address, grpc_target
+from tierstack.config import SecurityConfig
 from tierstack.errors import SchedulerUnavailableError, TierstackError
 from tierstack.proto import scheduler_pb2 as pb
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
@@ -36,9 +37,10 @@ class SchedulerClient(RpcClient):
     idempotent = IDEMPOTENT
     retry_seconds = 0.1
 
-    def __init__(self, address: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, address: str | None = None, timeout: float = 30.0,
+                 security: SecurityConfig | None = None) -> None:
         super().__init__(grpc_target(address or default_scheduler_address()), pb_grpc.SchedulerStub,
-                         timeout, options=[
+                         timeout, security=security, options=[
                              ("grpc.max_receive_message_length", 256 << 20),
                              ("grpc.max_send_message_length", 256 << 20),
                              ("grpc.initial_reconnect_backoff_ms", 100),
@@ -78,15 +80,17 @@ class SchedulerClient(RpcClient):
     def watch_plans(self, job: str, after_version: int = 0) -> "Stream[Plan]":
         """Every plan of `job` newer than `after_version`, as it is made (a gRPC stream,
         waiting for the scheduler to be up)."""
+        self.check_endpoint()
         call = self._stub.WatchPlans(pb.WatchPlansRequest(job=job, after_version=after_version),
-                                     wait_for_ready=True)
+                                     wait_for_ready=True, metadata=self.metadata)
         return Stream(call, plan_from, lambda e: self._translate("WatchPlans", e))
 
     def watch_node_plans(self, node_id: str) -> "Stream[NodePlanUpdate]":
         """The plans of every job on `node_id`: a full update first, then each change (a
         gRPC stream, waiting for the scheduler to be up)."""
+        self.check_endpoint()
         call = self._stub.WatchNodePlans(pb.WatchNodePlansRequest(node_id=node_id),
-                                         wait_for_ready=True)
+                                         wait_for_ready=True, metadata=self.metadata)
         return Stream(call, node_plan_update_from, lambda e: self._translate("WatchNodePlans", e))
 
     def forget_job(self, job: str) -> None:

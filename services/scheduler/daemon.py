@@ -10,10 +10,11 @@ report their traces again.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from tierstack.addresses import SCHEDULER_ENV, default_scheduler_address
-from tierstack.config import SchedulerConfig
+from tierstack.config import SchedulerConfig, SecurityConfig
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
 from tierstack.rpc import ServiceEndpoint, serve_until_signalled
 from tierstack.services.scheduler.server import SchedulerServicer
@@ -22,19 +23,22 @@ from tierstack.services.scheduler.telemetry import SchedulerTelemetry
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tierstack.scheduler.v1.Scheduler"
+STREAM_RESERVE = 16
 
 
 class SchedulerDaemon:
     """Owns the servicer, the gRPC server and the health status."""
 
-    def __init__(self, config: SchedulerConfig, max_workers: int = 64) -> None:
+    def __init__(self, config: SchedulerConfig, max_workers: int = 64,
+                 security: SecurityConfig | None = None) -> None:
         config.validate()
         self.config = config
         self.endpoint = ServiceEndpoint(config.listen or default_scheduler_address(),
-                                        SERVICE_NAME, "a scheduler", SCHEDULER_ENV)
-        self.servicer = SchedulerServicer(config)
-        self.telemetry = SchedulerTelemetry(config, self.servicer.cluster)
-        # Every WatchPlans stream holds a thread: size the pool for many workers.
+                                        SERVICE_NAME, "the scheduler", SCHEDULER_ENV, security)
+        self.servicer = SchedulerServicer(config, max_streams=max_workers - STREAM_RESERVE)
+        self.telemetry = SchedulerTelemetry(config, self.servicer.cluster, security)
+        # Every WatchPlans stream holds a thread: size the pool for many workers (and keep
+        # STREAM_RESERVE of them from streams for the unary calls).
         server = self.endpoint.build_server(max_workers, "tierstack-sched")
         pb_grpc.add_SchedulerServicer_to_server(self.servicer, server)
         self.port = self.endpoint.bind()
@@ -57,13 +61,14 @@ class SchedulerDaemon:
         log.info("scheduler stopped")
 
 
-def serve(config: SchedulerConfig) -> None:
+def serve(config: SchedulerConfig, security: SecurityConfig | None = None) -> None:
     """Run the scheduler in the foreground until SIGTERM or SIGINT."""
-    daemon = SchedulerDaemon(config)
+    os.umask(0o077)  # everything the daemon creates is its user's alone
+    daemon = SchedulerDaemon(config, security=security)
 
     def banner() -> list[str]:
         url = daemon.telemetry.url
         return [f"scheduler listening on {daemon.target}"] + (
             [f"cluster metrics and dashboard on {url}/dashboard/"] if url else [])
 
-    serve_until_signalled(daemon, banner)
+    serve_until_signalled(daemon, banner, stop_timeout=config.shutdown_grace_seconds + 60)

@@ -12,7 +12,7 @@ from tierstack.config import SchedulerConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.proto import scheduler_pb2 as pb
 from tierstack.proto import scheduler_pb2_grpc as pb_grpc
-from tierstack.rpc import rpc_method
+from tierstack.rpc import StreamSlots, checked_interval, rpc_method, rpc_stream
 from tierstack.services.scheduler.cluster import ClusterState
 from tierstack.services.scheduler.model import Plan
 from tierstack.services.scheduler.wire import (
@@ -24,9 +24,10 @@ MAX_WAIT_SECONDS = 3600.0
 class SchedulerServicer(pb_grpc.SchedulerServicer):
     """Serves one cluster's `ClusterState`."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, max_streams: int = 48) -> None:
         self.config = config
         self.cluster = ClusterState(config)
+        self.streams = StreamSlots(max_streams, "scheduler")
         self._stopping = threading.Event()
 
     @rpc_method
@@ -56,38 +57,43 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     def GetPlan(self, request, context):
         if not request.newer_than:
             return plan_pb(*self.cluster.plan(request.job))
-        timeout = min(request.timeout_seconds or MAX_WAIT_SECONDS, MAX_WAIT_SECONDS)
-        found = self.cluster.wait_for_plan(request.job, request.newer_than, timeout, self._stopping)
+        timeout = checked_interval(request.timeout_seconds, "GetPlan timeout_seconds",
+                                   at_least=0.0, at_most=MAX_WAIT_SECONDS, default=MAX_WAIT_SECONDS)
+        # A long poll holds its thread like a stream: it takes a stream's slot.
+        with self.streams.open(context) as ended:
+            found = self.cluster.wait_for_plan(request.job, request.newer_than, timeout, ended)
         if found is None:
             raise InvalidArgumentError(
                 f"no plan newer than v{request.newer_than} for job {request.job!r} within "
                 f"{timeout:.0f} s; use WatchPlans to follow a job's plans")
         return plan_pb(*found)
 
+    @rpc_stream
     def WatchPlans(self, request, context):
         version = request.after_version
-        while context.is_active() and not self._stopping.is_set():
-            found = self.cluster.wait_for_plan(request.job, version, 1.0, self._stopping)
-            if found is None:
-                continue
-            plan, keys = found
-            version = plan.version
-            yield plan_pb(plan, keys)
+        with self.streams.open(context) as ended:
+            while not ended.is_set():
+                found = self.cluster.wait_for_plan(request.job, version, 1.0, ended)
+                if found is None:
+                    continue
+                plan, keys = found
+                version = plan.version
+                yield plan_pb(plan, keys)
 
-    @rpc_method
+    @rpc_stream
     def WatchNodePlans(self, request, context):
+        """The node's plans now (one full update, even when empty), then each change."""
         if not request.node_id:
             raise InvalidArgumentError(
                 "WatchNodePlans needs the node_id its tier manager registered with")
-        return self._node_plan_updates(request.node_id, context)
+        with self.streams.open(context) as ended:
+            yield from self._node_plan_updates(request.node_id, ended)
 
-    def _node_plan_updates(self, node_id: str, context):
-        """The node's plans now (one full update, even when empty), then each change."""
+    def _node_plan_updates(self, node_id: str, ended: threading.Event):
         sent: dict[str, Plan] = {}
         full = True
-        while context.is_active() and not self._stopping.is_set():
-            found = self.cluster.wait_for_node_plans(node_id, sent, 0.0 if full else 1.0,
-                                                     self._stopping)
+        while not ended.is_set():
+            found = self.cluster.wait_for_node_plans(node_id, sent, 0.0 if full else 1.0, ended)
             if found is None and not full:
                 continue
             plans, forgotten = found or ([], [])
@@ -105,4 +111,5 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     def stop(self) -> None:
         self._stopping.set()
+        self.streams.close_all()
         self.cluster.wake_all()

@@ -15,7 +15,7 @@ import threading
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 
 from tierstack import metric_catalog as mc
-from tierstack.config import SchedulerConfig
+from tierstack.config import SchedulerConfig, SecurityConfig
 from tierstack.services.scheduler.cluster import ClusterState
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,10 @@ class SchedulerCollector:
 class SchedulerTelemetry:
     """The scheduler's HTTP API (started when `metrics_listen` is set)."""
 
-    def __init__(self, config: SchedulerConfig, cluster: ClusterState) -> None:
+    def __init__(self, config: SchedulerConfig, cluster: ClusterState,
+                 security: SecurityConfig | None = None) -> None:
         self.config = config
+        self.security = security
         self.cluster = cluster
         self.registry = CollectorRegistry()
         self.registry.register(SchedulerCollector(cluster))

@@ -42,8 +42,10 @@ from torch.optim import adamw
 from tierstack.dtypes import dtype_from_name
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
 from tierstack.services.tier_manager.durable import DurableCopies
+from tierstack.services.tier_manager.extent_header import ExtentMeta
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent
-from tierstack.services.tier_manager.registry import TierRegistry, tensor_view, validate_placement
+from tierstack.services.tier_manager.registry import (TierRegistry, tensor_view, validate_key,
+                                                     validate_placement)
 from tierstack.services.tier_manager.types import (AdamWBlock, AdamWHyper, AdamWResult,
                                                    AdamWSegment, TensorInfo)
 from tierstack.tiers import NVME, Placement
@@ -83,9 +85,10 @@ class _Streamed:
 
     def __init__(self, durable: DurableCopies, nbytes: int, source: NvmeExtent | None,
                  checksums: tuple[int, ...], out: NvmeExtent | None, scratch: torch.Tensor,
-                 label: str) -> None:
+                 meta: ExtentMeta) -> None:
         self.durable, self.nbytes, self.source, self.checksums = durable, nbytes, source, checksums
-        self.out, self.scratch, self.label = out, scratch, label
+        self.out, self.scratch, self.meta = out, scratch, meta
+        self.label = f"AdamW state {meta.key!r}"
         self.array = scratch.numpy()
         self.block = durable.pool.block_size
         self.base = self.loaded = 0  # the window holds bytes [base, loaded); base block-aligned
@@ -138,13 +141,13 @@ class _Streamed:
         self.base = upto
 
     def finish(self) -> tuple[NvmeExtent, tuple[int, ...]]:
-        """Write the rest (what no tile touched is copied through) and sync: the new
-        version, ready to install."""
+        """Write the rest (what no tile touched is copied through), the headers, and sync:
+        the new version, ready to install."""
         assert self.out is not None
         while self.base < self.nbytes:
             self._load(min(self.nbytes, self.base + self._room()))
             self._flush(self.loaded)
-        self.durable.pool.sync([self.out])
+        self.durable.seal(self.out, self.meta, tuple(self.out_checksums))
         return self.out, tuple(self.out_checksums)
 
 
@@ -200,6 +203,7 @@ class AdamWStepper:
         _check_hyper(hyper)
         for block in blocks:
             _check_block(block)
+        _check_distinct(blocks)
         result = AdamWResult()
         writes: list[Future] = []
         pending: Future | None = self._reader.submit(self._acquire, blocks[0], hyper) if blocks else None
@@ -284,7 +288,8 @@ class AdamWStepper:
             held.grads = info
             held.sources["grads"] = self._source(info, buffer, writable=False)
             for name, key in held.new.items():
-                held.sources[name] = self._stream(key, block.state_nbytes, None, (), writable=True)
+                meta = ExtentMeta(key, "float32", (block.state_nbytes // _STATE_ITEMSIZE,))
+                held.sources[name] = self._stream(meta, block.state_nbytes, None, (), writable=True)
             _check_sizes(block, {name: _nbytes(s) for name, s in held.sources.items()})
             if any(isinstance(s, _Streamed) for s in held.sources.values()):
                 _check_order(block)
@@ -298,14 +303,15 @@ class AdamWStepper:
         if buffer is not None or info.nbytes == 0:
             return _Resident(tensor_view(self.registry, info, buffer).view(-1).view(torch.uint8))
         extent, checksums = self.registry.location(info)
-        return self._stream(info.key, info.nbytes, extent, checksums, writable)
+        return self._stream(ExtentMeta(info.key, info.dtype, info.shape), info.nbytes, extent,
+                            checksums, writable)
 
-    def _stream(self, key: str, nbytes: int, source: NvmeExtent | None, checksums: tuple[int, ...],
-                writable: bool) -> _Streamed:
+    def _stream(self, meta: ExtentMeta, nbytes: int, source: NvmeExtent | None,
+                checksums: tuple[int, ...], writable: bool) -> _Streamed:
         durable = self.registry.durable
-        out = durable.allocate(nbytes) if writable else None
+        out = durable.allocate(nbytes, meta) if writable else None
         scratch = self._scratch.take(_STREAMED_SPAN + 2 * durable.pool.block_size)
-        return _Streamed(durable, nbytes, source, checksums, out, scratch, f"AdamW state {key!r}")
+        return _Streamed(durable, nbytes, source, checksums, out, scratch, meta)
 
     def _create_zeros(self, key: str, nbytes: int, placement: Placement) -> bool:
         """Moments of zeros in the CPU pool; False when the pool has no room for them."""
@@ -505,6 +511,34 @@ def _check_block(block: AdamWBlock) -> None:
     for key in (block.params, block.grads, block.exp_avg, block.exp_avg_sq):
         if not key:
             raise InvalidArgumentError(f"block {block.params!r}: every state key must be named")
+        validate_key(key)
+    if block.master:
+        validate_key(block.master)
+    if block.state_nbytes % _STATE_ITEMSIZE:
+        raise InvalidArgumentError(
+            f"block {block.params!r}: state_nbytes {block.state_nbytes} is not a whole number "
+            f"of float32 elements")
+
+
+_ROLES = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+
+
+def _check_distinct(blocks: list[AdamWBlock]) -> None:
+    """No tensor plays two roles in one request. A step holds what it changes exclusively
+    and pins the gradients: a key named twice (params == grads, or a moment == the
+    parameters) would wait for its own hold forever and wedge every later step."""
+    seen: dict[str, str] = {}
+    for i, block in enumerate(blocks):
+        for role in _ROLES:
+            key = getattr(block, role)
+            if not key:
+                continue
+            if key in seen:
+                raise InvalidArgumentError(
+                    f"AdamW request names tensor {key!r} twice ({seen[key]} and block {i}'s "
+                    f"{role}); each block's params, grads, master and moments must be "
+                    f"distinct tensors, and no two blocks may share one")
+            seen[key] = f"block {i}'s {role}"
 
 
 def _check_sizes(block: AdamWBlock, sizes: dict[str, int]) -> None:

@@ -15,6 +15,7 @@ from typing import Iterator
 import grpc
 
 from tierstack.addresses import default_tier_manager_address, grpc_target
+from tierstack.config import SecurityConfig
 from tierstack.errors import TierManagerUnavailableError
 from tierstack.proto import node_metrics_pb2 as metrics_pb
 from tierstack.proto import node_metrics_pb2_grpc as metrics_grpc
@@ -51,9 +52,10 @@ class TierManagerClient(RpcClient):
     unavailable = TierManagerUnavailableError
     idempotent = IDEMPOTENT
 
-    def __init__(self, address: str | None = None, reconnect_timeout: float = 60.0) -> None:
+    def __init__(self, address: str | None = None, reconnect_timeout: float = 60.0,
+                 security: SecurityConfig | None = None) -> None:
         super().__init__(grpc_target(address or default_tier_manager_address()),
-                         pb_grpc.TierManagerStub, reconnect_timeout, options=[
+                         pb_grpc.TierManagerStub, reconnect_timeout, security=security, options=[
                              ("grpc.max_receive_message_length", 64 << 20),
                              # Reconnect quickly after a daemon restart instead of backing
                              # off for seconds.
@@ -114,8 +116,13 @@ class TierManagerClient(RpcClient):
 
     def watch_stats(self, interval: float = 1.0) -> Iterator[NodeStats]:
         """NodeStats every `interval` seconds until the iterator is closed."""
-        for msg in self._stub.WatchStats(pb.WatchStatsRequest(interval_seconds=interval)):
-            yield wire.stats_from(msg)
+        self.check_endpoint()
+        try:
+            for msg in self._stub.WatchStats(pb.WatchStatsRequest(interval_seconds=interval),
+                                             metadata=self.metadata):
+                yield wire.stats_from(msg)
+        except grpc.RpcError as e:
+            raise self._translate("WatchStats", e) from None
 
     # ---- the node's metrics service: best effort, never in a worker's way -------------------
 
@@ -123,7 +130,8 @@ class TierManagerClient(RpcClient):
         """Send a worker's counters; False when the daemon collects no metrics (a report
         that fails otherwise, e.g. during a daemon restart, is only logged)."""
         try:
-            self._metrics.ReportWorker(wire.worker_report_pb(report), timeout=timeout)
+            self._metrics.ReportWorker(wire.worker_report_pb(report), timeout=timeout,
+                                       metadata=self.metadata)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return False
@@ -134,6 +142,6 @@ class TierManagerClient(RpcClient):
         """The node's HTTP URL (dashboard, /metrics), or '' when it serves none."""
         try:
             return self._metrics.GetHttpEndpoint(metrics_pb.GetHttpEndpointRequest(),
-                                                 timeout=timeout).url
+                                                 timeout=timeout, metadata=self.metadata).url
         except grpc.RpcError:
             return ""

@@ -16,7 +16,7 @@ import threading
 import torch
 
 from tierstack.addresses import TIER_MANAGER_ENV, default_tier_manager_address
-from tierstack.config import TierManagerConfig
+from tierstack.config import SecurityConfig, TierManagerConfig
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import ServiceEndpoint, serve_until_signalled
 from tierstack.services.tier_manager.registry import TierRegistry
@@ -26,23 +26,27 @@ from tierstack.services.tier_manager.telemetry import NodeTelemetry
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tierstack.tier_manager.v1.TierManager"
+STREAM_RESERVE = 8
+"""gRPC threads kept from streams (WatchStats) for unary calls: StreamSlots in rpc.py."""
 
 
 class TierManagerDaemon:
     """Owns the registry, the gRPC server and the health status of one node."""
 
-    def __init__(self, config: TierManagerConfig, max_workers: int = 32) -> None:
+    def __init__(self, config: TierManagerConfig, max_workers: int = 32,
+                 security: SecurityConfig | None = None, recover: bool = False) -> None:
         # PyTorch's intra-op threads, set once for the process: the optimizer step's one
         # compute thread uses them all (adamw.py); nothing else here runs torch kernels.
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         self.config = config
         self.endpoint = ServiceEndpoint(config.listen or default_tier_manager_address(),
-                                        SERVICE_NAME, "a tier manager", TIER_MANAGER_ENV)
-        self.registry = TierRegistry(config)
+                                        SERVICE_NAME, "the tier manager", TIER_MANAGER_ENV, security)
+        self.registry = TierRegistry(config, recover=recover)
         try:
             self.servicer = TierManagerServicer(self.registry,
-                                                lease_timeout=config.lease_timeout_seconds)
-            self.telemetry = NodeTelemetry(config, self.servicer)
+                                                lease_timeout=config.lease_timeout_seconds,
+                                                max_streams=max_workers - STREAM_RESERVE)
+            self.telemetry = NodeTelemetry(config, self.servicer, security)
             server = self.endpoint.build_server(max_workers, "tierstack-rpc",
                                                 self.telemetry.interceptors())
             self.telemetry.add_to_server(server)
@@ -52,6 +56,7 @@ class TierManagerDaemon:
             self.registry.close()
             raise
         self.target = self.endpoint.target
+        self.security = security
         self._stopped = threading.Event()
         self.node_link = None  # the scheduler link, when tier_manager.scheduler_address is set
 
@@ -60,7 +65,7 @@ class TierManagerDaemon:
         if self.config.scheduler_address:
             from tierstack.services.tier_manager.node_link import NodeLink
 
-            self.node_link = NodeLink(self.registry, self.config, self.telemetry.url)
+            self.node_link = NodeLink(self.registry, self.config, self.telemetry.url, self.security)
             self.node_link.start()  # probes the links before serving, then registers
         self.endpoint.start()
         threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
@@ -85,13 +90,16 @@ class TierManagerDaemon:
         self._stopped.wait()
 
 
-def serve(config: TierManagerConfig) -> None:
-    """Run the daemon in the foreground until SIGTERM or SIGINT."""
-    daemon = TierManagerDaemon(config)
+def serve(config: TierManagerConfig, security: SecurityConfig | None = None,
+          recover: bool = False) -> None:
+    """Run the daemon in the foreground until SIGTERM or SIGINT. With `recover`, first
+    rebuild the manifest from the NVMe data (durable.py: DurableCopies.rebuild)."""
+    os.umask(0o077)  # everything the daemon creates is its user's alone
+    daemon = TierManagerDaemon(config, security=security, recover=recover)
 
     def banner() -> list[str]:
         url = daemon.telemetry.url
         return [f"tier manager listening on {daemon.target}"] + (
             [f"metrics and dashboard on {url}/dashboard/"] if url else [])
 
-    serve_until_signalled(daemon, banner)
+    serve_until_signalled(daemon, banner, stop_timeout=config.shutdown_grace_seconds + 60)

@@ -41,6 +41,7 @@ import numpy as np
 from tierstack.config import AioConfig
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes
 from tierstack.errors import DataCorruptionError, NvmePoolFullError, StorageIOError
+from tierstack.private_paths import open_private_file
 
 log = logging.getLogger(__name__)
 
@@ -159,15 +160,18 @@ class DirectFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        # Never through a symlink, and only a regular file of ours (private_paths): the
+        # directory is checked to be ours alone, this is the second lock on the door.
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        self.created = not os.path.lexists(path)
         self.direct = True
         try:
-            self.fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            self.fd = open_private_file(path, flags | os.O_DIRECT, "NVMe pool file")
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise StorageIOError(f"cannot open NVMe pool file {path}: {e.strerror}") from e
             self.direct = False
-            self.fd = os.open(path, flags, 0o600)
+            self.fd = open_private_file(path, flags, "NVMe pool file")
             log.warning(
                 "%s is on a filesystem without O_DIRECT (tmpfs?): using buffered IO with "
                 "fdatasync; bandwidth figures from it do not describe a drive", path)

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tierstack.config import MiB, TierManagerConfig
+from tierstack.config import MiB, SecurityConfig, TierManagerConfig
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError, TierstackError
 from tierstack.services.scheduler.client import SchedulerClient, Stream
 from tierstack.services.scheduler.model import TIERS, Bandwidths, JobNodePlan, NodePlanUpdate, NodeSpec
@@ -130,11 +130,12 @@ class NodeLink:
     """Registers this node with the scheduler, reports its measured disk bandwidth and
     has the registry follow the plans of the node's jobs."""
 
-    def __init__(self, registry: TierRegistry, config: TierManagerConfig, metrics_url: str = "") -> None:
+    def __init__(self, registry: TierRegistry, config: TierManagerConfig, metrics_url: str = "",
+                 security: SecurityConfig | None = None) -> None:
         self.registry = registry
         self.config = config
         self.metrics_url = metrics_url  # the node's HTTP API, for the scheduler's cluster view
-        self.client = SchedulerClient(config.scheduler_address, timeout=10.0)
+        self.client = SchedulerClient(config.scheduler_address, timeout=10.0, security=security)
         self.node: NodeSpec | None = None
         self.interval = 2.0
         self.reports = 0

@@ -37,6 +37,7 @@ from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFound
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.eviction import EvictionPolicy, EvictionState, JobPlan
+from tierstack.services.tier_manager.extent_header import MAX_DIMS, ExtentMeta
 from tierstack.services.tier_manager.manifest import ManifestEntry
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent, held_bytes
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes, tensor_bytes, tensor_from_buffer
@@ -78,6 +79,11 @@ def validate_placement(placement: object) -> Placement:
     return placement  # type: ignore[return-value]
 
 
+def validate_shape(shape: tuple[int, ...]) -> None:
+    if len(shape) > MAX_DIMS:
+        raise InvalidArgumentError(f"a tensor of {len(shape)} dimensions; at most {MAX_DIMS}")
+
+
 def validate_key(key: object) -> str:
     """Keys are opaque strings: 1..1024 UTF-8 bytes, no NUL. They never name a file."""
     if not isinstance(key, str):
@@ -100,7 +106,7 @@ def validate_key(key: object) -> str:
 class TierRegistry:
     """Maps tensor keys to CPU-pool buffers and NVMe extents, durably for NVMe."""
 
-    def __init__(self, config: TierManagerConfig) -> None:
+    def __init__(self, config: TierManagerConfig, recover: bool = False) -> None:
         config.validate()
         self.config = config
         self._lock = threading.RLock()
@@ -116,14 +122,18 @@ class TierRegistry:
                               measure(nvme.paths, device="cpu", nvme_held=held_bytes(nvme.paths)))
         # Versions come from one registry-wide counter (DurableCopies.next_version), so
         # (key, version) names one record even across delete and re-put.
-        self.durable = DurableCopies(config, make_room=self._drop_nvme_copies, capacity=self.caps.nvme)
+        # The durable copies first: a manifest that cannot be trusted stops the start
+        # before any CPU-pool file exists.
+        self.durable = DurableCopies(config, make_room=self._drop_nvme_copies,
+                                     capacity=self.caps.nvme, rebuild=recover)
         self.nvme_pool, self.manifest = self.durable.pool, self.durable.manifest
         try:
+            entries = self.durable.recover()
             self.cpu_pool = CpuPool(config.cpu_pool, on_full=self._evict_for, capacity=self.caps.cpu)
         except BaseException:
-            self.durable.close()
+            self.durable.close(failed_start=True)
             raise
-        for entry in self.durable.recover():
+        for entry in entries:
             self._records[entry.key] = _Record(
                 entry.key, entry.dtype, entry.shape, entry.nbytes, entry.version,
                 nvme=entry.extent, checksums=entry.checksums, durable=True)
@@ -142,7 +152,7 @@ class TierRegistry:
         data = tensor_bytes(tensor)
         dtype, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
         if tier == "nvme":
-            extent, checksums = self.durable.write(key, data)
+            extent, checksums = self.durable.write(ExtentMeta(key, dtype, shape), data)
             return self._install(key, dtype, shape, len(data), nvme=extent, checksums=checksums,
                                  placement=placement)
         buffer = self.allocate_buffer(len(data))
@@ -173,6 +183,7 @@ class TierRegistry:
         """
         validate_key(key)
         validate_placement(placement)
+        validate_shape(shape)
         dtype_from_name(dtype)
         nbytes = nbytes_of(dtype, tuple(shape))
         held = buffer.nbytes if buffer is not None else 0
@@ -183,7 +194,7 @@ class TierRegistry:
         if not durable:
             return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, placement=placement)
         view = self.cpu_pool.view(buffer) if buffer is not None else memoryview(b"")
-        extent, checksums = self.durable.write(key, view)
+        extent, checksums = self.durable.write(ExtentMeta(key, dtype, tuple(shape)), view)
         # On failure _install frees the extent it was given (never the caller's buffer).
         return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, nvme=extent,
                              checksums=checksums, placement=placement)
@@ -418,8 +429,9 @@ class TierRegistry:
                 return record.info()
             extent, checksums = written if written is not None else (None, ())
             if durable and written is None:
-                extent, checksums = self.durable.write(key, self.view(record.cpu) if record.cpu
-                                                       else memoryview(b""))
+                extent, checksums = self.durable.write(
+                    ExtentMeta(key, record.dtype, record.shape),
+                    self.view(record.cpu) if record.cpu else memoryview(b""))
             with self._lock:
                 if self._records.get(key) is not record:
                     self.durable.free(extent)
@@ -462,7 +474,8 @@ class TierRegistry:
     def _evict_pinned(self, record: _Record) -> None:
         """Write a pinned record's CPU copy to NVMe if needed, then drop the CPU copy."""
         if record.nvme is None:
-            extent, checksums = self.durable.write(record.key, self.cpu_pool.view(record.cpu))
+            extent, checksums = self.durable.write(ExtentMeta(record.key, record.dtype, record.shape),
+                                                   self.cpu_pool.view(record.cpu))
             with self._lock:
                 if record.retired:  # replaced while we wrote: our copy is stale
                     self.durable.free(extent)

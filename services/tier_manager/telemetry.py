@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tierstack.config import TierManagerConfig
+from tierstack.config import SecurityConfig, TierManagerConfig
 from tierstack.proto import node_metrics_pb2_grpc as pb_grpc
 from tierstack.services.tier_manager.server import TierManagerServicer
 
@@ -21,8 +21,10 @@ log = logging.getLogger(__name__)
 class NodeTelemetry:
     """Metrics of one tier-manager daemon, and the HTTP server that shows them."""
 
-    def __init__(self, config: TierManagerConfig, servicer: TierManagerServicer) -> None:
+    def __init__(self, config: TierManagerConfig, servicer: TierManagerServicer,
+                 security: SecurityConfig | None = None) -> None:
         self.config = config.metrics
+        self.security = security
         self.metrics = None
         self.http = None
         self._serving = threading.Event()

@@ -11,7 +11,7 @@ import torch
 from tests.conftest import shm_bytes_used
 from tierstack.errors import DataCorruptionError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
 from tierstack.services.tier_manager.eviction import JobPlan
-from tierstack.services.tier_manager.nvme_pool import DATA_FILE
+from tierstack.services.tier_manager.nvme_pool import DATA_FILE, LOCK_FILE
 from tierstack.services.tier_manager.registry import TierRegistry, tensor_view
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
@@ -162,10 +162,10 @@ def test_flipped_byte_is_detected_and_no_data_is_returned(tier_config):
         extent = reg._records["w"].nvme
         drive, stripe = extent.stripes[0]
         path = os.path.join(tier_config.nvme_pool.paths[drive], DATA_FILE)
-        with open(path, "r+b") as f:
-            f.seek(stripe.offset + 1000)
+        with open(path, "r+b") as f:  # a byte of the data, past the extent's header
+            f.seek(stripe.offset + extent.header + 1000)
             b = f.read(1)
-            f.seek(stripe.offset + 1000)
+            f.seek(stripe.offset + extent.header + 1000)
             f.write(bytes([b[0] ^ 1]))
         with pytest.raises(DataCorruptionError, match="'w' block 0"):
             reg.get("w")
@@ -205,7 +205,7 @@ def test_path_like_keys_are_opaque(tier_config):
             reg.put(key, torch.arange(5), tier="nvme")
             assert torch.equal(reg.get(key), torch.arange(5))
         for d in tier_config.nvme_pool.paths:
-            assert sorted(os.listdir(d)) == [DATA_FILE]
+            assert sorted(os.listdir(d)) == sorted([DATA_FILE, LOCK_FILE])  # none named by a key
 
 
 def test_unknown_keys_and_bad_tiers(tier_config):
@@ -251,9 +251,9 @@ def test_cpu_pool_on_hugetlbfs_spills_and_verifies_like_any_other(tier_config, h
         extent = reg._records["t3"].nvme
         drive, stripe = extent.stripes[0]
         with open(os.path.join(tier_config.nvme_pool.paths[drive], DATA_FILE), "r+b") as f:
-            f.seek(stripe.offset + 5)
+            f.seek(stripe.offset + extent.header + 5)
             b = f.read(1)
-            f.seek(stripe.offset + 5)
+            f.seek(stripe.offset + extent.header + 5)
             f.write(bytes([b[0] ^ 0x80]))
         with pytest.raises(DataCorruptionError):
             reg.fetch("t3")
@@ -293,7 +293,7 @@ def test_empty_cpu_tensors_never_become_eviction_victims(tier_config):
 
 
 def test_a_failed_eviction_leaves_the_tensor_evictable(tier_config):
-    tier_config.nvme_pool.size = 2 * 1024 * 1024  # room for two 1 MiB tensors
+    tier_config.nvme_pool.size = 2 * (1024 * 1024 + 4096)  # two 1 MiB tensors, each with its header page
     tier_config.nvme_pool.paths = tier_config.nvme_pool.paths[:1]
     with TierRegistry(tier_config) as reg:
         for i in range(8):
