@@ -31,7 +31,7 @@ class GetNodeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("instance_id", "arenas", "cpu_capacity", "nvme_capacity", "block_size", "alignment", "arenas_epoch")
+    __slots__ = ("instance_id", "arenas", "cpu_capacity", "nvme_capacity", "block_size", "alignment", "arenas_epoch", "session_dir")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ARENAS_FIELD_NUMBER: _ClassVar[int]
     CPU_CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class NodeInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     ARENAS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_DIR_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     arenas: _containers.RepeatedCompositeFieldContainer[Arena]
     cpu_capacity: int
@@ -46,7 +47,8 @@ class NodeInfo(_message.Message):
     block_size: int
     alignment: int
     arenas_epoch: int
-    def __init__(self, instance_id: _Optional[str] = ..., arenas: _Optional[_Iterable[_Union[Arena, _Mapping]]] = ..., cpu_capacity: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., block_size: _Optional[int] = ..., alignment: _Optional[int] = ..., arenas_epoch: _Optional[int] = ...) -> None: ...
+    session_dir: str
+    def __init__(self, instance_id: _Optional[str] = ..., arenas: _Optional[_Iterable[_Union[Arena, _Mapping]]] = ..., cpu_capacity: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., block_size: _Optional[int] = ..., alignment: _Optional[int] = ..., arenas_epoch: _Optional[int] = ..., session_dir: _Optional[str] = ...) -> None: ...
 
 class AllocateBufferRequest(_message.Message):
     __slots__ = ("nbytes",)
@@ -311,3 +313,67 @@ class AdamWStepResponse(_message.Message):
     update_seconds: float
     wait_seconds: float
     def __init__(self, updated: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., update_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class OpenJobRequest(_message.Message):
+    __slots__ = ("job", "keep", "quota_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    keep: bool
+    quota_bytes: int
+    def __init__(self, job: _Optional[str] = ..., keep: _Optional[bool] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("job", "keep", "quota_bytes", "tensors", "bytes", "workers", "managed", "delete_in_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MANAGED_FIELD_NUMBER: _ClassVar[int]
+    DELETE_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    keep: bool
+    quota_bytes: int
+    tensors: int
+    bytes: int
+    workers: int
+    managed: bool
+    delete_in_seconds: float
+    def __init__(self, job: _Optional[str] = ..., keep: _Optional[bool] = ..., quota_bytes: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., workers: _Optional[int] = ..., managed: _Optional[bool] = ..., delete_in_seconds: _Optional[float] = ...) -> None: ...
+
+class CloseJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class CloseJobResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteJobRequest(_message.Message):
+    __slots__ = ("job", "force")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    force: bool
+    def __init__(self, job: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class DeleteJobResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...

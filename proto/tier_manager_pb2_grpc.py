@@ -104,6 +104,26 @@ class TierManagerStub:
                 request_serializer=tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepRequest.SerializeToString,
                 response_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepResponse.FromString,
                 _registered_method=True)
+        self.OpenJob = channel.unary_unary(
+                '/tierstack.tier_manager.v1.TierManager/OpenJob',
+                request_serializer=tierstack_dot_proto_dot_tier__manager__pb2.OpenJobRequest.SerializeToString,
+                response_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.JobInfo.FromString,
+                _registered_method=True)
+        self.CloseJob = channel.unary_unary(
+                '/tierstack.tier_manager.v1.TierManager/CloseJob',
+                request_serializer=tierstack_dot_proto_dot_tier__manager__pb2.CloseJobRequest.SerializeToString,
+                response_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.CloseJobResponse.FromString,
+                _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/tierstack.tier_manager.v1.TierManager/ListJobs',
+                request_serializer=tierstack_dot_proto_dot_tier__manager__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/tierstack.tier_manager.v1.TierManager/DeleteJob',
+                request_serializer=tierstack_dot_proto_dot_tier__manager__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.DeleteJobResponse.FromString,
+                _registered_method=True)
 
 
 class TierManagerServicer:
@@ -209,6 +229,34 @@ class TierManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenJob(self, request, context):
+        """Jobs: the tensors under "<job>/". A worker opens its job (from its client session)
+        and closes it when it ends; when no worker holds a job any more, its tensors are
+        deleted after a grace period unless it was opened with keep. Quotas bound a job's bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
+        """Delete a job's tensors now (refused while workers hold it, unless force).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +329,26 @@ def add_TierManagerServicer_to_server(servicer, server):
                     servicer.AdamWStep,
                     request_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepRequest.FromString,
                     response_serializer=tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepResponse.SerializeToString,
+            ),
+            'OpenJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenJob,
+                    request_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.OpenJobRequest.FromString,
+                    response_serializer=tierstack_dot_proto_dot_tier__manager__pb2.JobInfo.SerializeToString,
+            ),
+            'CloseJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseJob,
+                    request_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.CloseJobRequest.FromString,
+                    response_serializer=tierstack_dot_proto_dot_tier__manager__pb2.CloseJobResponse.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.ListJobsRequest.FromString,
+                    response_serializer=tierstack_dot_proto_dot_tier__manager__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=tierstack_dot_proto_dot_tier__manager__pb2.DeleteJobRequest.FromString,
+                    response_serializer=tierstack_dot_proto_dot_tier__manager__pb2.DeleteJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -661,6 +729,114 @@ class TierManager:
             '/tierstack.tier_manager.v1.TierManager/AdamWStep',
             tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepRequest.SerializeToString,
             tierstack_dot_proto_dot_tier__manager__pb2.AdamWStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstack.tier_manager.v1.TierManager/OpenJob',
+            tierstack_dot_proto_dot_tier__manager__pb2.OpenJobRequest.SerializeToString,
+            tierstack_dot_proto_dot_tier__manager__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstack.tier_manager.v1.TierManager/CloseJob',
+            tierstack_dot_proto_dot_tier__manager__pb2.CloseJobRequest.SerializeToString,
+            tierstack_dot_proto_dot_tier__manager__pb2.CloseJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstack.tier_manager.v1.TierManager/ListJobs',
+            tierstack_dot_proto_dot_tier__manager__pb2.ListJobsRequest.SerializeToString,
+            tierstack_dot_proto_dot_tier__manager__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstack.tier_manager.v1.TierManager/DeleteJob',
+            tierstack_dot_proto_dot_tier__manager__pb2.DeleteJobRequest.SerializeToString,
+            tierstack_dot_proto_dot_tier__manager__pb2.DeleteJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

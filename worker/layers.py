@@ -51,14 +51,17 @@ class LayerStore:
     def __init__(self, job: str, device: str | torch.device | None = None,
                  device_budget: int = DEFAULT_DEVICE_BUDGET, address: str | None = None,
                  reconnect_timeout: float = 60.0, durable: bool = True,
-                 metrics: bool = True) -> None:
+                 metrics: bool = True, keep: bool = False) -> None:
         if not job or "/" in job:
             raise InvalidArgumentError(f"job name {job!r} must be non-empty and contain no '/'")
         self.job = job
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.cuda = self.device.type == "cuda"
         self.durable = durable
-        self.session = TierSession(address, reconnect_timeout, pin_for_cuda=self.cuda)
+        # The session holds the job open: when the last store of a job closes (or its
+        # process dies), the daemon deletes its tensors, unless `keep` (tier_session.py).
+        self.session = TierSession(address, reconnect_timeout, pin_for_cuda=self.cuda, job=job,
+                                   keep=keep)
         self.client = self.session.client
         self.residency = DeviceResidency(self.device, device_budget, self)
         self.budget = self.residency.budget

@@ -7,6 +7,10 @@ read by fetching it (the daemon pins it), copying out of the mapping and releasi
 A daemon restart is survived: calls wait for the daemon, and an operation interrupted
 by a restart (an answer that names another instance's arenas, a lease or a volatile key
 the new instance never had) is redone against the new instance's arenas.
+
+With a `job`, the session holds that job open on the daemon for its life (re-opened on a
+restarted daemon): when the last session holding a job closes or dies, the daemon deletes
+the job's tensors after a grace period, unless the job was opened with `keep`.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ class StaleArenas(Exception):
 class TierSession:
     """The client, the arena mapping (remapped after a restart) and the bytes moved."""
 
-    def __init__(self, address: str | None, reconnect_timeout: float, pin_for_cuda: bool) -> None:
+    def __init__(self, address: str | None, reconnect_timeout: float, pin_for_cuda: bool,
+                 job: str = "", keep: bool = False, quota: int = 0) -> None:
         self.client = TierManagerClient(address, reconnect_timeout)
+        self.job, self.keep, self.quota = job, keep, quota
         self.pin_for_cuda = pin_for_cuda
         self._arenas: ArenaMap | None = None
         self._arena_lock = threading.Lock()
@@ -66,6 +72,8 @@ class TierSession:
                     log.warning("tier manager restarted (%s -> %s): remapping its arenas",
                                 self._arenas.instance_id, node.instance_id)
                     self._arenas.close()
+                if self.job:  # a new instance knows no holder: hold the job again
+                    self.client.open_job(self.job, self.keep, self.quota)
                 self._arenas = ArenaMap(node, pin_for_cuda=self.pin_for_cuda, describe=self.client.node)
             return self._arenas
 
@@ -172,9 +180,15 @@ class TierSession:
             log.debug("release of %s v%d: %s", key, version, e)
 
     def close(self) -> None:
-        """Finish queued hints and releases, unmap the arenas, close the channel."""
+        """Finish queued hints and releases, unmap the arenas, let go of the job, close
+        the channel (which ends the session: the daemon frees what it still holds)."""
         self._hinter.shutdown(wait=True)
         self._releaser.shutdown(wait=True)
         if self._arenas is not None:
             self._arenas.close()
+        if self.job:
+            try:
+                self.client.close_job(self.job)
+            except Exception as e:  # noqa: BLE001 - the session's end lets go of it anyway
+                log.debug("closing job %s: %s", self.job, e)
         self.client.close()

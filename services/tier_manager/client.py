@@ -5,11 +5,21 @@ restart looks like a pause rather than an error; statuses come back as the proje
 exceptions, answers as the dataclasses of `types.py`. `node()` tells whether the daemon
 restarted (a new instance id), which the worker uses to remap arenas and redo
 interrupted work.
+
+Before its first call that makes the daemon hold something for it (a buffer lease, a
+fetch pin, an open job), a client starts a session: a lock file in the daemon's session
+directory, flocked until `close` (or the process's death), whose id every call names.
+The daemon lets go of whatever a gone client held as soon as the lock is free.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
+import secrets
+import threading
+from pathlib import Path
 from typing import Iterator
 
 import grpc
@@ -29,6 +39,7 @@ from tierstack.services.tier_manager.types import (
     AdamWResult,
     BufferLease,
     FetchResult,
+    JobInfo,
     NodeInfo,
     NodeStats,
     TensorInfo,
@@ -42,7 +53,9 @@ log = logging.getLogger(__name__)
 # repeating them changes nothing. The others (buffers, commits, pins) are redone as a
 # whole by the worker, which first checks whether the daemon restarted.
 IDEMPOTENT = frozenset({"GetNode", "Prefetch", "Describe", "GetStats", "SetAccessOrder",
-                        "Evict", "Delete"})
+                        "Evict", "Delete", "ListJobs", "OpenJob"})
+SESSION_METADATA = "x-tierstack-session"  # as the daemon's sessions.py reads it
+SESSION_PREFIX = "tierstack-client-"
 
 
 class TierManagerClient(RpcClient):
@@ -63,12 +76,63 @@ class TierManagerClient(RpcClient):
                              ("grpc.max_reconnect_backoff_ms", 500),
                          ])
         self._metrics = metrics_grpc.NodeMetricsStub(self._channel)
+        self._session_lock = threading.Lock()
+        self._session_fd: int | None = None
+        self._session_path: Path | None = None
+        self._session_tried = False
+
+    # ---- the client's session -------------------------------------------------------------
+
+    def start_session(self) -> str:
+        """Start this client's session if it has none (see the module docstring); returns
+        its id, '' where the daemon's session directory is not reachable from here (a
+        client on another host: its holds then expire by the daemon's lease timeout)."""
+        with self._session_lock:
+            if not self._session_tried:
+                self._session_tried = True
+                self._open_session(self.node().session_dir)
+            return self._session_path.name[len(SESSION_PREFIX):-len(".lock")] \
+                if self._session_path else ""
+
+    def _open_session(self, directory: str) -> None:
+        if not directory:
+            return
+        session = secrets.token_hex(16)
+        path = Path(directory) / f"{SESSION_PREFIX}{session}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
+        except OSError as e:
+            log.debug("no client session (cannot create %s: %s); holds expire by time", path, e)
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self._session_fd, self._session_path = fd, path
+        self.metadata = self.metadata + ((SESSION_METADATA, session),)
+
+    def _end_session(self) -> None:
+        with self._session_lock:
+            if self._session_fd is None:
+                return
+            try:
+                os.unlink(self._session_path)
+            except OSError:
+                pass
+            os.close(self._session_fd)  # the lock goes: the daemon lets go of our holds
+            self._session_fd = None
+
+    def close(self) -> None:
+        """End the session (the daemon frees what this client still holds) and the channel."""
+        self._end_session()
+        super().close()
+
+    # ---- calls ----------------------------------------------------------------------------
 
     def node(self) -> NodeInfo:
         return wire.node_info_from(self.call("GetNode", pb.GetNodeRequest()))
 
     def allocate(self, nbytes: int) -> BufferLease:
         """A CPU-pool buffer of `nbytes` to fill and then `commit` (or `cancel`)."""
+        self.start_session()
         return wire.lease_from(self.call("AllocateBuffer", pb.AllocateBufferRequest(nbytes=nbytes)))
 
     def cancel(self, lease_id: int) -> None:
@@ -84,6 +148,7 @@ class TierManagerClient(RpcClient):
 
     def fetch(self, keys: list[str]) -> FetchResult:
         """Make `keys` resident in the CPU pool and pin them there until `release`."""
+        self.start_session()
         return wire.fetch_from(self.call("Fetch", pb.FetchRequest(keys=keys)))
 
     def prefetch(self, keys: list[str]) -> None:
@@ -113,6 +178,25 @@ class TierManagerClient(RpcClient):
 
     def stats(self) -> NodeStats:
         return wire.stats_from(self.call("GetStats", pb.GetStatsRequest()))
+
+    # ---- jobs ----------------------------------------------------------------------------------
+
+    def open_job(self, job: str, keep: bool = False, quota_bytes: int = 0) -> JobInfo:
+        """Hold `job` open from this client's session: while any client holds it, its
+        tensors stay; after the last lets go (or dies) they are deleted unless `keep`."""
+        self.start_session()
+        return wire.job_info_from(self.call("OpenJob", pb.OpenJobRequest(
+            job=job, keep=keep, quota_bytes=quota_bytes)))
+
+    def close_job(self, job: str) -> None:
+        self.call("CloseJob", pb.CloseJobRequest(job=job))
+
+    def jobs(self) -> list[JobInfo]:
+        return [wire.job_info_from(j) for j in self.call("ListJobs", pb.ListJobsRequest()).jobs]
+
+    def delete_job(self, job: str, force: bool = False) -> int:
+        """Delete a job's tensors now; returns how many went."""
+        return self.call("DeleteJob", pb.DeleteJobRequest(job=job, force=force)).deleted
 
     def watch_stats(self, interval: float = 1.0) -> Iterator[NodeStats]:
         """NodeStats every `interval` seconds until the iterator is closed."""

@@ -45,7 +45,8 @@ class TierManagerDaemon:
         try:
             self.servicer = TierManagerServicer(self.registry,
                                                 lease_timeout=config.lease_timeout_seconds,
-                                                max_streams=max_workers - STREAM_RESERVE)
+                                                max_streams=max_workers - STREAM_RESERVE,
+                                                jobs_config=config.jobs)
             self.telemetry = NodeTelemetry(config, self.servicer, security)
             server = self.endpoint.build_server(max_workers, "tierstack-rpc",
                                                 self.telemetry.interceptors())

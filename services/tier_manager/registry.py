@@ -33,7 +33,8 @@ import torch
 from tierstack.budgets import measure, pool_caps
 from tierstack.config import TierManagerConfig
 from tierstack.dtypes import dtype_from_name, dtype_name, nbytes_of
-from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
+from tierstack.errors import (CpuPoolFullError, InvalidArgumentError, KeyNotFoundError,
+                              QuotaExceededError)
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.eviction import EvictionPolicy, EvictionState, JobPlan
@@ -79,6 +80,12 @@ def validate_placement(placement: object) -> Placement:
     return placement  # type: ignore[return-value]
 
 
+def job_of(key: str) -> str:
+    """The job a key belongs to: its part before the first '/' ('' for none)."""
+    job, slash, _ = key.partition("/")
+    return job if slash else ""
+
+
 def validate_shape(shape: tuple[int, ...]) -> None:
     if len(shape) > MAX_DIMS:
         raise InvalidArgumentError(f"a tensor of {len(shape)} dimensions; at most {MAX_DIMS}")
@@ -115,6 +122,10 @@ class TierRegistry:
         self._eviction = EvictionPolicy()  # knows the CPU-resident keys; guarded by _lock
         self._leases: dict[tuple[str, int], tuple[_Record, int]] = {}
         self.evictions = 0
+        # Per job (the key's part before its first '/'): tensors and bytes of the current
+        # versions, and the quota jobs.py set (guarded by _lock).
+        self._job_usage: dict[str, list[int]] = {}
+        self._quotas: dict[str, int] = {}
         # The pools' caps: stated sizes checked against the machine (one line if above
         # it), 'auto' ones from its default budgets. Nothing is allocated yet.
         nvme = config.nvme_pool
@@ -137,6 +148,7 @@ class TierRegistry:
             self._records[entry.key] = _Record(
                 entry.key, entry.dtype, entry.shape, entry.nbytes, entry.version,
                 nvme=entry.extent, checksums=entry.checksums, durable=True)
+            self._count(entry.key, entry.nbytes, +1)
 
     # ---- writes -------------------------------------------------------------------
 
@@ -151,6 +163,7 @@ class TierRegistry:
             raise InvalidArgumentError(f"unknown tier {tier!r}; use one of {HOST_TIERS}")
         data = tensor_bytes(tensor)
         dtype, shape = dtype_name(tensor.dtype), tuple(tensor.shape)
+        self._check_quota(key, len(data))  # before any byte is written
         if tier == "nvme":
             extent, checksums = self.durable.write(ExtentMeta(key, dtype, shape), data)
             return self._install(key, dtype, shape, len(data), nvme=extent, checksums=checksums,
@@ -191,6 +204,7 @@ class TierRegistry:
             raise InvalidArgumentError(
                 f"tensor {key!r}: {dtype}{list(shape)} needs {nbytes} bytes but the buffer "
                 f"holds {held}; allocate a buffer of exactly the tensor's size")
+        self._check_quota(key, nbytes)  # before any byte is written
         if not durable:
             return self._install(key, dtype, tuple(shape), nbytes, cpu=buffer, placement=placement)
         view = self.cpu_pool.view(buffer) if buffer is not None else memoryview(b"")
@@ -209,6 +223,7 @@ class TierRegistry:
                              cpu=cpu, nvme=nvme, checksums=checksums, placement=placement,
                              durable=nvme is not None)
             try:
+                self._check_quota(key, nbytes)
                 if nvme is not None:
                     self.durable.record(ManifestEntry(key, dtype, shape, nbytes, record.version,
                                                       nvme, checksums))
@@ -221,6 +236,8 @@ class TierRegistry:
                 self._free_resources(record)
                 raise
             self._records[key] = record
+            self._count(key, nbytes - (old.nbytes if old is not None else 0),
+                        0 if old is not None else 1)
             self._eviction.untrack(key)
             if cpu is not None:
                 self._eviction.track(key)
@@ -250,8 +267,60 @@ class TierRegistry:
             if record.nvme is not None:
                 self.durable.forget(key)
             del self._records[key]
+            self._count(key, -record.nbytes, -1)
             self._eviction.untrack(key)
             self._retire(record)
+
+    # ---- jobs (jobs.py decides; the registry counts and enforces) --------------------
+
+    def _count(self, key: str, nbytes: int, tensors: int) -> None:
+        """Add to the usage of the key's job (lock held, or the registry not shared yet)."""
+        job = job_of(key)
+        if not job:
+            return
+        usage = self._job_usage.setdefault(job, [0, 0])
+        usage[0] += tensors
+        usage[1] += nbytes
+        if usage[0] == 0:
+            del self._job_usage[job]
+
+    def _check_quota(self, key: str, nbytes: int) -> None:
+        """QuotaExceededError if `nbytes` as the new version of `key` puts its job over quota."""
+        job = job_of(key)
+        quota = self._quotas.get(job, 0) if job else 0
+        if not quota:
+            return
+        with self._lock:
+            old = self._records.get(key)
+            used = self._job_usage.get(job, [0, 0])[1]
+            after = used - (old.nbytes if old is not None else 0) + nbytes
+        if after > quota:
+            raise QuotaExceededError(
+                f"job {job!r} would hold {after} bytes on this node with tensor {key!r} "
+                f"({nbytes} bytes), over its quota of {quota}; delete its tensors it no longer "
+                f"needs, or open the job with a larger quota (tier_manager.jobs.default_quota)")
+
+    def set_quota(self, job: str, quota: int) -> None:
+        with self._lock:
+            if quota:
+                self._quotas[job] = quota
+            else:
+                self._quotas.pop(job, None)
+
+    def job_usage(self, job: str) -> tuple[int, int]:
+        """(tensors, bytes) of the current versions of the job's keys."""
+        with self._lock:
+            tensors, nbytes = self._job_usage.get(job, (0, 0))
+            return tensors, nbytes
+
+    def jobs_with_tensors(self) -> list[str]:
+        with self._lock:
+            return list(self._job_usage)
+
+    def job_keys(self, job: str) -> list[str]:
+        prefix = job + "/"
+        with self._lock:
+            return [k for k in self._records if k.startswith(prefix)]
 
     # ---- reads --------------------------------------------------------------------
 

@@ -7,20 +7,23 @@ place, with their message unchanged (it already says what to do).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tierstack.errors import InvalidArgumentError, TierstackError
+from tierstack.config import JobsConfig
+from tierstack.errors import TierstackError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import StreamSlots, checked_interval, rpc_method, rpc_stream
 from tierstack.services.tier_manager import wire
 from tierstack.services.tier_manager.adamw import AdamWStepper
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
+from tierstack.services.tier_manager.jobs import JobTable
 from tierstack.services.tier_manager.registry import TierRegistry
+from tierstack.services.tier_manager.sessions import (ClientHolds, SessionWatcher,
+                                                      reclaim_stale_sessions, session_of)
 from tierstack.services.tier_manager.types import (BufferLease, FetchResult, NodeInfo, NodeStats,
                                                    Resident)
 
@@ -44,21 +47,17 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     # so the first needed layer finished last and the disk idled while the worker caught
     # up (measured 0.78 of the raw disk with 4 threads on the H200 machine).
     def __init__(self, registry: TierRegistry, prefetch_threads: int = 1,
-                 lease_timeout: float = 600.0, max_streams: int = 8) -> None:
+                 lease_timeout: float = 600.0, max_streams: int = 8,
+                 jobs_config: JobsConfig | None = None) -> None:
         self.registry = registry
         self.streams = StreamSlots(max_streams, "tier manager")
-        self._leases: dict[int, CpuBuffer | None] = {}
-        # A worker that dies between AllocateBuffer and Commit would hold its buffer
-        # forever: leases not committed or cancelled within `lease_timeout` are freed.
+        # Buffers leased and pins held for clients: let go when the client's session ends
+        # (sessions.py), or after `lease_timeout` for calls that name no session.
         self.lease_timeout = lease_timeout
-        self._lease_deadlines: dict[int, float] = {}
-        self._expired: set[int] = set()
-        # Fetch pins held for clients, oldest first per (key, version): a pin a dead worker
-        # never released expires after `lease_timeout` too (the SDK holds one for the
-        # length of one copy).
-        self._pins: dict[tuple[str, int], list[float]] = {}
-        self._lease_ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self.holds: ClientHolds[CpuBuffer | None] = ClientHolds(lease_timeout)
+        self.sessions = SessionWatcher(registry.cpu_pool.shm_dir)
+        reclaim_stale_sessions(registry.cpu_pool.shm_dir)
+        self.jobs = JobTable(registry, registry.manifest, jobs_config or JobsConfig())
         self._prefetcher = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="tierstack-prefetch")
         self.adamw = AdamWStepper(registry)
         self._stopping = threading.Event()
@@ -71,53 +70,36 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         epoch = pool.epoch  # read first: an arena returned after this is still listed
         return wire.node_info_pb(NodeInfo(
             pool.instance_id, tuple(pool.arenas), pool.capacity, self.registry.nvme_pool.capacity,
-            self.registry.nvme_pool.block_size, pool.config.alignment, epoch))
+            self.registry.nvme_pool.block_size, pool.config.alignment, epoch, str(pool.shm_dir)))
 
     # ---- writes -----------------------------------------------------------------------
 
     @rpc_method
     def AllocateBuffer(self, request, context):
         buffer = self.registry.allocate_buffer(request.nbytes)
-        with self._lock:
-            lease_id = next(self._lease_ids)
-            self._leases[lease_id] = buffer
-            self._lease_deadlines[lease_id] = time.monotonic() + self.lease_timeout
+        lease_id = self.holds.lease(buffer, self.sessions.admit(session_of(context)))
         pool = self.registry.cpu_pool
         if buffer is None:
             return wire.lease_pb(BufferLease(lease_id, 0, 0, 0, pool.instance_id, pool.epoch))
         return wire.lease_pb(BufferLease(lease_id, buffer.arena, buffer.offset, buffer.nbytes,
                                          pool.instance_id, pool.epoch))
 
-    def _take_lease(self, lease_id: int) -> CpuBuffer | None:
-        with self._lock:
-            if lease_id in self._expired:
-                raise InvalidArgumentError(
-                    f"buffer lease {lease_id} expired: it was not committed within "
-                    f"{self.lease_timeout:.0f} s and its buffer was freed; allocate a new one")
-            if lease_id not in self._leases:
-                raise InvalidArgumentError(
-                    f"buffer lease {lease_id} is unknown: it was committed or cancelled "
-                    f"already, or granted by a previous daemon instance; allocate a new buffer")
-            self._lease_deadlines.pop(lease_id, None)
-            return self._leases.pop(lease_id)
-
     @rpc_method
     def CancelBuffer(self, request, context):
-        self.registry.free_buffer(self._take_lease(request.lease_id))
+        buffer, _ = self.holds.take_lease(request.lease_id)
+        self.registry.free_buffer(buffer)
         return pb.CancelBufferResponse()
 
     @rpc_method
     def Commit(self, request, context):
-        buffer = self._take_lease(request.lease_id)
+        buffer, session = self.holds.take_lease(request.lease_id)
         try:
             info = self.registry.adopt(request.key, buffer, request.dtype, tuple(request.shape),
                                        durable=request.durable,
                                        placement=wire.placement_from(request.placement))
         except BaseException:
-            if context.is_active():
-                with self._lock:  # the client may fix the request and commit again
-                    self._leases[request.lease_id] = buffer
-                    self._lease_deadlines[request.lease_id] = time.monotonic() + self.lease_timeout
+            if context.is_active():  # the client may fix the request and commit again
+                self.holds.restore_lease(request.lease_id, buffer, session)
             else:
                 self.registry.free_buffer(buffer)
             raise
@@ -140,10 +122,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             for key, version in fetched:  # all or nothing: no pin outlives a failed call
                 self.registry.release(key, version)
             raise
-        deadline = time.monotonic() + self.lease_timeout
-        with self._lock:
-            for pin in fetched:
-                self._pins.setdefault(pin, []).append(deadline)
+        self.holds.pin(fetched, self.sessions.admit(session_of(context)))
         pool = self.registry.cpu_pool
         return wire.fetch_pb(FetchResult(tuple(out), pool.instance_id, pool.epoch))
 
@@ -165,15 +144,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     @rpc_method
     def Release(self, request, context):
         version = request.version or self.registry.info(request.key).version
-        with self._lock:
-            deadlines = self._pins.get((request.key, version))
-            if not deadlines:
-                raise InvalidArgumentError(
-                    f"tensor {request.key!r} version {version} is not fetched (or its pin "
-                    f"expired after {self.lease_timeout:.0f} s); nothing to release")
-            deadlines.pop(0)
-            if not deadlines:
-                del self._pins[(request.key, version)]
+        self.holds.unpin(request.key, version, session_of(context))
         self.registry.release(request.key, version)
         return pb.ReleaseResponse()
 
@@ -207,9 +178,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     def stats(self) -> NodeStats:
         """The node's counters now: what GetStats answers, and what its metrics read."""
-        with self._lock:
-            leases = len(self._leases)
-        return self.registry.stats(leases)
+        return self.registry.stats(self.holds.leases)
 
     @rpc_method
     def GetStats(self, request, context):
@@ -223,42 +192,74 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
                 yield wire.stats_pb(self.stats())
                 ended.wait(interval)
 
-    def expire_leases(self) -> int:
-        """Free the buffers of leases past their deadline; returns how many."""
-        now = time.monotonic()
-        with self._lock:
-            expired = [i for i, deadline in self._lease_deadlines.items() if deadline <= now]
-            buffers = [self._leases.pop(i) for i in expired]
-            for i in expired:
-                del self._lease_deadlines[i]
-                self._expired.add(i)
-            stale_pins = []
-            for pin, deadlines in list(self._pins.items()):
-                while deadlines and deadlines[0] <= now:
-                    deadlines.pop(0)
-                    stale_pins.append(pin)
-                if not deadlines:
-                    del self._pins[pin]
+    # ---- jobs ------------------------------------------------------------------------
+
+    @rpc_method
+    def OpenJob(self, request, context):
+        session = self.sessions.admit(session_of(context))
+        return wire.job_info_pb(self.jobs.open(request.job, session, request.keep,
+                                               request.quota_bytes))
+
+    @rpc_method
+    def CloseJob(self, request, context):
+        self.jobs.close(request.job, self.sessions.admit(session_of(context)))
+        return pb.CloseJobResponse()
+
+    @rpc_method
+    def ListJobs(self, request, context):
+        return pb.ListJobsResponse(jobs=[wire.job_info_pb(j) for j in self.jobs.list()])
+
+    @rpc_method
+    def DeleteJob(self, request, context):
+        return pb.DeleteJobResponse(deleted=self.jobs.delete(request.job, request.force))
+
+    # ---- what clients hold -------------------------------------------------------------------
+
+    def _give_back(self, buffers: list, pins: list[tuple[str, int]]) -> None:
         for buffer in buffers:
             self.registry.free_buffer(buffer)
-        for key, version in stale_pins:
+        for key, version in pins:
             self.registry.release(key, version)
-        if expired or stale_pins:
+
+    def expire_leases(self) -> int:
+        """Free the buffers and pins held past the lease timeout; returns how many."""
+        buffers, pins = self.holds.expire()
+        self._give_back(buffers, pins)
+        if buffers or pins:
             log.warning("freed %d buffer leases and %d pins not given back within %.0f s "
-                        "(a worker died?)", len(expired), len(stale_pins), self.lease_timeout)
-        return len(expired) + len(stale_pins)
+                        "(a worker died?)", len(buffers), len(pins), self.lease_timeout)
+        return len(buffers) + len(pins)
+
+    def end_sessions(self) -> int:
+        """Let go of what clients that went away held: their leases, pins and jobs."""
+        ended = set(self.sessions.ended())
+        if not ended:
+            return 0
+        buffers, pins = self.holds.end_sessions(ended)
+        self._give_back(buffers, pins)
+        self.jobs.sessions_ended(ended)
+        if buffers or pins:
+            log.warning("%d client(s) went away holding %d buffer leases and %d pins: freed",
+                        len(ended), len(buffers), len(pins))
+        return len(buffers) + len(pins)
 
     def run_lease_reaper(self) -> None:
-        """Until `stop` (on a daemon thread): return the CPU pool's idle empty arenas to the
-        host about once a second, and expire leases periodically."""
+        """Until `stop` (on a daemon thread), about once a second: let go of what gone
+        clients held, delete ended jobs' state, return the CPU pool's idle empty arenas
+        to the host; and expire leases periodically."""
         period = max(0.05, min(30.0, self.lease_timeout / 4))
         tick = min(period, 1.0)
         next_expiry = time.monotonic() + period
         while not self._stopping.wait(tick):
-            self.registry.cpu_pool.trim()
-            if time.monotonic() >= next_expiry:
-                self.expire_leases()
-                next_expiry = time.monotonic() + period
+            try:
+                self.end_sessions()
+                self.jobs.tick()
+                self.registry.cpu_pool.trim()
+                if time.monotonic() >= next_expiry:
+                    self.expire_leases()
+                    next_expiry = time.monotonic() + period
+            except Exception:  # noqa: BLE001 - the reaper must keep running
+                log.exception("the lease reaper failed; it goes on")
 
     def stop(self) -> None:
         """Stop streams and background prefetches (in-flight ones finish)."""

@@ -34,6 +34,8 @@ class NodeInfo:
     arenas_epoch: int = 0
     """Counts the arenas the CPU pool returned: a worker that sees it change unmaps the
     arenas no longer listed."""
+    session_dir: str = ""
+    """Where a client makes its session's lock file (the daemon's sessions.py)."""
 
 
 @dataclass(frozen=True)
@@ -163,3 +165,17 @@ class WorkerReport:
     device_capacity_bytes: int
     loads_in_flight: int
     prefetch_depth: int  # layers the worker prefetches ahead (0: unknown)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job on one node: its tensors (the keys under `<job>/`) and who holds it."""
+
+    job: str
+    keep: bool  # its tensors outlive its last worker
+    quota_bytes: int  # 0: none
+    tensors: int
+    bytes: int  # of the current versions, whatever their tier
+    workers: int  # client sessions holding it open
+    managed: bool  # opened by a worker; False: keys under the prefix, never deleted by the node
+    delete_in_seconds: float  # > 0: no worker holds it, its tensors go then

@@ -13,6 +13,7 @@ from tierstack.services.tier_manager.types import (
     ArenaInfo,
     BufferLease,
     FetchResult,
+    JobInfo,
     NodeInfo,
     NodeStats,
     Resident,
@@ -46,13 +47,13 @@ def node_info_pb(node: NodeInfo) -> pb.NodeInfo:
                        arenas=[pb.Arena(index=a.index, path=a.path, size=a.size) for a in node.arenas],
                        cpu_capacity=node.cpu_capacity, nvme_capacity=node.nvme_capacity,
                        block_size=node.block_size, alignment=node.alignment,
-                       arenas_epoch=node.arenas_epoch)
+                       arenas_epoch=node.arenas_epoch, session_dir=node.session_dir)
 
 
 def node_info_from(msg: pb.NodeInfo) -> NodeInfo:
     return NodeInfo(msg.instance_id, tuple(ArenaInfo(a.index, a.path, a.size) for a in msg.arenas),
                     msg.cpu_capacity, msg.nvme_capacity, msg.block_size, msg.alignment,
-                    msg.arenas_epoch)
+                    msg.arenas_epoch, msg.session_dir)
 
 
 def lease_pb(lease: BufferLease) -> pb.BufferLease:
@@ -148,3 +149,14 @@ def worker_report_pb(report: WorkerReport) -> metrics_pb.WorkerReport:
     fields = vars(report)
     return metrics_pb.WorkerReport(**{**fields, "wait_bucket_bounds": list(report.wait_bucket_bounds),
                                       "wait_bucket_counts": list(report.wait_bucket_counts)})
+
+
+def job_info_pb(info: JobInfo) -> pb.JobInfo:
+    return pb.JobInfo(job=info.job, keep=info.keep, quota_bytes=info.quota_bytes,
+                      tensors=info.tensors, bytes=info.bytes, workers=info.workers,
+                      managed=info.managed, delete_in_seconds=info.delete_in_seconds)
+
+
+def job_info_from(msg: pb.JobInfo) -> JobInfo:
+    return JobInfo(msg.job, msg.keep, msg.quota_bytes, msg.tensors, msg.bytes, msg.workers,
+                   msg.managed, msg.delete_in_seconds)
