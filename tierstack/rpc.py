@@ -50,6 +50,7 @@ from tierstack.private_paths import ensure_private_dir
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+HEALTH_CHECK = HEALTH_PREFIX + "Check"
 
 
 # ---- servicer side: errors -> statuses ------------------------------------------------------
@@ -395,7 +396,15 @@ class ServerGuard(grpc.ServerInterceptor):
             handler = continuation(handler_call_details)
             if handler is None or handler.request_streaming:
                 return handler  # unknown method: gRPC answers UNIMPLEMENTED
-            pair = self._handlers[method] = (_decoding(method, handler), self._refusing(method, handler))
+            if method.startswith(HEALTH_PREFIX) and method != HEALTH_CHECK:
+                # Only Check is served: Watch would hold a server thread as long as it is
+                # open, List is not implemented by grpc's servicer (it raises).
+                unserved = _aborting(handler, grpc.StatusCode.UNIMPLEMENTED,
+                                     f"{self.what} answers the health Check only")
+                pair = (unserved, unserved)
+            else:
+                pair = (_decoding(method, handler), self._refusing(method, handler))
+            self._handlers[method] = pair
         if not self._expected or method.startswith(HEALTH_PREFIX):
             return pair[0]
         sent = b""
@@ -415,12 +424,24 @@ class ServerGuard(grpc.ServerInterceptor):
                           f"{why}; set security.token_file (or ${SECURITY_DIR_ENV}) to the "
                           f"cluster's token")
 
-        if handler.response_streaming:
-            def refuse_stream(request, context):
-                refuse(request, context)
-                yield  # pragma: no cover - abort raised above
-            return grpc.unary_stream_rpc_method_handler(refuse_stream)
-        return grpc.unary_unary_rpc_method_handler(refuse)
+        return _of_kind(handler, refuse)
+
+
+def _of_kind(handler: grpc.RpcMethodHandler, body) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind (unary or server-streaming) running `body`, which
+    aborts the call; requests are not decoded."""
+    if handler.response_streaming:
+        def stream(request, context):
+            body(request, context)
+            yield  # pragma: no cover - body aborts
+        return grpc.unary_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(body)
+
+
+def _aborting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
+    def abort(request, context):
+        context.abort(code, message)
+    return _of_kind(handler, abort)
 
 
 def _has_auth(context) -> bool:

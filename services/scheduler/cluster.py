@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
+import urllib.parse
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -27,6 +28,18 @@ from tierstack.services.scheduler.model import Bandwidths, JobTrace, NodeSpec, P
 from tierstack.services.scheduler.planner import plan_job
 
 log = logging.getLogger(__name__)
+
+
+def check_metrics_url(url: str, node_id: str) -> None:
+    """A node's HTTP API is an http(s) URL with a host: the cluster view fetches it, so a
+    file:// or other scheme would make the scheduler read its own disk for the caller."""
+    if not url:
+        return
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or len(url) > 2048:
+        raise InvalidArgumentError(
+            f"node {node_id!r:.80}: metrics_url {url!r:.100} is not an http(s) URL of a host "
+            f"(the node's HTTP API, e.g. http://10.0.0.5:8470)")
 
 
 @dataclass
@@ -71,6 +84,7 @@ class ClusterState:
     def register_node(self, spec: NodeSpec, instance_id: str = "", metrics_url: str = "") -> None:
         spec.validate()
         spec.bandwidth.check_complete(f"node {spec.node_id} registration")
+        check_metrics_url(metrics_url, spec.node_id)
         with self._lock:
             old = self.nodes.get(spec.node_id)
             self.nodes[spec.node_id] = NodeRecord(spec=spec, probe=spec.bandwidth, instance_id=instance_id,
@@ -84,6 +98,7 @@ class ClusterState:
 
     def report_bandwidth(self, node_id: str, measured: Bandwidths) -> list[str]:
         """Record a measurement; returns the jobs re-planned because of it."""
+        measured.check_valid(f"bandwidth report of node {node_id!r:.80}")
         now = self.clock()
         config = self.config
         with self._lock:

@@ -50,7 +50,15 @@ class Bandwidths:
         """These bandwidths with every link `newer` measured (non-zero) replaced."""
         return Bandwidths(**{k: (v or getattr(self, k)) for k, v in newer.as_dict().items()})
 
+    def check_valid(self, what: str) -> None:
+        """Every link finite and >= 0 (0: not measured)."""
+        bad = [k for k, v in self.as_dict().items() if not 0 <= v < float("inf")]
+        if bad:
+            raise InvalidArgumentError(f"{what}: bandwidth of {', '.join(bad)} must be a finite "
+                                       f"number of bytes/s >= 0")
+
     def check_complete(self, what: str) -> None:
+        self.check_valid(what)
         missing = [k for k, v in self.as_dict().items() if not v > 0]
         if missing:
             raise InvalidArgumentError(
@@ -71,8 +79,9 @@ class NodeSpec:
     gpus: int = 1
 
     def validate(self) -> None:
-        if not self.node_id:
-            raise InvalidArgumentError("a node needs a non-empty node_id")
+        if not self.node_id or len(self.node_id) > 256 or not self.node_id.isprintable():
+            raise InvalidArgumentError(f"a node needs a node_id of 1..256 printable characters, "
+                                       f"got {self.node_id!r:.80}")
         for name in ("gpu_bytes", "cpu_bytes", "nvme_bytes"):
             if getattr(self, name) < 0:
                 raise InvalidArgumentError(f"node {self.node_id}: {name} cannot be negative")
@@ -103,6 +112,10 @@ class TensorSpec:
     layer: int
     kind: str
     nbytes: int
+
+
+MAX_LAYERS = 1_000_000
+"""Layers a trace may index (far above any model's; bounds the planner's arrays)."""
 
 
 @dataclass
@@ -182,13 +195,23 @@ class JobTrace:
                 f"and {len(self.step_backward)} backward flags; give one of each per step")
         if (self.step_layer < 0).any() or (self.step_compute < 0).any():
             raise InvalidArgumentError(f"trace of {self.job}: layers and compute times must be >= 0")
+        for name in ("step_compute", "step_gather", "step_reduce", "optimizer_seconds"):
+            if not np.isfinite(getattr(self, name)).all() or (getattr(self, name) < 0).any():
+                raise InvalidArgumentError(f"trace of {self.job}: {name} must be finite and >= 0")
+        # Layers index arrays of per-layer figures: an index far above the layers the trace
+        # uses would make the planner allocate for it (2**31 layers once took every byte).
+        used = len(np.union1d(self.step_layer, self.tensor_arrays()[0]))
+        if self.num_layers > min(MAX_LAYERS, 2 * used):
+            raise InvalidArgumentError(
+                f"trace of {self.job}: layer indices go up to {self.num_layers - 1} but only "
+                f"{used} distinct layers are used; number layers 0, 1, 2, ... (at most {MAX_LAYERS})")
         keys = [t.key for t in self.tensors]
         if len(set(keys)) != len(keys):
             seen: set[str] = set()
             twice = next(k for k in keys if k in seen or seen.add(k))
             raise InvalidArgumentError(f"trace of {self.job}: tensor {twice!r} is listed twice")
         layers, nbytes, _ = self.tensor_arrays()
-        if (layers < 0).any() or (nbytes < 0).any():
+        if (layers < 0).any() or (nbytes < 0).any() or not np.isfinite(nbytes).all():
             bad = keys[int(np.flatnonzero((layers < 0) | (nbytes < 0))[0])]
             raise InvalidArgumentError(f"trace of {self.job}: tensor {bad!r} has a negative size or layer")
         for pattern, tier in self.tier_overrides.items():

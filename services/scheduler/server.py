@@ -57,8 +57,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     def GetPlan(self, request, context):
         if not request.newer_than:
             return plan_pb(*self.cluster.plan(request.job))
+        # 0: answer now (a long poll must say how long it may hold a server thread).
         timeout = checked_interval(request.timeout_seconds, "GetPlan timeout_seconds",
-                                   at_least=0.0, at_most=MAX_WAIT_SECONDS, default=MAX_WAIT_SECONDS)
+                                   at_least=0.0, at_most=MAX_WAIT_SECONDS, default=0.0)
         # A long poll holds its thread like a stream: it takes a stream's slot.
         with self.streams.open(context) as ended:
             found = self.cluster.wait_for_plan(request.job, request.newer_than, timeout, ended)

@@ -33,11 +33,11 @@ MAX_JOB_BYTES = 256
 
 
 def validate_job(job: str) -> str:
-    """A job name: what a LayerStore accepts (non-empty, no '/'), printable, short."""
-    if not job or "/" in job or not job.isprintable() or len(job.encode()) > MAX_JOB_BYTES:
+    """A job name: what a LayerStore accepts (non-empty, no '/'), no NUL, short."""
+    if not job or "/" in job or "\x00" in job or len(job.encode()) > MAX_JOB_BYTES:
         raise InvalidArgumentError(
-            f"job name {job!r:.80} must be 1..{MAX_JOB_BYTES} bytes of printable characters "
-            f"without '/' (its tensors are the keys under '<job>/')")
+            f"job name {job!r:.80} must be 1..{MAX_JOB_BYTES} bytes without '/' or NUL (its "
+            f"tensors are the keys under '<job>/')")
     return job
 
 

@@ -8,6 +8,7 @@ per-worker series end.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ import grpc
 from tierstack.metric_catalog import WAIT_BUCKETS
 from tierstack.proto import node_metrics_pb2 as pb
 from tierstack.proto import node_metrics_pb2_grpc as pb_grpc
+
+MAX_ID = 256  # characters of a worker id, job or device name
+MAX_WORKERS = 4096  # live workers one node keeps reports of (each report a few hundred bytes)
 
 
 @dataclass
@@ -49,9 +53,21 @@ class WorkerReports(pb_grpc.NodeMetricsServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "the worker's ensure_layer histogram buckets differ from the tier "
                           "manager's: run the same tierstack version on both")
-        if not request.worker_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a worker report needs a worker_id")
+        if not request.worker_id or len(request.worker_id) > MAX_ID or len(request.job) > MAX_ID \
+                or len(request.device) > MAX_ID:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a worker report needs a worker_id, and worker_id, job and device of "
+                          f"at most {MAX_ID} characters")
+        numbers = [request.timestamp, request.stall_seconds, request.wait_seconds_sum]
+        if not all(math.isfinite(x) and x >= 0 for x in numbers):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "a worker report's timestamp, stall_seconds and wait_seconds_sum must "
+                          "be finite and >= 0")
         with self._lock:
+            if request.worker_id not in self._reports and len(self._reports) >= MAX_WORKERS:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{MAX_WORKERS} workers report to this node already; the others "
+                              f"are retired after {self.stale_seconds:.0f} s of silence")
             self._reports[request.worker_id] = (request, time.monotonic())
         return pb.ReportWorkerResponse()
 
