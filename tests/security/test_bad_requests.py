@@ -1,0 +1,154 @@
+"""The requests that broke the daemon (issue 14), each against a live daemon: every one gets
+a status that names the mistake, and the daemon goes on serving everyone else."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from tierstack.errors import InvalidArgumentError
+from tierstack.proto import tier_manager_pb2 as pb
+from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
+from tierstack.services.tier_manager.client import TierManagerClient
+from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
+from tierstack.worker.arenas import ArenaMap
+
+HYPER = AdamWHyper(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+
+
+def put(client: TierManagerClient, key: str, data: torch.Tensor) -> None:
+    flat = data.contiguous().view(-1).view(torch.uint8)
+    arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
+    try:
+        lease = client.allocate(flat.numel())
+        if flat.numel():
+            arenas.sync(lease.arenas_epoch)
+            arenas.view(lease.arena, lease.offset, flat.numel()).copy_(flat)
+        client.commit(key, lease.lease_id, "uint8", (flat.numel(),), durable=False)
+    finally:
+        arenas.close()
+
+
+def block(prefix: str, numel: int, **roles) -> AdamWBlock:
+    keys = {role: f"{prefix}/{role}" for role in ("params", "grads", "exp_avg", "exp_avg_sq")}
+    keys.update(roles)
+    return AdamWBlock(keys["params"], keys["grads"], "", keys["exp_avg"], keys["exp_avg_sq"],
+                      "float32", roles.get("grad_dtype", "float32"), 4 * numel,
+                      (AdamWSegment(numel, 0, 0, 0),))
+
+
+def test_a_key_in_two_roles_is_refused_and_wedges_nothing(daemon):
+    """params == grads, or a moment == the parameters at step 2, once hung the daemon (its
+    own exclusive hold waited for itself); now INVALID_ARGUMENT, and steps on other keys
+    and SIGTERM still work."""
+    client = TierManagerClient(daemon.address, reconnect_timeout=20)
+    for prefix in ("a", "b"):
+        put(client, f"{prefix}/params", torch.randn(1000))
+        put(client, f"{prefix}/grads", torch.randn(1000))
+    for bad, step in ((block("a", 1000, grads="a/params"), 1),
+                      (block("a", 1000, exp_avg="a/params"), 2),
+                      (block("a", 1000, exp_avg_sq="a/grads"), 1)):
+        start = time.monotonic()
+        with pytest.raises(InvalidArgumentError, match="names tensor .* twice"):
+            client.adamw_step([bad], AdamWHyper(**{**HYPER.__dict__, "step": step}), timeout=10)
+        assert time.monotonic() - start < 5
+    # Two blocks of one request sharing a tensor are refused the same way.
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        client.adamw_step([block("a", 1000), block("b", 1000, grads="a/grads")], HYPER, timeout=10)
+    result = client.adamw_step([block("b", 1000)], HYPER, timeout=10)  # others are served
+    assert {i.key for i in result.updated} >= {"b/params", "b/exp_avg", "b/exp_avg_sq"}
+    client.close()
+    assert daemon.stop(timeout=20) == 0  # SIGTERM ends it (a wedged daemon needed SIGKILL)
+
+
+def test_a_gradient_that_is_not_whole_elements_is_invalid_argument(daemon):
+    """13 bytes declared bfloat16 once reached torch and came back INTERNAL: 7 elements
+    (14 bytes) do not fit and are INVALID_ARGUMENT; 6 (12 bytes, one byte to spare) do."""
+    client = TierManagerClient(daemon.address, reconnect_timeout=20)
+    put(client, "c/params", torch.randn(7))
+    put(client, "c/grads", torch.zeros(13, dtype=torch.uint8))
+    with pytest.raises(InvalidArgumentError, match="does not fit grads"):
+        client.adamw_step([block("c", 7, grad_dtype="bfloat16")], HYPER, timeout=10)
+    with pytest.raises(InvalidArgumentError, match="does not fit grads"):
+        client.adamw_step([AdamWBlock("c/params", "c/grads", "", "c/exp_avg", "c/exp_avg_sq",
+                                      "float32", "bfloat16", 24, (AdamWSegment(6, 0, 1, 0),))],
+                          HYPER, timeout=10)  # an odd offset into bfloat16 elements
+    updated = client.adamw_step([AdamWBlock("c/params", "c/grads", "", "c/exp_avg", "c/exp_avg_sq",
+                                            "float32", "bfloat16", 28, (AdamWSegment(6, 0, 0, 0),))],
+                                HYPER, timeout=10).updated
+    assert "c/params" in {i.key for i in updated}
+    client.close()
+
+
+def test_watch_stats_intervals_out_of_range_are_invalid_argument(daemon):
+    """1e13 s once answered UNKNOWN ("timestamp out of range for platform time_t")."""
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = pb_grpc.TierManagerStub(channel)
+        for interval in (1e13, -1.0, float("nan"), float("inf")):
+            with pytest.raises(grpc.RpcError) as err:
+                next(stub.WatchStats(pb.WatchStatsRequest(interval_seconds=interval), timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, interval
+            assert "between 0.05 and 3600" in err.value.details()
+
+
+def test_streams_never_starve_unary_calls_and_a_disconnect_frees_its_thread(daemon):
+    """32 WatchStats streams once took every RPC thread: GetNode and Fetch timed out, and
+    stayed stuck after the clients left. Now streams are capped below the thread count (the
+    rest answer RESOURCE_EXHAUSTED) and a disconnected one ends at once."""
+    client = TierManagerClient(daemon.address, reconnect_timeout=20)
+    put(client, "d/x", torch.arange(100))
+    channels = [grpc.insecure_channel(daemon.address) for _ in range(40)]
+    streams, refused = [], 0
+    for channel in channels:  # a long interval: only a disconnect would end these early
+        call = pb_grpc.TierManagerStub(channel).WatchStats(pb.WatchStatsRequest(interval_seconds=3600))
+        try:
+            next(call)
+            streams.append(call)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+            assert "streams are open" in e.details()
+            refused += 1
+    assert refused > 0 and len(streams) < 32
+    for _ in range(5):  # unary calls are answered at once meanwhile
+        start = time.monotonic()
+        client.node()
+        client.stats()
+        (res,) = client.fetch(["d/x"]).tensors
+        client.release("d/x", res.info.version)
+        assert time.monotonic() - start < 1.0
+    for call, channel in zip(streams, channels):  # the watchers go away without cancelling
+        channel.close()
+    deadline = time.monotonic() + 5
+    again = []
+    while time.monotonic() < deadline and len(again) < len(streams):
+        channel = grpc.insecure_channel(daemon.address)
+        call = pb_grpc.TierManagerStub(channel).WatchStats(pb.WatchStatsRequest(interval_seconds=3600))
+        try:
+            next(call)
+            again.append((call, channel))
+        except grpc.RpcError:
+            channel.close()
+            time.sleep(0.1)
+    assert len(again) == len(streams)  # every slot came back within seconds
+    for call, channel in again:
+        call.cancel()
+        channel.close()
+    client.close()
+
+
+def test_bytes_that_are_no_message_are_invalid_argument_and_health_watch_is_refused(daemon):
+    with grpc.insecure_channel(daemon.address) as channel:
+        for method in ("Commit", "AdamWStep", "Fetch"):
+            call = channel.unary_unary(f"/tierstack.tier_manager.v1.TierManager/{method}")
+            with pytest.raises(grpc.RpcError) as err:
+                call(b"\xff\xff\xff\xff\x0f", timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is not a valid message" in err.value.details()
+        watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
+        with pytest.raises(grpc.RpcError) as err:
+            next(watch(b"", timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "Traceback" not in daemon.log_text()
