@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from tierstack.config import TierManagerConfig
@@ -85,6 +86,16 @@ class DurableCopies:
                 except ValueError as e:  # two rows on one extent, or an extent out of bounds
                     raise corrupt(self.manifest.path, f"the extent of key {entry.key!r:.80} "
                                   f"overlaps another row's or the file's bounds: {e}") from None
+        clean = self.manifest.take_clean_mark()
+        if self.rebuild or not clean:
+            from tierstack.services.tier_manager.recovery import clear_orphan_headers
+
+            start = time.monotonic()
+            cleared = clear_orphan_headers(self.pool)
+            log.info("after %s: cleared %d extent headers left in free space (writes in flight "
+                     "at the crash, copies superseded) in %.1f s",
+                     "the rebuild" if self.rebuild else "an unclean stop", cleared,
+                     time.monotonic() - start)
         self._last_version = max((e.version for e in entries), default=0)
         self.pool.fit_files()  # a crashed instance's free tail goes back to the disk
         # Volatile (CPU-only) versions are not in the manifest; the reserved high-water
@@ -153,8 +164,9 @@ class DurableCopies:
         if not failed_start:
             try:
                 self.pool.fit_files()  # the free tail back to the disk: a clean stop leaves no slack
+                self.manifest.mark_clean()  # every write finished: no orphan headers to sweep
             except Exception as e:  # noqa: BLE001 - closing must go on
-                log.warning("could not shrink the NVMe files at stop: %s", e)
+                log.warning("could not shrink the NVMe files or mark the stop clean: %s", e)
         self.pool.close(failed_start=failed_start)
         if getattr(self, "manifest", None) is not None:
             self.manifest.close()

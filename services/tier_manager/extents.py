@@ -58,6 +58,11 @@ class ExtentAllocator:
             last = self._starts[-1]
             return last if last + self._lengths[last] == self.capacity else self.capacity
 
+    def free_ranges(self) -> list[Extent]:
+        """The free extents now, by offset."""
+        with self._lock:
+            return [Extent(start, self._lengths[start]) for start in self._starts]
+
     def largest_free(self) -> int:
         with self._lock:
             return max(self._lengths.values(), default=0)

@@ -165,6 +165,16 @@ class Manifest:
                 self._db.execute("ROLLBACK")
                 raise StorageIOError(f"cannot write the rebuilt manifest {self.path}: {e}") from None
 
+    def take_clean_mark(self) -> bool:
+        """Whether the previous daemon closed the manifest cleanly; from now on it is not
+        (until `mark_clean`), so that a crash is known at the next start."""
+        row = self._db.execute("SELECT value FROM meta WHERE name='clean'").fetchone()
+        self._write("marking the start", "INSERT OR REPLACE INTO meta VALUES ('clean', '0')")
+        return row is None or row[0] == "1"
+
+    def mark_clean(self) -> None:
+        self._write("marking a clean stop", "INSERT OR REPLACE INTO meta VALUES ('clean', '1')")
+
     def version_high_water(self) -> int:
         """Versions up to this may have been handed out by an earlier daemon instance."""
         row = self._db.execute("SELECT value FROM meta WHERE name='version_hwm'").fetchone()

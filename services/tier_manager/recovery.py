@@ -29,6 +29,7 @@ from tierstack.errors import DataCorruptionError
 from tierstack.services.tier_manager import extent_header
 from tierstack.services.tier_manager.extent_header import StripeHeader
 from tierstack.services.tier_manager.extents import Extent
+from tierstack.services.tier_manager.io_engine import BlockRequest
 from tierstack.services.tier_manager.manifest import ManifestEntry
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent, NvmePool
 
@@ -202,3 +203,36 @@ def rebuild_entries(pool: NvmePool) -> tuple[list[ManifestEntry], RecoveryReport
         report.recovered_bytes += c.extent.nbytes
     entries.sort(key=lambda e: e.version)
     return entries, report
+
+
+def clear_orphan_headers(pool: NvmePool) -> int:
+    """Zero every extent header lying in the pool's free space; returns how many.
+
+    Run before serving, after a crash or a rebuild, with the allocators holding exactly
+    the recorded extents. A header in free space belongs to no recorded tensor: a write
+    that was in flight when the daemon died (never acknowledged), or a copy a rebuild left
+    out. Left there, a later rebuild would bring it back. Costs one read of the free space
+    inside the data files (only after a crash)."""
+    cleared = 0
+    zero = memoryview(bytes(extent_header.PAGE))
+    for drive, f in enumerate(pool.files):
+        fd = os.open(f.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        requests = []
+        try:
+            size = os.fstat(fd).st_size
+            for free in pool.allocators[drive].free_ranges():
+                for base in range(free.offset, min(free.end, size), SCAN_CHUNK):
+                    chunk = os.pread(fd, min(SCAN_CHUNK, free.end - base, size - base), base)
+                    at = chunk.find(extent_header.MAGIC)
+                    while at >= 0:
+                        if at % extent_header.PAGE == 0:
+                            requests.append(BlockRequest(f.fd, base + at, extent_header.PAGE, zero,
+                                                         label="orphan header clear"))
+                        at = chunk.find(extent_header.MAGIC, at + 1)
+        finally:
+            os.close(fd)
+        if requests:
+            pool.engine.write(requests)
+            f.sync()
+            cleared += len(requests)
+    return cleared
