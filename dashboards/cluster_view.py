@@ -4,16 +4,26 @@ A `ClusterView` is given a function that lists the nodes to read (`NodeSource`s)
 scheduler's lists every node that registered (`RemoteNode`, read over HTTP); a tier
 manager's lists itself (`LocalNode`) and the URLs in `tier_manager.metrics.cluster_nodes`.
 A node that does not answer is listed as unreachable; the others still add up.
+
+A `RemoteNode` fetches only http(s) URLs (a registered URL is the caller's word: file://
+would read the scheduler's own disk), follows no redirect, presents the cluster's token
+and, over https, trusts only the cluster's CA; what a node answers is parsed, never
+echoed in an error (a validation message would quote what it read).
 """
 
 from __future__ import annotations
 
 import json
+import ssl
+import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol, Sequence
 
 from tierstack import metric_catalog as mc
+from tierstack.config import SecurityConfig
+from tierstack.rpc import load_credentials
 from tierstack.dashboards.snapshots import (ClusterHistory, ClusterSnapshot,
                                                            History, HistorySample, LinkFigures,
                                                            NodeError, NodeSnapshot, TierFigures)
@@ -43,26 +53,76 @@ class LocalNode:
         return self.metrics.history(window_seconds)
 
 
+MAX_ANSWER_BYTES = 32 << 20  # a node's snapshot or history is far smaller
+
+
+class NodeAnswerError(Exception):
+    """A node's answer could not be used; the message says why and quotes none of it."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, "redirects are not followed", headers, fp)
+
+
 class RemoteNode:
     """Another node's HTTP API (its /api/v1/node and /api/v1/node/history)."""
 
-    def __init__(self, url: str, timeout: float = 2.0) -> None:
+    def __init__(self, url: str, timeout: float = 2.0, security: SecurityConfig | None = None) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"node URL {url!r:.100} is not an http(s) URL of a host")
         self.url = url.rstrip("/")
         self.name = self.url
         self.timeout = timeout
+        # The configured token only: a loopback node serves HTTP without one, and the per-user
+        # token of gRPC is not for whatever listens on a port someone registered.
+        creds = load_credentials(security)
+        self._headers = {"Authorization": f"Bearer {creds.token}"} if creds.token else {}
+        context = None
+        if parts.scheme == "https":
+            context = ssl.create_default_context()
+            if creds.root_certs:  # the cluster's own CA; nodes share a certificate, not names
+                context = ssl.create_default_context(cadata=creds.root_certs.decode())
+                context.check_hostname = False
+        # Only http(s) handlers: no file://, ftp:// or data: behind a redirect or a typo.
+        self._opener = urllib.request.OpenerDirector()
+        for handler in (urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(context=context),
+                        _NoRedirect(), urllib.request.HTTPErrorProcessor()):
+            self._opener.add_handler(handler)
 
     def _get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=self.timeout) as response:
-            return json.loads(response.read())
+        request = urllib.request.Request(self.url + path, headers=self._headers)
+        try:
+            with self._opener.open(request, timeout=self.timeout) as response:
+                body = response.read(MAX_ANSWER_BYTES + 1)
+        except urllib.error.HTTPError as e:
+            raise NodeAnswerError(f"HTTP {e.code} from {self.url}{path}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise NodeAnswerError(f"{self.url} did not answer ({type(reason).__name__}: "
+                                  f"{str(reason)[:120]})") from None
+        if len(body) > MAX_ANSWER_BYTES:
+            raise NodeAnswerError(f"{self.url}{path} answered more than {MAX_ANSWER_BYTES} bytes")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise NodeAnswerError(f"{self.url}{path} answered something that is not JSON") from None
+
+    def _parse(self, kind, data: dict, what: str):
+        from pydantic import TypeAdapter, ValidationError  # comes with FastAPI, which serves this view
+        try:
+            return TypeAdapter(kind).validate_python(data)
+        except ValidationError as e:
+            raise NodeAnswerError(f"{self.url} answered something that is not a tierstack "
+                                  f"{what} ({e.error_count()} fields do not fit)") from None
 
     def snapshot(self) -> NodeSnapshot:
-        from pydantic import TypeAdapter  # comes with FastAPI, which serves this view
-        return TypeAdapter(NodeSnapshot).validate_python(self._get("/api/v1/node"))
+        return self._parse(NodeSnapshot, self._get("/api/v1/node"), "node snapshot")
 
     def history(self, window_seconds: float) -> History:
-        from pydantic import TypeAdapter
-        return TypeAdapter(History).validate_python(
-            self._get(f"/api/v1/node/history?window_seconds={window_seconds:g}"))
+        return self._parse(History, self._get(
+            f"/api/v1/node/history?window_seconds={window_seconds:g}"), "node history")
 
 
 class ClusterView:
@@ -79,8 +139,10 @@ class ClusterView:
         for source, future in zip(sources, futures):
             try:
                 results.append(future.result())
+            except NodeAnswerError as e:  # says why, quoting nothing the node sent
+                errors.append(NodeError(source.name, str(e)))
             except Exception as e:  # noqa: BLE001 - one dead node must not blank the view
-                errors.append(NodeError(source.name, f"{type(e).__name__}: {e}"))
+                errors.append(NodeError(source.name, f"{type(e).__name__} reading it"))
         return results, errors
 
     def history(self, window_seconds: float) -> ClusterHistory:

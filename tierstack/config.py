@@ -173,6 +173,9 @@ class MetricsConfig:
     cluster_nodes: list[str] = field(default_factory=list)
     """HTTP URLs of other nodes the cluster view aggregates with this one (until the
     scheduler supplies its node list)."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """Host names the HTTP API answers to besides its own (loopback names, the listen
+    host, and beyond loopback the machine's names and addresses): e.g. a DNS alias."""
 
     def validate(self, prefix: str = "metrics") -> None:
         for name in ("sample_interval_seconds", "history_seconds", "worker_stale_seconds"):
@@ -457,6 +460,8 @@ class SchedulerConfig:
     metrics_listen: str = "127.0.0.1:8471"
     """host:port of the scheduler's HTTP API: its /metrics, the cluster view over every
     registered node's API, and the dashboard ('' for none; a taken port: any free one)."""
+    metrics_allowed_hosts: list[str] = field(default_factory=list)
+    """Host names its HTTP API answers to besides its own (as metrics.allowed_hosts)."""
 
     def validate(self, prefix: str = "scheduler") -> None:
         for name in ("report_interval_seconds", "replan_threshold", "replan_after_seconds"):

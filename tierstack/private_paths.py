@@ -12,6 +12,7 @@ O_NOFOLLOW and checked to be our own regular files with one link.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -87,7 +88,9 @@ def open_private_file(path: str | os.PathLike, flags: int, what: str, mode: int 
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     except OSError as e:
-        if e.errno == 40:  # ELOOP: the name is a symlink
+        # ELOOP from O_NOFOLLOW; or EACCES where the kernel refuses first (fs.protected_symlinks:
+        # another user's link in a sticky directory)
+        if e.errno in (errno.ELOOP, errno.EACCES) and os.path.islink(path):
             raise UnsafePathError(f"{what} {path} is a symlink; tierstack never follows one "
                                   f"there (remove it)") from None
         raise

@@ -8,8 +8,10 @@ errors, retry, listen, authenticate and shut down the same way.
 Who may call (the one mechanism; dashboards/http_api.py applies the same rules to HTTP):
 - a unix socket: anyone who can connect, which is only our user (a 0600 socket in a
   0700 directory we own, checked by the server and by its clients);
-- TCP on a loopback address: every call carries the token (other local users can
-  connect to loopback); TLS when a certificate is configured;
+- TCP on a loopback address: TLS and the token (other local users can connect to
+  loopback, and could take the port while the daemon is down); where none are
+  configured, the per-user ones in /tmp/tierstack-<uid>, made by the first server, so
+  that loopback needs no set-up from the user and nothing from other users works;
 - TCP beyond loopback: TLS and the token, both required, or the server does not start.
 The token travels as `authorization: Bearer <token>` metadata. A call without it, or
 with another, is answered UNAUTHENTICATED and logged. Health checks need no token (they
@@ -214,7 +216,7 @@ def security_from_dir(directory: str | os.PathLike, base: SecurityConfig | None 
     return SecurityConfig(server_name=base.server_name, **fields)
 
 
-def _configured(security: SecurityConfig | None) -> SecurityConfig:
+def resolved_security(security: SecurityConfig | None) -> SecurityConfig:
     """The config's fields, empty ones filled from $TIERSTACK_SECURITY_DIR."""
     directory = os.environ.get(SECURITY_DIR_ENV, "")
     if not directory:
@@ -224,7 +226,7 @@ def _configured(security: SecurityConfig | None) -> SecurityConfig:
 
 def load_credentials(security: SecurityConfig | None) -> Credentials:
     """The configured token and TLS files, read and checked (no defaults added)."""
-    s = _configured(security)
+    s = resolved_security(security)
     token = b""
     if s.token_file:
         token = read_secret(s.token_file, "token file", "security.token_file").strip()
@@ -237,30 +239,84 @@ def load_credentials(security: SecurityConfig | None) -> Credentials:
     return Credentials(token.decode(errors="strict"), cert, key, ca, s.server_name)
 
 
-def default_token(create: bool) -> str:
-    """The per-user token of loopback servers: /tmp/tierstack-<uid>/token, in a directory
-    only we can enter. A server creates it (atomically: written aside, then linked into
-    place) when it is missing; a client reads it if it is there."""
-    path = default_token_path()
+def _place(path: Path, data: bytes) -> bool:
+    """Write a 0600 file atomically: aside first, then linked into place. False when another
+    process made one meanwhile: theirs is kept and ours dropped."""
+    aside = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(aside, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(aside)
+
+
+def write_secrets(directory: str | os.PathLike, server_name: str = "tierstack",
+                  hosts: tuple[str, ...] = ()) -> Path:
+    """A security directory (SECRET_FILES) in `directory`, created 0700 if missing: a random
+    token, and a self-signed certificate (EC P-256, ten years) for `server_name` and `hosts`
+    with its key; ca.pem is the certificate itself (clients trust exactly it). Files that
+    exist are kept (every node of a cluster must hold the same ones)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    directory = ensure_private_dir(directory, "the security directory", f"${SECURITY_DIR_ENV}")
+    if not (directory / "token").exists():
+        _place(directory / "token", secrets.token_urlsafe(32).encode())
+    if not (directory / "cert.pem").exists():
+        import datetime
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, server_name)])
+        alt = [x509.DNSName(server_name)]
+        for host in hosts:
+            try:
+                alt.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                alt.append(x509.DNSName(host))
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=3650))
+                .add_extension(x509.SubjectAlternativeName(alt), critical=False)
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(key, hashes.SHA256()))
+        # The key decides: two servers starting at once each make a pair, and only the one
+        # whose key landed writes its certificate; the other waits for that certificate.
+        if _place(directory / "key.pem", key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption())):
+            pem = cert.public_bytes(serialization.Encoding.PEM)
+            _place(directory / "ca.pem", pem)
+            _place(directory / "cert.pem", pem)  # last: its presence says the set is whole
+        else:
+            deadline = time.monotonic() + 10
+            while not (directory / "cert.pem").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+    return directory
+
+
+def default_security(create: bool) -> SecurityConfig:
+    """The per-user security of loopback TCP, in /tmp/tierstack-<uid> (a directory only we
+    can enter): a token, and a certificate clients check the server by, so that a token is
+    never sent to a process of another user that took the port. A server creates them when
+    missing; a client uses them if they are there."""
+    directory = default_token_path().parent
     if create:
-        ensure_private_dir(path.parent, "the per-user directory", "$TIERSTACK_SECURITY_DIR")
-        if not path.exists():
-            aside = path.with_name(f".token-{os.getpid()}-{secrets.token_hex(4)}")
-            fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            try:
-                os.write(fd, secrets.token_urlsafe(32).encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.link(aside, path)  # fails if another server made one meanwhile: use theirs
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(aside)
-    elif not path.exists():
-        return ""
-    return read_secret(path, "token file", "$TIERSTACK_SECURITY_DIR").strip().decode()
+        write_secrets(directory, hosts=("127.0.0.1", "::1", "localhost"))
+    elif not (directory / "token").exists():
+        return SecurityConfig()
+    return security_from_dir(directory)
 
 
 def target_host(target: str) -> str:
@@ -288,15 +344,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _with_defaults(creds: Credentials, defaults: SecurityConfig) -> Credentials:
+    """`creds` with what it lacks taken from the per-user security (token, certificate)."""
+    mine = load_credentials(defaults)
+    if creds.token and creds.tls_server:
+        return creds
+    return Credentials(creds.token or mine.token,
+                       creds.cert_chain if creds.tls_server else mine.cert_chain,
+                       creds.private_key if creds.tls_server else mine.private_key,
+                       creds.root_certs or mine.root_certs,
+                       creds.server_name if creds.tls_server else mine.server_name)
+
+
 def server_credentials(target: str, security: SecurityConfig | None, what: str) -> Credentials:
     """What a server on TCP `target` demands: see the module docstring for the rules."""
     creds = load_credentials(security)
     host = target_host(target)
     if is_loopback(host):
-        if not creds.token:
-            creds = Credentials(default_token(create=True), creds.cert_chain, creds.private_key,
-                                creds.root_certs, creds.server_name)
-        return creds
+        return _with_defaults(creds, default_security(create=True))
     missing = [name for name, have in (("security.cert_file", creds.cert_chain),
                                        ("security.key_file", creds.private_key),
                                        ("security.token_file", creds.token)) if not have]
@@ -310,12 +375,14 @@ def server_credentials(target: str, security: SecurityConfig | None, what: str) 
 
 
 def client_credentials(target: str, security: SecurityConfig | None) -> Credentials:
-    """What a client of TCP `target` presents: the configured token (on loopback, the
-    per-user one if none is configured) and, with a CA configured, TLS."""
+    """What a client of TCP `target` presents: the configured token and CA; on loopback,
+    the per-user ones where none are configured (see `default_security`)."""
     creds = load_credentials(security)
-    if not creds.token and is_loopback(target_host(target)):
-        creds = Credentials(default_token(create=False), creds.cert_chain, creds.private_key,
-                            creds.root_certs, creds.server_name)
+    if is_loopback(target_host(target)) and not (creds.token and creds.tls_client):
+        mine = load_credentials(default_security(create=False))
+        creds = Credentials(creds.token or mine.token, creds.cert_chain, creds.private_key,
+                            creds.root_certs or mine.root_certs,
+                            creds.server_name if creds.tls_client else mine.server_name)
     return creds
 
 
@@ -353,7 +420,7 @@ def open_channel(target: str, options: list, security: SecurityConfig | None = N
 
 # ---- server side: the guard every call passes -------------------------------------------------
 
-class _RefusalLog:
+class RefusalLog:
     """Logs refused calls: every one up to `burst` a minute, then one line a minute with
     the count, so that a flood of bad calls cannot fill the disk with log."""
 
@@ -387,7 +454,7 @@ class ServerGuard(grpc.ServerInterceptor):
         self.what = what
         self._expected = f"Bearer {token}".encode() if token else b""
         self._handlers: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-        self.refusals = _RefusalLog()
+        self.refusals = RefusalLog()
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method

@@ -62,22 +62,26 @@ class SchedulerTelemetry:
             return
         try:
             from tierstack.dashboards.cluster_view import ClusterView, RemoteNode
-            from tierstack.dashboards.http_api import HttpServer, create_app
+            from tierstack.dashboards.http_api import HttpServer, create_app, http_security
         except ImportError as e:
             log.warning("no HTTP API or dashboard: %s (pip install fastapi uvicorn)", e)
             return
+        setting = "scheduler.metrics_listen"
+        rules = http_security(self.config.metrics_listen, self.security, setting,
+                              self.config.metrics_allowed_hosts, "scheduler's HTTP API")
         peers: dict[str, RemoteNode] = {}
 
         def nodes() -> list[RemoteNode]:
-            # One RemoteNode per registered URL, kept while the node stays registered.
+            # One RemoteNode per registered URL, kept while the node stays registered
+            # (registration accepts only http(s) URLs: cluster.check_metrics_url).
             urls = {r.metrics_url for r in self.cluster.node_records() if r.metrics_url}
             for url in urls - set(peers):
-                peers[url] = RemoteNode(url)
+                peers[url] = RemoteNode(url, security=self.security)
             return [peers[url] for url in sorted(urls)]
 
         app = create_app(ClusterView(nodes), self._serving.is_set, registry=self.registry,
-                         name="scheduler")
-        self.http = HttpServer(app, self.config.metrics_listen, "scheduler.metrics_listen")
+                         name="scheduler", guard=rules.guard)
+        self.http = HttpServer(app, self.config.metrics_listen, setting, tls=rules.tls)
         self.http.start()
         log.info("cluster metrics and dashboard on %s/dashboard/", self.http.url)
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from tierstack.config import AioConfig
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes
-from tierstack.errors import DataCorruptionError, NvmePoolFullError, StorageIOError
+from tierstack.errors import DataCorruptionError, NvmePoolFullError, StorageIOError, UnsafePathError
 from tierstack.private_paths import open_private_file
 
 log = logging.getLogger(__name__)
@@ -167,6 +167,8 @@ class DirectFile:
         self.direct = True
         try:
             self.fd = open_private_file(path, flags | os.O_DIRECT, "NVMe pool file")
+        except UnsafePathError:
+            raise  # says what it found there
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise StorageIOError(f"cannot open NVMe pool file {path}: {e.strerror}") from e

@@ -54,17 +54,21 @@ class NodeTelemetry:
             return
         try:
             from tierstack.dashboards.cluster_view import ClusterView, LocalNode, RemoteNode
-            from tierstack.dashboards.http_api import HttpServer, create_app
+            from tierstack.dashboards.http_api import HttpServer, create_app, http_security
         except ImportError as e:
             log.warning("no HTTP API or dashboard: %s (pip install fastapi uvicorn)", e)
             return
+        setting = "tier_manager.metrics.http_listen"
+        rules = http_security(self.config.http_listen, self.security, setting,
+                              self.config.allowed_hosts, "tier manager's HTTP API")
         local = LocalNode(self.metrics)
-        peers = [RemoteNode(url) for url in self.config.cluster_nodes]
+        peers = [RemoteNode(url, security=self.security) for url in self.config.cluster_nodes]
         # The scheduler serves the view over every node it knows; a node alone sees itself
         # and the peers its config names.
         cluster = ClusterView(lambda: [local, *peers])
-        self.http = HttpServer(create_app(cluster, self._serving.is_set, node=self.metrics),
-                               self.config.http_listen, "tier_manager.metrics.http_listen")
+        self.http = HttpServer(create_app(cluster, self._serving.is_set, node=self.metrics,
+                                          guard=rules.guard),
+                               self.config.http_listen, setting, tls=rules.tls)
         self.http.start()
         self.metrics.url = self.http.url
         log.info("metrics and dashboard on %s/dashboard/", self.http.url)
