@@ -340,7 +340,7 @@ class OffloadEngine:
         placement = place_blocks(self.footprint, self.budgets.hbm, self._resident_ok,
                                  window_layers=self.store.prefetch_depth + 1)
         for index in placement.resident:
-            self._make_resident(index)
+            self._make_resident(index, recompute=index not in placement.keep_activations)
         for index in placement.keep_activations:
             self.blocks.keep_activations[index] = True
         if len(placement.resident) < len(offloaded):
@@ -395,13 +395,13 @@ class OffloadEngine:
             out = self.model(inputs)
         return getattr(out, "logits", out)
 
-    def _make_resident(self, index: int) -> None:
+    def _make_resident(self, index: int, recompute: bool = False) -> None:
         """Bring offloaded block `index` to the device for good: its tensors, fp32 masters
         and AdamW moments come from the tier manager once, it joins the persistent
         parameters (the device AdamW steps it from now on), and its keys are deleted."""
         store, device = self.store, self.store.device
         tensors = {name: t.to(device) for name, t in store.read_layer(index).items()}
-        block = self.blocks.make_resident(index, tensors)
+        block = self.blocks.make_resident(index, tensors, recompute)
         named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         masters = [p for _, p in named]
         if self.block_optimizer.masters:

@@ -30,9 +30,11 @@ place (BatchNorm running statistics), and a key/value cache passed to a block.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 from tierstack.errors import InvalidArgumentError
 from tierstack.dtypes import dtype_from_name
@@ -348,19 +350,24 @@ class OffloadedBlocks(torch.nn.Module):
         """The blocks that still live with the tier manager (not made resident)."""
         return [i for i in range(len(self.blocks)) if i not in self.resident]
 
-    def make_resident(self, index: int, device_tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    def make_resident(self, index: int, device_tensors: dict[str, torch.Tensor],
+                      recompute: bool = False) -> torch.nn.Module:
         """Make block `index` an ordinary module of the model again, its tensors the given
         device tensors (the caller read them from the tier manager): from now on it is
-        neither loaded nor recomputed, and autograd keeps its activations. The caller
-        moves its optimizer state and deletes its keys."""
+        never loaded. With `recompute` its forward runs under activation checkpointing
+        (torch.utils.checkpoint: only its input is kept), else autograd keeps its
+        activations. The caller moves its optimizer state and deletes its keys."""
         if index in self.resident:
             raise InvalidArgumentError(f"block {index} is resident already")
         block = self.blocks[index]
         for name in self._names[index]:
             _set_tensor(block, name, device_tensors[name])
+        if recompute:
+            # An instance attribute: the module's names (state dict, export) stay its own.
+            block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
         self._module_list[self.positions[index]] = block
         self.resident.add(index)
-        self.keep_activations[index] = False
+        self.keep_activations[index] = not recompute
         return block
 
     def trainable(self, index: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -382,6 +389,13 @@ class OffloadedBlocks(torch.nn.Module):
         """Block `index`'s stored tensors (CPU copies), once its update is done."""
         self.before_use(index)
         return self.store.read_layer(index)
+
+
+def _checkpointed(forward: Callable, *args, **kwargs):
+    """A resident block's forward with only its input kept for backward (recomputed there)."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _check_supported(index: int, block: torch.nn.Module) -> None:
