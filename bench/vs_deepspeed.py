@@ -265,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-vsds")
     parser.add_argument("--timeout", type=float, default=3000)
+    parser.add_argument("--skip", default="", help="runs to leave out, e.g. ds-cpu,ts-cpu")
+    parser.add_argument("--ds-peaks", default="",
+                        help="DeepSpeed's peaks of an earlier run for modes it does not run now, "
+                             "MODE=GPU_BYTES:HOST_BYTES[,...] (for the same-budget runs)")
     parser.add_argument("--out", help="also write the final JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
@@ -276,9 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tierstack-vsds-"))
     runs: dict[str, list[dict]] = {}
     failures: dict[str, str] = {}
+    summary_peaks: dict[str, tuple[int, int]] = {}
     try:
+        skip = set(filter(None, args.skip.split(",")))
+        earlier = {m: tuple(int(x) for x in v.split(":")) for m, v in
+                   (item.split("=") for item in filter(None, args.ds_peaks.split(",")))}
+
         def attempt(key: str, side: str, config: dict, label: str) -> None:
             """One run; a failure is recorded (with its log's tail) and the rest goes on."""
+            if key in skip:
+                return
             try:
                 runs.setdefault(key, []).append(_launch(args, side, config, label, workdir))
             except (RuntimeError, subprocess.TimeoutExpired) as e:
@@ -294,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
                 if "ts" in sides:
                     attempt(f"ts-{mode}", "ts", copy.deepcopy(ds_config), f"ts-{mode}-{rep}")
                     ds_runs = runs.get(f"ds-{mode}")
-                    if ds_runs:  # same budget as DeepSpeed used in this mode
-                        hbm = max(r["gpu_peak"] for r in ds_runs)
-                        host = max(r["host_peak"] for r in ds_runs)
-                        attempt(f"ts-budget-{mode}", "ts", budget_json(args.micro, hbm, host),
+                    peaks = ((max(r["gpu_peak"] for r in ds_runs), max(r["host_peak"] for r in ds_runs))
+                             if ds_runs else earlier.get(mode))
+                    if peaks:  # same budget as DeepSpeed used in this mode
+                        summary_peaks[mode] = peaks
+                        attempt(f"ts-budget-{mode}", "ts", budget_json(args.micro, *peaks),
                                 f"ts-budget-{mode}-{rep}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -335,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             med(f"ts-budget-{mode}", "host_peak"), med(f"ds-{mode}", "host_peak"))
     summary["planner_vs_measured"] = round(statistics.median(predicted), 3) if predicted else None
     summary["failures"] = failures
+    summary["deepspeed_peaks_used_as_budgets"] = summary_peaks
     line = json.dumps(summary)
     if args.out:
         Path(args.out).write_text(line + "\n")
