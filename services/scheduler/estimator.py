@@ -17,7 +17,10 @@ Model of one iteration (GPT-like transformer, mixed precision with Adam):
 - a layer too large for the GPU's parameter buffers is cut into tiles (the paper's
   memory-centric tiling), each a step of its own;
 - the optimizer step runs on the CPU of each node over its shard, limited by DRAM
-  bandwidth (28 bytes touched per parameter).
+  bandwidth (28 bytes touched per parameter);
+- collectives reach `collective_efficiency` of the link (NCCL rings do not run at the
+  wire's rate); activation checkpoints (each layer's fp16 input per GPU) are offloaded to
+  CPU memory after a layer's forward and read back before its backward, over PCIe.
 """
 
 from __future__ import annotations
@@ -87,10 +90,14 @@ class ClusterSpec:
     activations, their checkpoints and the framework."""
     cpu_state_fraction: float = 0.9
     """Share of DRAM for training state (the rest: the OS, pinned staging, activations)."""
+    collective_efficiency: float = 1.0
+    """Share of the link rate an all-gather or reduce-scatter reaches."""
+    activation_offload: bool = True
+    """Activation checkpoints live in CPU memory (ZeRO-Infinity's activation offload)."""
 
     def validate(self) -> None:
         for name, value in asdict(self).items():
-            if not value > 0:
+            if not isinstance(value, bool) and not value > 0:
                 raise InvalidArgumentError(f"cluster: {name} must be positive, got {value}")
 
 
@@ -110,22 +117,24 @@ class Estimate:
 
 
 # The ZeRO-Infinity paper's hardware (Rajbhandari et al., SC'21): DGX-2 nodes of 16 V100
-# 32 GB with 1.5 TB of DRAM, NVMe, and 800 Gbps between nodes. Link figures are the
-# paper's own statements as we read them: over 64 DGX-2 nodes ZeRO-Infinity "has access to"
-# ~3 TB/s of CPU memory and ~1.5 TB/s of NVMe bandwidth, i.e. ~48 GB/s and ~24 GB/s per
-# node (3 and 1.5 GB/s per GPU when all 16 move data at once). The paper gives one NVMe
-# figure, so writes are taken at the read rate. The rest are vendor facts: V100 tensor
-# cores peak at 125 TFLOP/s (fp16); NVLink 2 on V100 moves 150 GB/s each way; a DGX-2 has
-# 8 x 3.84 TB NVMe drives and two Xeon Platinum 8168 with 6 channels of DDR4-2666 each
-# (256 GB/s peak). Assumptions (not from the paper, not fitted): kernels reach 70 TFLOP/s
-# (56% of peak, the paper's own "achievable peak" in its efficiency analysis, as we read
-# it), the CPU optimizer reaches 60% of DRAM peak (a typical STREAM efficiency), half the
-# HBM is for parameters, sequence 1024, micro-batch 8 per GPU.
+# 32 GB with 1.5 TB of DRAM, NVMe, and 800 Gbps between nodes. Link figures per DGX-2 node
+# are the paper's (its slides): aggregate NVMe -> GPU 28 GB/s, CPU -> GPU 64 GB/s (1.8 TB/s
+# and 4 TB/s over 64 nodes), and parameters/gradients moved at "> 70 GB/s" with
+# bandwidth-centric partitioning, i.e. 0.7 of the node's 100 GB/s network for the
+# collectives. The paper gives one NVMe figure, so writes are taken at the read rate.
+# Vendor facts: V100 tensor cores peak at 125 TFLOP/s (fp16); NVLink 2 on V100 moves
+# 150 GB/s each way; a DGX-2 has 8 x 3.84 TB NVMe drives and two Xeon Platinum 8168 with 6
+# channels of DDR4-2666 each (256 GB/s peak). Assumptions (not from the paper, not fitted):
+# kernels reach 70 TFLOP/s (56% of peak, the paper's own "achievable peak" in its
+# efficiency analysis, as we read it), the CPU optimizer reaches 60% of DRAM peak (a
+# typical STREAM efficiency), half the HBM is for parameters, sequence 1024, micro-batch 8
+# per GPU, and activation checkpoints are offloaded to CPU memory (the paper does so for
+# its largest models).
 ZERO_INFINITY_DGX2 = ClusterSpec(
     nodes=32, gpus_per_node=16, gpu_memory=32e9, cpu_memory=1.5e12, nvme=8 * 3.84e12,
-    nvme_read=24e9, nvme_write=24e9, pcie_per_gpu=3e9, network_per_node=800e9 / 8,
+    nvme_read=28e9, nvme_write=28e9, pcie_per_gpu=64e9 / 16, network_per_node=800e9 / 8,
     nvlink_per_gpu=150e9, gpu_peak_flops=125e12, achieved_fraction=0.56,
-    dram_bandwidth=0.6 * 256e9)
+    dram_bandwidth=0.6 * 256e9, collective_efficiency=0.7)
 
 # The paper's 1T model: 128 layers of hidden size 25,600 (12 L h^2 = 1.007e12 parameters).
 ONE_TRILLION = ModelSpec(params=1.0e12, layers=128, hidden=25_600, seq_len=1024, micro_batch=8)
@@ -154,8 +163,8 @@ def build_trace(model: ModelSpec, cluster: ClusterSpec) -> tuple[JobTrace, NodeS
     backward = [False] * units + [True] * units
     # Collectives move each GPU's (gpus - 1) / gpus of the fp16 tile: inside a node over
     # NVLink, across nodes over each GPU's share of the node's network.
-    per_gpu_link = cluster.nvlink_per_gpu if cluster.nodes == 1 else min(
-        cluster.nvlink_per_gpu, cluster.network_per_node / cluster.gpus_per_node)
+    per_gpu_link = cluster.collective_efficiency * (cluster.nvlink_per_gpu if cluster.nodes == 1 else min(
+        cluster.nvlink_per_gpu, cluster.network_per_node / cluster.gpus_per_node))
     collective = tile_params * PARAM_BYTES * (gpus - 1) / gpus / per_gpu_link if gpus > 1 else 0.0
     gather = [collective] * (2 * units)
     reduce = [0.0] * units + [collective] * units
@@ -165,9 +174,15 @@ def build_trace(model: ModelSpec, cluster: ClusterSpec) -> tuple[JobTrace, NodeS
             tensors.append(TensorSpec(f"model/unit{i}/{kind}", i, kind, int(tile_params * nbytes)))
     optimizer = tile_params / cluster.nodes * ADAM_BYTES_TOUCHED / cluster.dram_bandwidth
     nodes = [f"node{i}" for i in range(cluster.nodes)]
+    # Each GPU's checkpoint of a layer's input (fp16), all of the node's GPUs: out after the
+    # layer's forward, back before its backward (its last tile carries it).
+    checkpoint = (model.micro_batch * model.seq_len * model.hidden * PARAM_BYTES
+                  * cluster.gpus_per_node if cluster.activation_offload else 0.0)
+    activation = [checkpoint if (s % tiles == tiles - 1) else 0.0 for s in steps]
     trace = JobTrace(job="estimate", nodes=nodes, step_layer=steps, step_compute=compute,
                      step_backward=backward, tensors=tensors,
-                     optimizer_seconds=np.full(units, optimizer), step_gather=gather, step_reduce=reduce)
+                     optimizer_seconds=np.full(units, optimizer), step_gather=gather, step_reduce=reduce,
+                     step_activation=activation)
     # The node as the planner sees it: the gathered double buffer is reserved outside
     # it, the rest of the parameter share of HBM holds shards and their prefetches.
     gathered = 2 * tile_params * PARAM_BYTES
