@@ -87,6 +87,9 @@ class TierManagerDaemon:
 
 def serve(config: TierManagerConfig) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT."""
+    from tierstack.doctor import log_checks
+
+    log_checks(config)  # what is off about the machine, in the log before anything fails
     daemon = TierManagerDaemon(config)
 
     def banner() -> list[str]:
