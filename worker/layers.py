@@ -304,6 +304,8 @@ class LayerStore:
         if self.recorder is not None:
             self.recorder.released(index)
         copy = self.residency.release(index)
+        if copy is not None and copy.pin is not None:  # a CPU view: the daemon may move it now
+            self.session.release_after(*copy.pin)
         if copy is not None and self.metrics is not None:  # once per load, off ensure_layer's path
             self.metrics.load_used(copy.wait_seconds)
 
@@ -319,44 +321,65 @@ class LayerStore:
         return self.layouts[index].nbytes
 
     def allocate(self, index: int, copy: DeviceCopy) -> None:
+        if not self.cuda:  # views of the CPU pool, made when the layer is pinned
+            return
         copy.buffer = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
         copy.tensors = self.layouts[index].views(copy.buffer)
 
     def fill(self, index: int, copy: DeviceCopy, allocated) -> None:
         self.hint(index)  # the daemon starts reading NVMe while the loader gets going
+        if not self.cuda:
+            copy.deferred = lambda: self._pin_view(index, copy)
+            return
         self._loader.submit(self._load, index, copy, allocated)
 
-    def _load(self, index: int, copy: DeviceCopy, allocated) -> None:
-        """Fetch the layer's block, copy it to the device, release the pin after the copy."""
+    def _fetch(self, key: str, nbytes: int):
+        """Fetch and pin `key`'s block, redone after a daemon restart: (arenas, answer)."""
+        def op(arenas: ArenaMap):
+            res = self.session.fetch_one(key, arenas)
+            if res.info.nbytes != nbytes:
+                self.client.release(key, res.info.version)
+                raise InvalidArgumentError(
+                    f"{key} holds {res.info.nbytes} bytes but its layout says {nbytes}")
+            return arenas, res
+
+        return self.session.retrying(f"load of {key}", op)
+
+    def _pin_view(self, index: int, copy: DeviceCopy) -> None:
+        """The CPU device's load: the layer's tensors are views of its pinned arena bytes
+        (a copy would cost a pass over memory for nothing: 0.11 of memcpy speed measured)."""
         key = self.key(index)
         try:
-            def op(arenas: ArenaMap):
-                res = self.session.fetch_one(key, arenas)
-                if res.info.nbytes != copy.nbytes:
-                    self.client.release(key, res.info.version)
-                    raise InvalidArgumentError(
-                        f"{key} holds {res.info.nbytes} bytes but its layout says {copy.nbytes}")
-                return arenas, res
+            arenas, res = self._fetch(key, copy.nbytes)
+            copy.buffer = arenas.view(res.arena, res.offset, copy.nbytes)
+            copy.tensors = self.layouts[index].views(copy.buffer)
+            copy.pin = (key, res.info.version)
+            self.session.count(read=copy.nbytes)
+            if self.metrics is not None:  # the compute reads these bytes of the pool in place
+                self.metrics.copied_to_device(copy.nbytes)
+            copy.done()
+        except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
+            copy.done(error=e)
 
-            arenas, res = self.session.retrying(f"load of {key}", op)
+    def _load(self, index: int, copy: DeviceCopy, allocated) -> None:
+        """The CUDA device's load: fetch the layer's block, copy it to the device on the
+        copy stream, release the pin once the copy is done."""
+        key = self.key(index)
+        try:
+            arenas, res = self._fetch(key, copy.nbytes)
             try:
                 src = arenas.view(res.arena, res.offset, copy.nbytes)
-                copied = None
-                if self.cuda:
-                    with torch.cuda.stream(self._copy_stream):
-                        self._copy_stream.wait_event(allocated)
-                        copy.buffer.copy_(src, non_blocking=True)
-                        copy.buffer.record_stream(self._copy_stream)
-                        copied = torch.cuda.Event()
-                        copied.record(self._copy_stream)
-                else:
-                    copy.buffer.copy_(src)
+                with torch.cuda.stream(self._copy_stream):
+                    self._copy_stream.wait_event(allocated)
+                    copy.buffer.copy_(src, non_blocking=True)
+                    copy.buffer.record_stream(self._copy_stream)
+                    copied = torch.cuda.Event()
+                    copied.record(self._copy_stream)
                 if self.metrics is not None:
                     self.metrics.copied_to_device(copy.nbytes)
             except BaseException:
-                if self.cuda:
-                    torch.cuda.current_stream(self.device).synchronize()
-                    self._copy_stream.synchronize()  # no copy may still read the arena
+                torch.cuda.current_stream(self.device).synchronize()
+                self._copy_stream.synchronize()  # no copy may still read the arena
                 self.session.release_after(key, res.info.version)
                 raise
             self.session.release_after(key, res.info.version, copied)
@@ -380,7 +403,9 @@ class LayerStore:
         if self._reporter is not None:
             self._reporter.close()  # a last report, so that the node has the final figures
         self._loader.shutdown(wait=True)
-        self.residency.clear()
+        for copy in self.residency.clear():
+            if copy.pin is not None:
+                self.session.release_after(*copy.pin)
         self.session.close()
 
     def __enter__(self) -> "LayerStore":
