@@ -103,6 +103,8 @@ def _tier_manager(args: argparse.Namespace) -> int:
         config.cpu_pool.shm_dir = args.shm_dir
     if args.manifest:
         config.manifest_path = args.manifest
+    if args.http_listen is not None:
+        config.metrics.http_listen = args.http_listen
     config.validate()
     serve(config)
     return 0
@@ -168,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--nvme-path", action="append", help="NVMe pool directory (repeatable: one per drive)")
     tm.add_argument("--nvme-size", type=types.positive_size, help="NVMe pool bytes over all paths, e.g. 512GiB")
     tm.add_argument("--manifest", help="path of the manifest database (default: in the first NVMe path)")
+    tm.add_argument("--http-listen", metavar="HOST:PORT",
+                    help="where metrics, the HTTP API and the dashboard are served (default "
+                         "127.0.0.1:8470; a taken port falls back to a free one; '' for none)")
     tm.set_defaults(func=_tier_manager)
 
     sched = sub.add_parser("scheduler", help="run the cluster scheduler (gRPC): plans from traces and bandwidth",
