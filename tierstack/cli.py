@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_ray_node(ray_node)
     ray_node.set_defaults(func=run_ray_node)
 
-    demo = sub.add_parser("demo", help="write and read tensors through the CPU and NVMe pools, verified")
+    demo = sub.add_parser("demo", help="write and read tensors through the CPU and NVMe pools, verified",
+                          description=_demo.__doc__)
     demo.add_argument("--config", help="tierstack JSON config (defaults otherwise)")
     demo.add_argument("--nvme-path", action="append", help="NVMe pool directory (repeatable)")
     demo.add_argument("--total", type=types.positive_size, default="1GiB",

@@ -16,7 +16,7 @@ A shared module: it reads /proc, /sys and the filesystem itself and imports no r
 from __future__ import annotations
 
 import argparse
-import ctypes
+import contextlib
 import logging
 import mmap
 import os
@@ -140,6 +140,21 @@ def direct_io_works(directory: Path) -> bool:
         buf.close()
 
 
+@contextlib.contextmanager
+def _scratch(path: Path):
+    """`path` as a directory for the body; what this made of it is removed afterwards."""
+    top = path.absolute()  # the first directory made here
+    while not top.parent.exists() and top.parent != top:
+        top = top.parent
+    created = not path.exists()
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if created:
+            shutil.rmtree(top, ignore_errors=True)
+
+
 def check_nvme_path(path: str, need: int) -> list[Check]:
     """The NVMe pool's directory: writable, durable, O_DIRECT, free space for `need` bytes
     (its share of the pool)."""
@@ -147,24 +162,16 @@ def check_nvme_path(path: str, need: int) -> list[Check]:
     p = Path(path)
     if p.exists() and not p.is_dir():
         return [Check(name, FAIL, "is a file", "give a directory (created if missing)")]
-    top = p.absolute()  # the first directory this check creates, removed afterwards
-    while not top.parent.exists() and top.parent != top:
-        top = top.parent
-    created = not p.exists()
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        with _scratch(p):
+            fstype, mount = filesystem(p)
+            device = block_device(p)
+            free = shutil.disk_usage(p).free
+            direct = direct_io_works(p)
+            writable = os.access(p, os.W_OK)
     except OSError as e:
         return [Check(name, FAIL, f"cannot create it ({e.strerror})",
                       "give a writable directory on an NVMe drive")]
-    try:
-        fstype, mount = filesystem(p)
-        device = block_device(p)
-        free = shutil.disk_usage(p).free
-        direct = direct_io_works(p)
-        writable = os.access(p, os.W_OK)
-    finally:
-        if created:
-            shutil.rmtree(top, ignore_errors=True)
     where = f"{fstype} at {mount}" + (f" on {device}" if device else "")
     checks = []
     if not writable:
@@ -193,9 +200,11 @@ def measure_disk(path: str, nbytes: int = 256 * MiB, block: int = MiB, threads: 
                  ) -> tuple[float, float]:
     """(write, read) GB/s of O_DIRECT `block`-sized requests over one `nbytes` file in
     `path`, `threads` requests in flight (the tier manager's IO loop does the same)."""
-    p = Path(path)
-    p.mkdir(parents=True, exist_ok=True)
-    file = p / f".tierstack-doctor-{uuid.uuid4().hex[:8]}"
+    with _scratch(Path(path)) as p:
+        return _measure_disk(p / f".tierstack-doctor-{uuid.uuid4().hex[:8]}", nbytes, block, threads)
+
+
+def _measure_disk(file: Path, nbytes: int, block: int, threads: int) -> tuple[float, float]:
     blocks = nbytes // block
     fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     buffers = [_aligned_buffer(block) for _ in range(threads)]

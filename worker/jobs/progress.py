@@ -14,6 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
 from tierstack.worker.training import StepRecord
 
 LINKS = (("nvme->cpu", "nvme_read"), ("cpu->nvme", "nvme_written"),
@@ -55,6 +59,17 @@ def figures(window: Window, tokens_per_step: int) -> str:
             f"GB/s {links}  stall {stall:.0f}%")
 
 
+class _BarAndFigures(Progress):
+    """The bar and ETA on one line and the figures under it, wrapped rather than cut on a
+    narrow terminal."""
+
+    def get_renderables(self):
+        yield self.make_tasks_table(self.tasks)
+        for task in self.tasks:
+            if task.fields.get("status"):
+                yield Text(task.fields["status"])
+
+
 class TrainProgress:
     """Progress of `total` steps (starting after `first` already done: a resumed run)."""
 
@@ -71,14 +86,10 @@ class TrainProgress:
         self._progress = self._task = None
         self.closed = False
         if self.tty:
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.console = Console(file=self.out)
-            self._progress = Progress(
-                TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=24),
-                TextColumn("{task.fields[status]}"), TextColumn("ETA"), TimeRemainingColumn(),
-                console=self.console, transient=False)
+            self.console = Console(file=self.out, force_terminal=True)
+            self._progress = _BarAndFigures(
+                TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=30),
+                TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False)
             self._task = self._progress.add_task("train", total=total, completed=first, status="")
             self._progress.start()
 
