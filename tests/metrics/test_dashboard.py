@@ -27,7 +27,14 @@ def test_dashboard_shows_live_nonzero_bandwidth_and_keeps_updating(metrics_daemo
         browser = screenshot.launch(p)
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.on("pageerror", lambda e: errors.append(str(e)))
+            # Any error the browser reports fails the test: uncaught exceptions, console
+            # errors (a resource that 404s shows there), failed or erroring requests.
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+            page.on("console", lambda m: errors.append(f"console {m.type}: {m.text} {m.location}")
+                    if m.type == "error" else None)
+            page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url} {r.failure}"))
+            page.on("response", lambda r: errors.append(f"HTTP {r.status}: {r.url}")
+                    if r.status >= 400 else None)
             page.goto(metrics_daemon.url + "/dashboard/")
             screenshot.wait_for_traffic(page, timeout_s=45)
             # Streaming through a CPU pool smaller than the model: NVMe reads and device
