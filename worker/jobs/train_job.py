@@ -340,7 +340,9 @@ def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.dev
 
 
 def _mib(nbytes: int) -> str:
-    return f"{nbytes / MiB:.1f} MiB" if nbytes < 10 * MiB else f"{nbytes / MiB:.0f} MiB"
+    """MiB, with a decimal only where a small size needs one (0.4 MiB, 5 MiB, 226 MiB)."""
+    mib = nbytes / MiB
+    return f"{mib:.0f} MiB" if mib >= 10 or mib == round(mib) else f"{mib:.1f} MiB"
 
 
 def _counters(store: LayerStore) -> dict[str, float]:
