@@ -82,6 +82,8 @@ class LayerStore:
         # Bytes moved and waits, reported to the node's tier manager (worker/metrics.py).
         self.metrics = WorkerMetrics() if metrics else None
         self.worker_id = new_worker_id(job)
+        # The training loop's last step and its plan's prediction, for the node's dashboard.
+        self.step_seconds = self.predicted_step_seconds = 0.0
         self._reporter = (WorkerReporter(self.client, self._metrics_report)
                           if metrics else None)
 
@@ -400,10 +402,16 @@ class LayerStore:
 
     # ---- metrics and life cycle --------------------------------------------------------------
 
+    def report_step(self, seconds: float, predicted_seconds: float = 0.0) -> None:
+        """A training step's measured time and the scheduler plan's prediction of it (0:
+        none), sent with the next report: the node's dashboard shows them per job."""
+        self.step_seconds, self.predicted_step_seconds = seconds, predicted_seconds
+
     def _metrics_report(self):
         return self.metrics.report(self.worker_id, self.job, str(self.device), self.stall_seconds,
                                    self.budget.used, self.budget.capacity, self.residency.loading(),
-                                   self.depths.depth)
+                                   self.depths.depth, self.depths.plan_version,
+                                   self.predicted_step_seconds, self.step_seconds)
 
     def dashboard_url(self) -> str:
         """The node's dashboard and HTTP API URL, or '' when it serves none."""

@@ -395,6 +395,8 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
                              f"NVMe read-ahead {mine.read_ahead}, predicted step "
                              f"{plan.predicted_step_seconds:.3f} s (first step measured "
                              f"{step.seconds:.3f} s)")
+            plan = follower.plan if follower is not None else None
+            store.report_step(step.seconds, plan.predicted_step_seconds if plan is not None else 0.0)
             progress.step(step)
             done = start + step.index + 1
             if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
