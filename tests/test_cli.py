@@ -1,6 +1,15 @@
+import argparse
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
+
+import pytest
+import torch
+
+from tierstack import cli
 
 
 def test_demo_moves_bytes_through_both_pools_and_verifies_them(tmp_path, shm_dir):
@@ -34,7 +43,7 @@ def test_train_runs_with_state_spilling_to_nvme_and_the_loss_falls(tmp_path):
         [sys.executable, "-m", "tierstack.cli", "train", "--steps", "6", "--layers", "3",
          "--dim", "64", "--heads", "4", "--seq-len", "64", "--cpu-pool-size", "1MiB",
          "--nvme-path", str(tmp_path / "nvme")],
-        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "COLUMNS": "200"})
+        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = out.stdout.replace("\n", " ")
     assert "done: 6 steps" in summary
@@ -53,7 +62,7 @@ def _train_cli(tmp_path, config: dict, *args: str, timeout: int = 600) -> subpro
     return subprocess.run(
         [sys.executable, "-m", "tierstack.cli", "train", "--config", str(path), *args],
         capture_output=True, text=True, timeout=timeout,
-        env={**__import__("os").environ, "COLUMNS": "200"})
+        env={**os.environ, "COLUMNS": "200"})
 
 
 def test_train_takes_batch_accumulation_and_device_budget_from_the_config(tmp_path):
@@ -89,15 +98,6 @@ def test_partitioned_train_refuses_accumulation_before_starting_anything(tmp_pat
 
 # ---- the user's surface: one-line errors, help, plan, doctor, Hugging Face models ----------
 
-import argparse  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-import time  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tierstack import cli  # noqa: E402
 
 
 def _main(capsys, *argv: str) -> tuple[int, str, str]:

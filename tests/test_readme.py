@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -129,7 +128,7 @@ def services(tmp_path_factory):
     shm = Path("/dev/shm") / f"tierstack-readme-{os.getpid()}"
     shm.mkdir(mode=0o700)
     tm = load_config({"tier_manager": {
-        "cpu_pool": {"size": "64MiB", "arena_size": "32MiB", "shm_dir": str(shm)},
+        "cpu_pool": {"size": "64MiB", "shm_dir": str(shm)},
         "nvme_pool": {"paths": [str(root / "nvme")], "size": "512MiB"},
         "manifest_path": str(root / "manifest.sqlite"), "node_id": "node0",
         "metrics": {"http_listen": "127.0.0.1:0"}}}).tier_manager

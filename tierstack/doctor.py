@@ -29,8 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierstack.budgets import GiB, available_host_memory, cgroup_headroom, _cgroup_memory, _meminfo
-from tierstack.config import MiB, TierManagerConfig, TierstackConfig, load_config
+from tierstack.budgets import (GiB, PoolCaps, _cgroup_memory, _meminfo, available_host_memory,
+                               default_budgets, pool_caps)
+from tierstack.budgets import measure as measure_machine
+from tierstack.config import AUTO_SIZE, MiB, TierManagerConfig, TierstackConfig, load_config
+from tierstack.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +160,7 @@ def _scratch(path: Path):
 
 def check_nvme_path(path: str, need: int) -> list[Check]:
     """The NVMe pool's directory: writable, durable, O_DIRECT, free space for `need` bytes
-    (its share of the pool)."""
+    (its share of the pool's cap)."""
     name = f"NVMe path {path}"
     p = Path(path)
     if p.exists() and not p.is_dir():
@@ -187,7 +190,7 @@ def check_nvme_path(path: str, need: int) -> list[Check]:
                             "use ext4 or xfs for nvme_pool.paths"))
     else:
         checks.append(Check(name, OK, f"{where}, O_DIRECT works"))
-    space = Check(f"{name} free space", OK, f"{free / GiB:.1f} GiB free, the pool needs "
+    space = Check(f"{name} free space", OK, f"{free / GiB:.1f} GiB free, the pool may grow to "
                                             f"{need / GiB:.1f} GiB there")
     if free < need:
         space.status, space.fix = FAIL, (f"free {(need - free) / GiB:.1f} GiB there, or lower "
@@ -297,27 +300,22 @@ def memlock_check(cpu_pool: int, gpu: bool) -> Check:
     return Check("pinning", OK, found)
 
 
-def memory_check(config: TierstackConfig) -> list[Check]:
-    """The CPU pool and the host budget against MemAvailable and the memory cgroup."""
+def memory_check(config: TierstackConfig, pool: int) -> list[Check]:
+    """The CPU pool (its cap: `pool` bytes) and the host budget against MemAvailable and
+    the memory cgroup."""
     available = _meminfo("MemAvailable")
     limit, usage = _cgroup_memory()
-    headroom = cgroup_headroom()
     cgroup = (f"memory cgroup memory.max {limit / GiB:.1f} GiB ({(usage or 0) / GiB:.1f} used)"
               if limit is not None else "no memory cgroup limit")
-    pool = config.tier_manager.cpu_pool.size
+    stated = config.tier_manager.cpu_pool.size
     can = available_host_memory()
-    found = (f"MemAvailable {available / GiB:.1f} GiB, {cgroup}; CPU pool "
-             f"{pool / GiB:.2f} GiB")
+    found = (f"MemAvailable {available / GiB:.1f} GiB, {cgroup}; CPU pool up to "
+             f"{pool / GiB:.2f} GiB{' (auto: the host budget less our processes)' if stated == AUTO_SIZE else ''}")
     host = config.budgets.host
     if isinstance(host, int):
         found += f", budgets.host {host / GiB:.1f} GiB"
     checks = [Check("host memory", OK, found)]
-    if pool > can:
-        which = "the memory cgroup's headroom" if headroom is not None and headroom < available else "MemAvailable"
-        checks[0].status = FAIL
-        checks[0].fix = (f"lower tier_manager.cpu_pool.size below {can / GiB:.1f} GiB ({which}); "
-                         f"a pool above it gets the daemon killed by the OOM killer")
-    elif isinstance(host, int) and host > can:
+    if isinstance(host, int) and host > can:  # a pool above the machine: "pool sizes" says so
         checks[0].status = FAIL
         checks[0].fix = f"lower budgets.host to at most {can / GiB:.1f} GiB (or 'auto')"
     shm = config.tier_manager.cpu_pool.shm_dir
@@ -326,10 +324,10 @@ def memory_check(config: TierstackConfig) -> list[Check]:
     except OSError:
         shm_free = 0
     shm_check = Check(f"CPU pool directory {shm}", OK,
-                      f"{filesystem(shm)[0]}, {shm_free / GiB:.1f} GiB free for a "
-                      f"{pool / GiB:.2f} GiB pool")
-    if shm_free < pool:
-        shm_check.status = FAIL
+                      f"{filesystem(shm)[0]}, {shm_free / GiB:.1f} GiB free for a pool of up to "
+                      f"{pool / GiB:.2f} GiB")
+    if shm_free < pool:  # the pool grows on demand: it fails when it grows past the tmpfs
+        shm_check.status = WARN
         shm_check.fix = (f"grow the tmpfs (mount -o remount,size=... {shm}) or lower "
                          f"tier_manager.cpu_pool.size")
     checks.append(shm_check)
@@ -393,18 +391,25 @@ def checks(config: TierstackConfig, measure: bool = True, gpu: bool = True) -> l
     """Every check for this machine and `config` (measurements when `measure`)."""
     tm = config.tier_manager
     paths = tm.nvme_pool.paths
-    share = tm.nvme_pool.size // max(1, len(paths))
     found: list[Check] = []
+    limits = measure_machine(paths, device="cpu")
+    try:  # as the tier manager sizes its pools: 'auto' from the budgets, stated ones checked
+        caps = pool_caps(tm.cpu_pool.size, tm.nvme_pool.size, limits)
+    except ConfigError as e:
+        found.append(Check("pool sizes", FAIL, str(e).split("; ")[0], "; ".join(str(e).split("; ")[1:])))
+        defaults = default_budgets(limits)
+        caps = PoolCaps(cpu=defaults.cpu_pool if tm.cpu_pool.size == AUTO_SIZE else tm.cpu_pool.size,
+                        nvme=defaults.nvme if tm.nvme_pool.size == AUTO_SIZE else tm.nvme_pool.size)
     for path in paths:
-        found += check_nvme_path(path, share)
-    found += memory_check(config)
+        found += check_nvme_path(path, caps.nvme // max(1, len(paths)))
+    found += memory_check(config, caps.cpu)
     found.append(huge_pages_check())
     has_gpu = False
     if gpu:
         gpu_found = gpu_checks(measure)
         has_gpu = any(c.name.startswith("GPU ") for c in gpu_found)
         found += gpu_found
-    found.append(memlock_check(tm.cpu_pool.size, has_gpu or not gpu))
+    found.append(memlock_check(caps.cpu, has_gpu or not gpu))
     if measure:
         for path in paths:
             if all(c.status != FAIL for c in found if c.name.startswith(f"NVMe path {path}")):
