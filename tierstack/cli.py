@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model with its state offloaded (the main job)",
                            description=_doc("tierstack.worker.jobs.train_job"))
-    from tierstack.worker.jobs.train_job import add_arguments, run as run_train
+    from tierstack.worker.jobs.train_flags import add_arguments, run as run_train
     add_arguments(train)
     train.set_defaults(func=run_train)
 
@@ -221,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except TierstackError as e:  # the user's to fix: one line, no traceback
-        print(f"tierstack {args.command}: {e}", file=sys.stderr)
+        print(f"tierstack: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"tierstack {args.command}: interrupted", file=sys.stderr)
+        print("tierstack: interrupted", file=sys.stderr)
         return 130
 
 
