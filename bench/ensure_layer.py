@@ -123,7 +123,8 @@ def arena_copy_gbps(store: LayerStore, layers: int) -> float:
 def disk_read_gbps(directory: Path, nbytes: int) -> float:
     """Raw O_DIRECT reads of a fresh file in 1 MiB blocks at depth 8 (the daemon's settings)."""
     path = directory / "disk-probe.dat"
-    f = DirectFile(str(path), nbytes)
+    f = DirectFile(str(path))
+    f.resize(nbytes)
     engine = IoEngine(AioConfig(block_size=1 * MiB, queue_depth=8))
     block = StagingBuffer(1 * MiB)
     block.array[:] = 7
