@@ -58,8 +58,11 @@ def deepspeed_json(mode: str, micro: int, nvme_dir: str) -> dict:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     elif mode == "nvme":
+        # DeepSpeed's default 5 buffers fail ("Not enough buffers 0 for swapping 1") with
+        # a LLaMA layer's 9 tensors prefetched ahead; 32 of 7e7 elements (> the embedding's
+        # 65.5M) hold them (4.5 GB pinned).
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True,
-                                 "max_in_cpu": 0, "buffer_count": 5}
+                                 "max_in_cpu": 0, "buffer_count": 32, "buffer_size": 70_000_000}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True}
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": zero,
@@ -174,7 +177,8 @@ def run_tierstack(args, config_dict: dict) -> dict:
                         if record.index == 0:
                             follower.record()
                         elif record.index == 1 and engine.blocks.offloaded():
-                            predicted.append(follower.report_trace().predicted_step_seconds)
+                            predicted.append(follower.report_trace(
+                                optimizer_seconds=engine.block_optimizer.block_seconds).predicted_step_seconds)
 
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
@@ -225,7 +229,14 @@ def _launch(args, side: str, config: dict, label: str, workdir: Path) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     with Sampler(proc.pid) as sampler:
-        out, _ = proc.communicate(timeout=args.timeout)
+        try:
+            out, _ = proc.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            log.close()
+            raise RuntimeError(f"{label} ran past {args.timeout:.0f} s: "
+                               f"{(workdir / f'{label}.log').read_text()[-1500:]}") from None
     wall = time.perf_counter() - start
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -255,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-vsds")
     parser.add_argument("--timeout", type=float, default=3000)
+    parser.add_argument("--skip", default="", help="runs to leave out, e.g. ds-cpu,ts-cpu")
+    parser.add_argument("--ds-peaks", default="",
+                        help="DeepSpeed's peaks of an earlier run for modes it does not run now, "
+                             "MODE=GPU_BYTES:HOST_BYTES[,...] (for the same-budget runs)")
     parser.add_argument("--out", help="also write the final JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
@@ -265,24 +280,38 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="tierstack-vsds-"))
     runs: dict[str, list[dict]] = {}
+    failures: dict[str, str] = {}
+    summary_peaks: dict[str, tuple[int, int]] = {}
     try:
+        skip = set(filter(None, args.skip.split(",")))
+        earlier = {m: tuple(int(x) for x in v.split(":")) for m, v in
+                   (item.split("=") for item in filter(None, args.ds_peaks.split(",")))}
+
+        def attempt(key: str, side: str, config: dict, label: str) -> None:
+            """One run; a failure is recorded (with its log's tail) and the rest goes on."""
+            if key in skip:
+                return
+            try:
+                runs.setdefault(key, []).append(_launch(args, side, config, label, workdir))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                failures[label] = str(e)[-1500:]
+                print(json.dumps({"label": label, "failed": failures[label]}), flush=True)
+
         for rep in range(args.reps):
             for mode in args.modes.split(","):
                 ds_config = deepspeed_json(mode, args.micro, str(Path(args.nvme_dir) / "ds"))
                 if "ds" in sides:
-                    runs.setdefault(f"ds-{mode}", []).append(
-                        _launch(args, "ds", ds_config, f"ds-{mode}-{rep}", workdir))
+                    attempt(f"ds-{mode}", "ds", ds_config, f"ds-{mode}-{rep}")
                     shutil.rmtree(Path(args.nvme_dir) / "ds", ignore_errors=True)
                 if "ts" in sides:
-                    runs.setdefault(f"ts-{mode}", []).append(
-                        _launch(args, "ts", copy.deepcopy(ds_config), f"ts-{mode}-{rep}", workdir))
+                    attempt(f"ts-{mode}", "ts", copy.deepcopy(ds_config), f"ts-{mode}-{rep}")
                     ds_runs = runs.get(f"ds-{mode}")
-                    if ds_runs:  # same budget as DeepSpeed used in this mode
-                        hbm = max(r["gpu_peak"] for r in ds_runs)
-                        host = max(r["host_peak"] for r in ds_runs)
-                        runs.setdefault(f"ts-budget-{mode}", []).append(_launch(
-                            args, "ts", budget_json(args.micro, hbm, host),
-                            f"ts-budget-{mode}-{rep}", workdir))
+                    peaks = ((max(r["gpu_peak"] for r in ds_runs), max(r["host_peak"] for r in ds_runs))
+                             if ds_runs else earlier.get(mode))
+                    if peaks:  # same budget as DeepSpeed used in this mode
+                        summary_peaks[mode] = peaks
+                        attempt(f"ts-budget-{mode}", "ts", budget_json(args.micro, *peaks),
+                                f"ts-budget-{mode}-{rep}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(Path(args.nvme_dir) / "ds", ignore_errors=True)
@@ -318,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         summary[f"same_budget_host_footprint_ratio_{mode}"] = ratio(
             med(f"ts-budget-{mode}", "host_peak"), med(f"ds-{mode}", "host_peak"))
     summary["planner_vs_measured"] = round(statistics.median(predicted), 3) if predicted else None
+    summary["failures"] = failures
+    summary["deepspeed_peaks_used_as_budgets"] = summary_peaks
     line = json.dumps(summary)
     if args.out:
         Path(args.out).write_text(line + "\n")

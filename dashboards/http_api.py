@@ -224,6 +224,10 @@ def create_app(cluster: ClusterView, serving: Callable[[], bool], node: NodeFigu
     def root() -> RedirectResponse:
         return RedirectResponse("/dashboard/")
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> RedirectResponse:  # browsers ask for it on every page, the JSON ones too
+        return RedirectResponse("/dashboard/favicon.svg")
+
     app.mount("/dashboard", StaticFiles(directory=dashboard_dir(), html=True), name="dashboard")
     if node is not None:
         add_node_routes(app, node, window)

@@ -43,6 +43,12 @@ class WorkerFigures:
     loads_in_flight: int
     prefetch_depth: int
     seconds_since_report: float
+    plan_version: int = 0
+    """The scheduler plan whose depths the worker follows (0: none)."""
+    predicted_step_seconds: float = 0.0
+    """That plan's predicted training step (0: none)."""
+    step_seconds: float = 0.0
+    """The worker's last measured training step (0: not training)."""
 
 
 @dataclass

@@ -203,7 +203,8 @@ def wait_ready(node_ip: str, timeout: float) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=["head", "worker"], required=True)
+    parser.add_argument("--role", choices=["head", "worker"], required=True,
+                        help="head: also run the cluster scheduler; worker: the tier manager only")
     parser.add_argument("--node-ip", required=True, help="this node's Ray node IP")
     parser.add_argument("--config", help="node config JSON (its tier_manager section)")
     parser.add_argument("--head-ip", help="the head node's IP (where the scheduler listens); "

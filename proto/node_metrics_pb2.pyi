@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerReport(_message.Message):
-    __slots__ = ("worker_id", "job", "device", "timestamp", "cpu_to_device_bytes", "device_to_cpu_bytes", "stall_seconds", "wait_bucket_bounds", "wait_bucket_counts", "wait_seconds_sum", "device_used_bytes", "device_capacity_bytes", "loads_in_flight", "prefetch_depth")
+    __slots__ = ("worker_id", "job", "device", "timestamp", "cpu_to_device_bytes", "device_to_cpu_bytes", "stall_seconds", "wait_bucket_bounds", "wait_bucket_counts", "wait_seconds_sum", "device_used_bytes", "device_capacity_bytes", "loads_in_flight", "prefetch_depth", "plan_version", "predicted_step_seconds", "step_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,9 @@ class WorkerReport(_message.Message):
     DEVICE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOADS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     PREFETCH_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     job: str
     device: str
@@ -36,7 +39,10 @@ class WorkerReport(_message.Message):
     device_capacity_bytes: int
     loads_in_flight: int
     prefetch_depth: int
-    def __init__(self, worker_id: _Optional[str] = ..., job: _Optional[str] = ..., device: _Optional[str] = ..., timestamp: _Optional[float] = ..., cpu_to_device_bytes: _Optional[int] = ..., device_to_cpu_bytes: _Optional[int] = ..., stall_seconds: _Optional[float] = ..., wait_bucket_bounds: _Optional[_Iterable[float]] = ..., wait_bucket_counts: _Optional[_Iterable[int]] = ..., wait_seconds_sum: _Optional[float] = ..., device_used_bytes: _Optional[int] = ..., device_capacity_bytes: _Optional[int] = ..., loads_in_flight: _Optional[int] = ..., prefetch_depth: _Optional[int] = ...) -> None: ...
+    plan_version: int
+    predicted_step_seconds: float
+    step_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., job: _Optional[str] = ..., device: _Optional[str] = ..., timestamp: _Optional[float] = ..., cpu_to_device_bytes: _Optional[int] = ..., device_to_cpu_bytes: _Optional[int] = ..., stall_seconds: _Optional[float] = ..., wait_bucket_bounds: _Optional[_Iterable[float]] = ..., wait_bucket_counts: _Optional[_Iterable[int]] = ..., wait_seconds_sum: _Optional[float] = ..., device_used_bytes: _Optional[int] = ..., device_capacity_bytes: _Optional[int] = ..., loads_in_flight: _Optional[int] = ..., prefetch_depth: _Optional[int] = ..., plan_version: _Optional[int] = ..., predicted_step_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class ReportWorkerResponse(_message.Message):
     __slots__ = ()

@@ -1,6 +1,15 @@
+import argparse
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
+
+import pytest
+import torch
+
+from tierstack import cli
 
 
 def test_demo_moves_bytes_through_both_pools_and_verifies_them(tmp_path, shm_dir):
@@ -34,7 +43,7 @@ def test_train_runs_with_state_spilling_to_nvme_and_the_loss_falls(tmp_path):
         [sys.executable, "-m", "tierstack.cli", "train", "--steps", "6", "--layers", "3",
          "--dim", "64", "--heads", "4", "--seq-len", "64", "--cpu-pool-size", "1MiB",
          "--nvme-path", str(tmp_path / "nvme")],
-        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "COLUMNS": "200"})
+        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = out.stdout.replace("\n", " ")
     assert "done: 6 steps" in summary
@@ -53,7 +62,7 @@ def _train_cli(tmp_path, config: dict, *args: str, timeout: int = 600) -> subpro
     return subprocess.run(
         [sys.executable, "-m", "tierstack.cli", "train", "--config", str(path), *args],
         capture_output=True, text=True, timeout=timeout,
-        env={**__import__("os").environ, "COLUMNS": "200"})
+        env={**os.environ, "COLUMNS": "200"})
 
 
 def test_train_takes_batch_accumulation_and_device_budget_from_the_config(tmp_path):
@@ -85,3 +94,263 @@ def test_partitioned_train_refuses_accumulation_before_starting_anything(tmp_pat
                      timeout=120)
     assert out.returncode == 2
     assert "partitioned training (--ranks, --address) does not accumulate" in out.stderr
+
+
+# ---- the user's surface: one-line errors, help, plan, doctor, Hugging Face models ----------
+
+
+
+def _main(capsys, *argv: str) -> tuple[int, str, str]:
+    """`tierstack argv...` in this process: (exit status, stdout, stderr)."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # argparse
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_line_error(capsys, *argv: str) -> str:
+    code, out, err = _main(capsys, *argv)
+    assert code not in (0, None), (argv, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, (argv, err)
+    return lines[0]
+
+
+TINY = ("--steps", "1", "--layers", "1", "--dim", "32", "--heads", "2", "--seq-len", "16")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--cpu-pool-size", "0"), "--cpu-pool-size: must be more than 0 bytes"),
+    (("--cpu-pool-size", "lots"), "cannot read 'lots' as a size"),
+    (("--steps", "-3"), "--steps: must be a positive integer, got -3"),
+    (("--batch-size", "0"), "--batch-size: must be a positive integer, got 0"),
+    (("--layers", "0"), "--layers: must be a positive integer, got 0"),
+    (("--dim", "64", "--heads", "5"), "--dim 64 does not split into --heads 5 equal attention heads; use --heads 4"),
+    (("--nvme-path", "/proc/tierstack-x"), "--nvme-path /proc/tierstack-x: cannot create and write a directory there"),
+    (("--device", "tpu"), "--device 'tpu' is not a device; use cpu, cuda or cuda:N"),
+    (("--resume",), "--resume needs --checkpoint-dir"),
+    (("--hf-model", "/nonexistent/llama"), "--hf-model /nonexistent/llama: no such file or directory"),
+    (("--hf-model", "x", "--dim", "64"), "--dim size the built-in GPT; with --hf-model the Hugging Face config sets"),
+    (("--data", "/nonexistent.txt"), "--data /nonexistent.txt: no such file"),
+    (("--ranks", "2", "--export", "out"), "partitioned training (--ranks, --address) does not take --export yet"),
+])
+def test_train_refuses_bad_input_in_one_line(capsys, argv, says):
+    line = _one_line_error(capsys, "train", "--steps", "1", "--seq-len", "16", *argv)
+    assert says in line, line
+
+
+def test_train_refuses_a_file_as_nvme_path(capsys, tmp_path):
+    file = tmp_path / "not-a-dir"
+    file.write_text("x")
+    line = _one_line_error(capsys, "train", *TINY, "--nvme-path", str(file))
+    assert f"--nvme-path {file} is a file, not a directory" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_train_on_cuda_without_cuda_is_one_line(capsys):
+    line = _one_line_error(capsys, "train", *TINY, "--device", "cuda")
+    assert "--device cuda: torch sees no CUDA device on this machine" in line and "--device cpu" in line
+
+
+def test_a_tier_manager_that_is_not_there_fails_within_two_seconds(capsys, tmp_path):
+    start = time.monotonic()
+    line = _one_line_error(capsys, "train", *TINY, "--tier-manager", "unix:/missing.sock")
+    assert time.monotonic() - start <= 2.0
+    assert "nothing listens there (/missing.sock does not exist)" in line
+    # A socket file with nobody accepting on it: refused until the 2 s deadline.
+    path = tmp_path / "dead.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(path))  # bound, never listening: connections are refused
+    try:
+        start = time.monotonic()
+        line = _one_line_error(capsys, "train", *TINY, "--tier-manager", f"unix:{path}")
+        assert time.monotonic() - start <= 2.0 + 1.0  # the deadline, plus the refusal's round trips
+        assert "no tier manager answered within 2 s" in line
+    finally:
+        dead.close()
+
+
+def test_every_flag_of_every_command_has_help_and_the_top_says_what_tierstack_is():
+    parser = cli.build_parser()
+    assert "GPU HBM, CPU DRAM and NVMe" in parser.description
+    missing = []
+
+    def walk(p: argparse.ArgumentParser, name: str) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, sub_parser in action.choices.items():
+                    assert sub_parser.description, f"{name} {sub} has no description"
+                    walk(sub_parser, f"{name} {sub}")
+            elif action.option_strings and not action.help:
+                missing.append(f"{name} {action.option_strings[0]}")
+
+    walk(parser, "tierstack")
+    assert missing == []
+
+
+# ---- tierstack plan ---------------------------------------------------------------------------
+
+def _strict_json(text: str):
+    def refuse(name):
+        raise AssertionError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_plan_json_is_strict_and_a_model_that_does_not_fit_exits_1(capsys):
+    code, out, err = _main(capsys, "plan", "--json", "--nodes", "1", "--nvme", "1TB",
+                           "--cpu-memory", "100GB")
+    assert code == 1, err
+    result = _strict_json(out.strip().splitlines()[-1])["estimate"]
+    assert result["fits"] is False and result["step_seconds"] is None and "NVMe" in result["reason"]
+    code, out, _ = _main(capsys, "plan", "--nodes", "1", "--nvme", "1TB", "--cpu-memory", "100GB")
+    assert code == 1 and "does NOT fit" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--efficiency", "2"), "--efficiency: must be a fraction in (0, 1], got 2"),
+    (("--params", "1e12", "--layers", "3"), "--params 1e+12 contradicts --layers 3 and --hidden 25600"),
+    (("--nodes", "0"), "--nodes: must be a positive integer, got 0"),
+    (("--gpu-memory", "0"), "--gpu-memory: must be more than 0 bytes"),
+    (("--nvme-read", "inf"), "--nvme-read: 'inf' is not a finite number"),
+])
+def test_plan_refuses_bad_arguments_in_one_line(capsys, argv, says):
+    assert says in _one_line_error(capsys, "plan", *argv)
+
+
+# ---- tierstack doctor ----------------------------------------------------------------------
+
+def test_doctor_names_what_is_wrong_and_what_to_do(capsys, tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    code, out, _ = _main(capsys, "doctor", "--quick", "--nvme-path", str(file),
+                         "--nvme-path", "/dev/shm")
+    assert code == 1
+    assert f"[fail] NVMe path {file}" in out and "is a file" in out
+    assert "[warn] NVMe path /dev/shm" in out and "not durable" in out and "-> put nvme_pool.paths" in out
+    for check in ("host memory", "CPU pool directory", "huge pages", "pinning", "GPU"):
+        assert check in out
+    assert "disk bandwidth" not in out  # --quick measures nothing
+
+
+def test_doctor_measures_the_disk_and_passes_on_a_good_path(capsys, tmp_path):
+    code, out, _ = _main(capsys, "doctor", "--nvme-path", str(tmp_path / "nvme"))
+    assert "O_DIRECT works" in out
+    line = next(l for l in out.splitlines() if "disk bandwidth" in l)
+    write, read = (float(line.split(f"{k} ")[1].split(" GB/s")[0]) for k in ("write", "read"))
+    assert write > 0 and read > 0
+    assert not (tmp_path / "nvme").exists()  # the check cleans up after itself
+    assert code == (1 if "[fail]" in out else 0)
+
+
+def test_the_tier_manager_logs_the_doctor_checks_at_start(daemon):
+    log = daemon.log_text()
+    assert "doctor: ok: NVMe path" in log and "doctor: ok: host memory" in log
+
+
+# ---- Hugging Face models, data, checkpoints, progress ----------------------------------------
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+         "vocab_size": 256, "max_position_embeddings": 64}
+SMALL = ("--seq-len", "32", "--batch-size", "2", "--cpu-pool-size", "4MiB", "--no-scheduler")
+
+
+def _train(tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "tierstack.cli", "train", *args,
+                          "--nvme-path", str(tmp_path / "nvme")], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_a_hugging_face_model_trains_checkpoints_resumes_bit_for_bit_and_exports(tmp_path):
+    """LLaMA from a config directory: 4 steps straight equal 2 steps, then a resume to 4
+    (same weights and moments, bit for bit), and the export loads with from_pretrained."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    model_dir = tmp_path / "tiny-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(LLAMA))
+    hf = ("--hf-model", str(model_dir), *SMALL)
+    straight = _train(tmp_path, *hf, "--steps", "4", "--checkpoint-dir", str(tmp_path / "a"))
+    assert "LlamaForCausalLM (llama) 2 x 64" in straight.stdout and "initialised from its config" in straight.stdout
+    _train(tmp_path, *hf, "--steps", "2", "--checkpoint-dir", str(tmp_path / "b"))
+    resumed = _train(tmp_path, *hf, "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"),
+                     "--resume", "--export", str(tmp_path / "hf"))
+    assert "resumed from" in resumed.stdout and "after step 2" in resumed.stdout
+    for i in range(2):
+        a = load_file(str(tmp_path / "a" / f"block-{i:05d}.safetensors"))
+        b = load_file(str(tmp_path / "b" / f"block-{i:05d}.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    exported = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    block0 = load_file(str(tmp_path / "a" / "block-00000.safetensors"))
+    assert torch.equal(exported.model.layers[0].mlp.up_proj.weight, block0["mlp.up_proj.weight"])
+    # The export is a model directory with weights: training can start from it.
+    again = _train(tmp_path, "--hf-model", str(tmp_path / "hf"), *SMALL, "--steps", "1")
+    assert f"weights from {tmp_path / 'hf'}" in again.stdout
+    # A resume that does not match the checkpoint says what differs.
+    bad = subprocess.run([sys.executable, "-m", "tierstack.cli", "train", *hf, "--steps", "6",
+                          "--seq-len", "16", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
+                          "--nvme-path", str(tmp_path / "nvme")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "seq_len 32" in bad.stderr and "resume with the flags" in bad.stderr
+
+
+def test_gpt2_from_a_json_config_on_a_text_file_logs_whole_plain_lines(tmp_path):
+    """Not a terminal: one complete line per --log-every interval (0: every step), never
+    cut to the terminal's width, and the summary."""
+    transformers = pytest.importorskip("transformers")
+    config = tmp_path / "gpt2.json"
+    config.write_text(json.dumps(transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64).to_dict()))
+    text = tmp_path / "notes.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    out = _train(tmp_path, "--hf-model", str(config), "--data", str(text), *SMALL[:-1],
+                 "--steps", "3", "--log-every", "0", env={"COLUMNS": "40"})
+    lines = out.stdout.splitlines()
+    steps = [l for l in lines if l.startswith("step ")]
+    assert [l.split()[1] for l in steps] == ["1/3", "2/3", "3/3"]
+    for line in steps:
+        assert all(f" {k} " in line for k in ("nvme->cpu", "cpu->nvme", "cpu->dev", "dev->cpu"))
+        assert "tok/s" in line and "stall" in line and "ETA" in line and len(line) > 40
+    assert any(l.startswith("scheduler plan v1:") for l in lines)
+    assert any(l.startswith("done: 3 steps") and "device budget peak" in l for l in lines)
+    assert f"data {text} as bytes" in out.stdout
+
+
+def test_a_terminal_gets_a_progress_bar_with_an_eta():
+    import pty
+
+    from tierstack.worker.jobs.progress import TrainProgress
+    from tierstack.worker.training import StepRecord
+
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 200, 0, 0))  # 200 columns
+    with os.fdopen(slave, "w") as terminal:
+        progress = TrainProgress(4, 1024, out=terminal)
+        assert progress.tty
+        for i in range(4):
+            progress.step(StepRecord(i, 5.0 - i, 0.5, moved={"nvme_read": 1e9, "to_device": 2e9,
+                                                             "stalled": 0.25}))
+        progress.close()
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    text = shown.decode(errors="replace")
+    assert "step 4/4" in text and "ETA" in text and "\x1b[" in text  # a live bar, not lines
+    assert "loss 2.0000" in text and "2,048 tok/s" in text and "nvme->cpu 2.00" in text
+    assert "cpu->dev 4.00" in text and "stall 50%" in text

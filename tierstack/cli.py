@@ -1,4 +1,4 @@
-"""The `tierstack` command line. Subcommands are added here as the services grow."""
+"""The `tierstack` command line: one subcommand per service or job."""
 
 from __future__ import annotations
 
@@ -7,8 +7,27 @@ import logging
 import sys
 import time
 
-from tierstack.config import GiB, MiB, load_config, parse_size
+from tierstack import arguments as types
+from tierstack.config import GiB, MiB, load_config
 from tierstack.errors import TierstackError
+
+DESCRIPTION = """\
+tierstack trains models whose state does not fit in GPU memory: parameters, gradients and
+optimizer states live across GPU HBM, CPU DRAM and NVMe and stream to the GPU layer by
+layer, ZeRO-Infinity style, run as services: a tier-manager daemon per node, a cluster
+scheduler that plans placement and prefetching, and GPU workers (Ray actors)."""
+
+EPILOG = """\
+start with `tierstack doctor` (is this machine ready?) and `tierstack train` (a GPT, or
+--hf-model DIR, with its state offloaded); `tierstack COMMAND --help` for each command."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported in one line (and where to read more) instead of
+    the usage block followed by the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -20,8 +39,7 @@ def _demo(args: argparse.Namespace) -> int:
     config = load_config(args.config).tier_manager
     if args.nvme_path:
         config.nvme_pool.paths = args.nvme_path
-    total = parse_size(args.total, "--total")
-    tensor_bytes = parse_size(args.tensor_size, "--tensor-size")
+    total, tensor_bytes = args.total, args.tensor_size
     if config.nvme_pool.size != "auto":  # a stated cap must hold what the demo writes
         config.nvme_pool.size = max(config.nvme_pool.size, 2 * total)
     count = max(1, total // tensor_bytes)
@@ -79,13 +97,15 @@ def _tier_manager(args: argparse.Namespace) -> int:
     if args.nvme_path:
         config.nvme_pool.paths = args.nvme_path
     if args.nvme_size:
-        config.nvme_pool.size = parse_size(args.nvme_size, "--nvme-size")
+        config.nvme_pool.size = args.nvme_size
     if args.cpu_pool_size:
-        config.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
+        config.cpu_pool.size = args.cpu_pool_size
     if args.shm_dir:
         config.cpu_pool.shm_dir = args.shm_dir
     if args.manifest:
         config.manifest_path = args.manifest
+    if args.http_listen is not None:
+        config.metrics.http_listen = args.http_listen
     config.validate()
     serve(config, loaded.security, recover=args.recover)
     return 0
@@ -111,49 +131,92 @@ def _plan(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierstack", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="write and read tensors through the CPU and NVMe pools")
-    demo.add_argument("--config", help="tierstack JSON config (defaults otherwise)")
-    demo.add_argument("--nvme-path", action="append", help="NVMe pool directory (repeatable)")
-    demo.add_argument("--total", default="1GiB", help="bytes to move through each tier")
-    demo.add_argument("--tensor-size", default="64MiB", help="bytes per tensor")
-    demo.set_defaults(func=_demo)
+def _doctor(args: argparse.Namespace) -> int:
+    """Check this machine for tierstack; exit 1 when something needs fixing."""
+    from tierstack.doctor import run_cli
 
-    train = sub.add_parser("train", help="train a byte-level GPT with its state offloaded (the main job)")
-    from tierstack.worker.jobs.train_job import add_arguments, run as run_train
+    return run_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog="tierstack", description=DESCRIPTION, epilog=EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train a model with its state offloaded (the main job)",
+                           description=_doc("tierstack.worker.jobs.train_job"))
+    from tierstack.worker.jobs.train_flags import add_arguments, run as run_train
     add_arguments(train)
     train.set_defaults(func=run_train)
 
-    tm = sub.add_parser("tier-manager", help="run this node's tier-manager daemon (gRPC)")
+    doctor = sub.add_parser("doctor", help="check this machine: NVMe paths, memory, pinning, GPU, bandwidth",
+                            description=_doc("tierstack.doctor"))
+    from tierstack.doctor import add_arguments as add_doctor_arguments
+    add_doctor_arguments(doctor)
+    doctor.set_defaults(func=_doctor)
+
+    plan = sub.add_parser("plan", help="estimate placement, step time and TFLOP/s of a model on a cluster",
+                          description=_doc("tierstack.services.scheduler.estimator"))
+    from tierstack.services.scheduler.estimator import add_arguments as add_plan_arguments
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_plan)
+
+    tm = sub.add_parser("tier-manager", help="run this node's tier-manager daemon (gRPC) in the foreground",
+                        description=_doc("tierstack.services.tier_manager.daemon"))
     tm.add_argument("--config", help="tierstack JSON config (its tier_manager section)")
-    tm.add_argument("--listen", help="unix:/path/to.sock (default) or host:port")
-    tm.add_argument("--cpu-pool-size", help="CPU pool bytes, e.g. 16GiB")
-    tm.add_argument("--shm-dir", help="directory of the CPU pool's arenas (a tmpfs)")
-    tm.add_argument("--nvme-path", action="append", help="NVMe pool directory (repeatable)")
-    tm.add_argument("--nvme-size", help="NVMe pool bytes over all paths, e.g. 512GiB")
-    tm.add_argument("--manifest", help="path of the manifest database")
+    tm.add_argument("--listen", help="unix:/path/to.sock (default: $TIERSTACK_TIER_MANAGER or a "
+                                     "per-user socket under /tmp) or host:port")
+    tm.add_argument("--cpu-pool-size", type=types.positive_size, help="CPU pool bytes, e.g. 16GiB")
+    tm.add_argument("--shm-dir", help="directory of the CPU pool's arenas (a tmpfs, default /dev/shm)")
+    tm.add_argument("--nvme-path", action="append", help="NVMe pool directory (repeatable: one per drive)")
+    tm.add_argument("--nvme-size", type=types.positive_size, help="NVMe pool bytes over all paths, e.g. 512GiB")
+    tm.add_argument("--manifest", help="path of the manifest database (default: in the first NVMe path)")
+    tm.add_argument("--http-listen", metavar="HOST:PORT",
+                    help="where metrics, the HTTP API and the dashboard are served (default "
+                         "127.0.0.1:8470; a taken port falls back to a free one; '' for none)")
     tm.add_argument("--recover", action="store_true",
                     help="rebuild a lost or corrupt manifest from the NVMe data (every extent "
                          "describes itself), keeping the old one aside, then serve")
     tm.set_defaults(func=_tier_manager)
 
-    ray_node = sub.add_parser("ray-node", help="this Ray node's tierstack services (deploy/cluster.yaml)")
+    sched = sub.add_parser("scheduler", help="run the cluster scheduler (gRPC): plans from traces and bandwidth",
+                           description=_doc("tierstack.services.scheduler.daemon"))
+    sched.add_argument("--config", help="tierstack JSON config (its scheduler section)")
+    sched.add_argument("--listen", help="unix:/path/to.sock (default: $TIERSTACK_SCHEDULER or a "
+                                        "per-user socket under /tmp) or host:port")
+    sched.set_defaults(func=_scheduler)
+
+    ray_node = sub.add_parser("ray-node", help="this Ray node's tierstack services (started by deploy/cluster.yaml)",
+                              description=_doc("tierstack.deploy.ray_node"))
     from tierstack.deploy.ray_node import add_arguments as add_ray_node, run as run_ray_node
     add_ray_node(ray_node)
     ray_node.set_defaults(func=run_ray_node)
-    sched = sub.add_parser("scheduler", help="run the cluster scheduler (gRPC): plans from traces and bandwidth")
-    sched.add_argument("--config", help="tierstack JSON config (its scheduler section)")
-    sched.add_argument("--listen", help="unix:/path/to.sock (default) or host:port")
-    sched.set_defaults(func=_scheduler)
 
-    plan = sub.add_parser("plan", help="estimate placement, step time and TFLOP/s of a model on a cluster")
-    from tierstack.services.scheduler.estimator import add_arguments as add_plan_arguments
-    add_plan_arguments(plan)
-    plan.set_defaults(func=_plan)
+    demo = sub.add_parser("demo", help="write and read tensors through the CPU and NVMe pools, verified",
+                          description=_demo.__doc__)
+    demo.add_argument("--config", help="tierstack JSON config (defaults otherwise)")
+    demo.add_argument("--nvme-path", action="append", help="NVMe pool directory (repeatable)")
+    demo.add_argument("--total", type=types.positive_size, default="1GiB",
+                      help="bytes to move through each tier (default 1GiB)")
+    demo.add_argument("--tensor-size", type=types.positive_size, default="64MiB",
+                      help="bytes per tensor (default 64MiB)")
+    demo.set_defaults(func=_demo)
     return parser
+
+
+def _doc(module: str) -> str:
+    """The first paragraph of a module's docstring (a command's description in --help),
+    read without importing the module (a daemon's imports are heavy)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return ""
+    with open(spec.origin, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return doc.split("\n\n")[0].replace("\n", " ")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,9 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except TierstackError as e:
+    except TierstackError as e:  # the user's to fix: one line, no traceback
         print(f"tierstack: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("tierstack: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Iterable
 
 from tierstack.errors import ConfigError
 from tierstack.tiers import TIERS
@@ -64,6 +65,16 @@ class ModuleTiers:
                 raise ConfigError(f"{where}: tier {tier!r} is not one of {', '.join(TIERS)}")
             self._rules.append((pattern, _parse(pattern, where), tier))
 
+    def check_matches(self, module_names: Iterable[str]) -> None:
+        """Refuse a pattern that names no module of the model (a typo, or another model's
+        names: `encoder.layer[0-2]` on a GPT), listing the names there are."""
+        names = [n for n in module_names if n]
+        for pattern, steps, _ in self._rules:
+            if not any(_names(steps, n.split(".")) for n in names):
+                raise ConfigError(
+                    f"train.tier_overrides[{pattern!r}] names no module of this model; its "
+                    f"modules are: {', '.join(summarize_names(names))}")
+
     def tier_for(self, module_name: str) -> str | None:
         """The tier the overrides give `module_name`, or None when none applies."""
         segments = module_name.split(".") if module_name else []
@@ -81,3 +92,37 @@ class ModuleTiers:
                 f"train.tier_overrides: {names} both apply to module {module_name!r} with "
                 f"different tiers; make one of them more specific")
         return next(iter(winners))[1]
+
+
+def _names(steps: tuple[_Step, ...], segments: list[str]) -> bool:
+    """Whether the pattern `steps` names the module with these segments (not a parent)."""
+    return len(steps) == len(segments) and all(s.matches(seg) for s, seg in zip(steps, segments))
+
+
+def summarize_names(names: Iterable[str]) -> list[str]:
+    """Module names in pattern syntax with ModuleList indices folded into ranges, in
+    first-seen order: blocks.0.ln1 ... blocks.7.ln1 -> blocks[0-7].ln1."""
+    groups: dict[str, list[set[int]]] = {}
+    for name in names:
+        shape, indices = [], []
+        for seg in name.split("."):
+            if seg.isdigit():
+                shape.append("[]")
+                indices.append(int(seg))
+            else:
+                shape.append(("." if shape else "") + seg)
+        key = "".join(shape)
+        seen = groups.setdefault(key, [set() for _ in indices])
+        for position, index in enumerate(indices):
+            seen[position].add(index)
+    out = []
+    for key, seen in groups.items():
+        parts = key.split("[]")
+        text = parts[0]
+        for position, rest in enumerate(parts[1:]):
+            values = sorted(seen[position])
+            span = (f"{values[0]}" if len(values) == 1 else f"{values[0]}-{values[-1]}"
+                    if values[-1] - values[0] + 1 == len(values) else ",".join(map(str, values)))
+            text += f"[{span}]{rest}"
+        out.append(text)
+    return out

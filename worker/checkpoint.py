@@ -23,7 +23,7 @@ from tierstack.errors import InvalidArgumentError
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.tiered_adamw import MOMENTS
 
-ENGINE_FILE = "engine.pt"
+ENGINE_FILE = "engine.pt"  # train_flags.py names it too (without importing torch)
 
 
 def _block_file(directory: Path, index: int) -> Path:

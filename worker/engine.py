@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -122,14 +123,15 @@ def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeI
 def materialize(module: torch.nn.Module, device) -> None:
     """Give a module built on the meta device real tensors on `device`, initialised by each
     submodule's own `reset_parameters` (a model too large for host memory is built with
-    `torch.device("meta")` and materialised one block at a time)."""
-    if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
-        return
-    module.to_empty(device=device)
+    `torch.device("meta")` and materialised one block at a time). Submodules that already
+    have real tensors are left as they are, so a model can be materialised in parts."""
     with torch.no_grad():
         for sub in module.modules():
-            if hasattr(sub, "reset_parameters"):
-                sub.reset_parameters()
+            own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
+            if any(t.is_meta for t in own):
+                sub.to_empty(device=device, recurse=False)
+                if hasattr(sub, "reset_parameters"):
+                    sub.reset_parameters()
 
 
 class OffloadEngine:
@@ -140,13 +142,17 @@ class OffloadEngine:
                  precision: str = "fp32", tiers: list[str] | None = None,
                  gradient_clipping: float = 0.0, state_tiers: list[str] | None = None,
                  gradient_accumulation_steps: int = 1, buffer_size: int = 0,
-                 budgets: Budgets | None = None, may_be_resident: list[bool] | None = None) -> None:
+                 budgets: Budgets | None = None, may_be_resident: list[bool] | None = None,
+                 initialize: Callable[[torch.nn.Module, torch.device], None] = materialize) -> None:
         """`tiers`: each block's tier (default "auto"); `state_tiers`: the tier of each
         offloaded block's gradients and optimizer state (default: its `tiers` entry).
         `buffer_size`: the most elements a tensor of an offloaded block may have (0: any).
         `budgets`: with an HBM budget, the first `train_step` measures one step and places
         what fits on the device (worker/placement.py): the blocks `may_be_resident` allows
-        (default: those of tier "auto") and the offloaded blocks' activations."""
+        (default: those of tier "auto") and the offloaded blocks' activations.
+        `initialize(module, device)` creates the tensors of a module built on the meta
+        device, one block at a time, then the rest of the model (default: `materialize`;
+        a Hugging Face model brings its own init or its weights)."""
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision {precision!r} is not supported by the engine; "
                               f"use one of {', '.join(PRECISIONS)} (fp16 needs loss scaling)")
@@ -181,7 +187,7 @@ class OffloadEngine:
             store.place(layer, tiers[position], state_tiers[position])
 
         def prepare(i: int, block: torch.nn.Module) -> None:
-            materialize(block, store.device)  # initialised where it is fastest; stored at once
+            initialize(block, store.device)  # initialised where it is fastest; stored at once
             if dtype != torch.float32:  # fp32 masters come from the fp32 weights
                 store.write_back(i, {f"{n}.master": p.detach().float() for n, p in
                                      block.named_parameters() if p.requires_grad}, kind="master")
@@ -189,7 +195,7 @@ class OffloadEngine:
 
         self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions, prepare)
         # What is left in the model stays on the device (persistent): created there.
-        materialize(model, store.device)
+        initialize(model, store.device)
         persistent_fp32 = None
         if dtype != torch.float32:
             persistent_fp32 = [p.detach().float().clone() for p in model.parameters()
@@ -233,11 +239,14 @@ class OffloadEngine:
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, store: LayerStore, train: TrainConfig,
-                    blocks_attr: str = "blocks", budgets: Budgets | None = None) -> "OffloadEngine":
+                    blocks_attr: str = "blocks", budgets: Budgets | None = None,
+                    initialize: Callable[[torch.nn.Module, torch.device], None] = materialize,
+                    ) -> "OffloadEngine":
         """An engine as `train` (precision, optimizer, clipping, accumulation, tiers, the
         params' buffer count and size) says, placing what fits on the device within
         `budgets` (default: the machine's, tierstack/budgets.py)."""
         count = len(model.get_submodule(blocks_attr))
+        ModuleTiers(train.tier_overrides).check_matches(name for name, _ in model.named_modules())
         if budgets is None:
             budgets = default_budgets(measure(None, str(store.device)))
         check_capacity(model, train.precision, budgets.hbm, store.client.node())
@@ -248,7 +257,8 @@ class OffloadEngine:
                    state_tiers=state_tiers(train, blocks_attr, count),
                    gradient_clipping=train.gradient_clipping,
                    gradient_accumulation_steps=train.gradient_accumulation_steps,
-                   buffer_size=train.params.buffer_size if train.params.tier() != GPU else 0)
+                   buffer_size=train.params.buffer_size if train.params.tier() != GPU else 0,
+                   initialize=initialize)
 
     def zero_grad(self) -> None:
         """Clear gradients: the next backward starts a new accumulation window."""
@@ -340,7 +350,7 @@ class OffloadEngine:
         placement = place_blocks(self.footprint, self.budgets.hbm, self._resident_ok,
                                  window_layers=self.store.prefetch_depth + 1)
         for index in placement.resident:
-            self._make_resident(index)
+            self._make_resident(index, recompute=index not in placement.keep_activations)
         for index in placement.keep_activations:
             self.blocks.keep_activations[index] = True
         if len(placement.resident) < len(offloaded):
@@ -395,13 +405,13 @@ class OffloadEngine:
             out = self.model(inputs)
         return getattr(out, "logits", out)
 
-    def _make_resident(self, index: int) -> None:
+    def _make_resident(self, index: int, recompute: bool = False) -> None:
         """Bring offloaded block `index` to the device for good: its tensors, fp32 masters
         and AdamW moments come from the tier manager once, it joins the persistent
         parameters (the device AdamW steps it from now on), and its keys are deleted."""
         store, device = self.store, self.store.device
         tensors = {name: t.to(device) for name, t in store.read_layer(index).items()}
-        block = self.blocks.make_resident(index, tensors)
+        block = self.blocks.make_resident(index, tensors, recompute)
         named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         masters = [p for _, p in named]
         if self.block_optimizer.masters:

@@ -59,7 +59,9 @@ class WorkerMetrics:
             self.device_to_cpu_bytes += nbytes
 
     def report(self, worker_id: str, job: str, device: str, stall_seconds: float, device_used: int,
-               device_capacity: int, loads_in_flight: int, prefetch_depth: int = 0) -> WorkerReport:
+               device_capacity: int, loads_in_flight: int, prefetch_depth: int = 0,
+               plan_version: int = 0, predicted_step_seconds: float = 0.0,
+               step_seconds: float = 0.0) -> WorkerReport:
         return WorkerReport(
             worker_id=worker_id, job=job, device=device, timestamp=time.time(),
             cpu_to_device_bytes=self.cpu_to_device_bytes,
@@ -67,7 +69,8 @@ class WorkerMetrics:
             wait_bucket_bounds=WAIT_BUCKETS, wait_bucket_counts=tuple(self.wait_counts),
             wait_seconds_sum=self.wait_sum, device_used_bytes=device_used,
             device_capacity_bytes=device_capacity, loads_in_flight=loads_in_flight,
-            prefetch_depth=prefetch_depth)
+            prefetch_depth=prefetch_depth, plan_version=plan_version,
+            predicted_step_seconds=predicted_step_seconds, step_seconds=step_seconds)
 
 
 class WorkerReporter:

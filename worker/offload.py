@@ -30,9 +30,12 @@ place (BatchNorm running statistics), and a key/value cache passed to a block.
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 
 from tierstack.errors import InvalidArgumentError
 from tierstack.dtypes import dtype_from_name
@@ -215,7 +218,13 @@ class OffloadedBlocks(torch.nn.Module):
     # ---- one block ---------------------------------------------------------------------
 
     def _materialize(self, index: int) -> None:
-        self.before_use(index)
+        recorder = self.store.recorder
+        if recorder is None:
+            self.before_use(index)
+        else:  # waiting for the block's update is not compute
+            start = time.perf_counter()
+            self.before_use(index)
+            recorder.waited(time.perf_counter() - start)
         for name, tensor in self.store.ensure_layer(index).items():
             _set_tensor(self.blocks[index], name, tensor)
 
@@ -263,7 +272,10 @@ class OffloadedBlocks(torch.nn.Module):
         try:
             with torch.enable_grad():
                 x_in = x.detach().requires_grad_(x.requires_grad)
-                return x_in, self.blocks[index](x_in, *args, **kwargs)
+                out = self.blocks[index](x_in, *args, **kwargs)
+            if self.store.recorder is not None:  # its forward ends here; it stays on the device
+                self.store.recorder.computed(index)
+            return x_in, out
         except BaseException:
             self._kept_live.discard(index)
             self._dematerialize(index)
@@ -274,6 +286,8 @@ class OffloadedBlocks(torch.nn.Module):
     def _backward_kept(self, index: int, x_in: torch.Tensor, out: torch.Tensor,
                        grad_out: torch.Tensor) -> torch.Tensor | None:
         """Run the kept graph of block `index`, store its gradients, let its tensors go."""
+        if self.store.recorder is not None:  # its backward: a use without a load
+            self.store.recorder.used(index)
         self.store.prefetch_ahead(index, -1, ready=self.ready_for_use)  # earlier blocks may need loading
         try:
             block = self.blocks[index]
@@ -348,19 +362,24 @@ class OffloadedBlocks(torch.nn.Module):
         """The blocks that still live with the tier manager (not made resident)."""
         return [i for i in range(len(self.blocks)) if i not in self.resident]
 
-    def make_resident(self, index: int, device_tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    def make_resident(self, index: int, device_tensors: dict[str, torch.Tensor],
+                      recompute: bool = False) -> torch.nn.Module:
         """Make block `index` an ordinary module of the model again, its tensors the given
         device tensors (the caller read them from the tier manager): from now on it is
-        neither loaded nor recomputed, and autograd keeps its activations. The caller
-        moves its optimizer state and deletes its keys."""
+        never loaded. With `recompute` its forward runs under activation checkpointing
+        (torch.utils.checkpoint: only its input is kept), else autograd keeps its
+        activations. The caller moves its optimizer state and deletes its keys."""
         if index in self.resident:
             raise InvalidArgumentError(f"block {index} is resident already")
         block = self.blocks[index]
         for name in self._names[index]:
             _set_tensor(block, name, device_tensors[name])
+        if recompute:
+            # An instance attribute: the module's names (state dict, export) stay its own.
+            block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
         self._module_list[self.positions[index]] = block
         self.resident.add(index)
-        self.keep_activations[index] = False
+        self.keep_activations[index] = not recompute
         return block
 
     def trainable(self, index: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -382,6 +401,13 @@ class OffloadedBlocks(torch.nn.Module):
         """Block `index`'s stored tensors (CPU copies), once its update is done."""
         self.before_use(index)
         return self.store.read_layer(index)
+
+
+def _checkpointed(forward: Callable, *args, **kwargs):
+    """A resident block's forward with only its input kept for backward (recomputed there)."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _check_supported(index: int, block: torch.nn.Module) -> None:

@@ -6,10 +6,12 @@ the HBM budget with what it measured (`DeviceFootprint`):
 
 1. whole blocks first: a resident block's parameters, gradients and optimizer state stay
    on the device and it steps with the device's AdamW, so it leaves every link (PCIe,
-   disk, the CPU optimizer) at once; autograd keeps its activations;
-2. then kept activations: an offloaded block whose activations fit keeps them, and its
-   parameters, from its forward to its backward instead of being recomputed (one
-   forward of that block fewer per step).
+   disk, the CPU optimizer) at once; it is recomputed in backward (only its input kept)
+   unless step 2 gives it room;
+2. then kept activations, resident blocks first (they cost only their activations): a
+   block that keeps them is not recomputed (one forward of that block fewer per step);
+   an offloaded one also keeps its parameters on the device from its forward to its
+   backward.
 
 Blocks a constraint pins to a host tier (a DeepSpeed JSON's offload device, a module
 override) are never made resident; they may keep their activations. Which host tier an
@@ -53,6 +55,7 @@ class BlockPlacement:
 
     resident: tuple[int, ...]
     keep_activations: tuple[int, ...]
+    """Blocks not recomputed in backward, resident or offloaded."""
     layer_budget: int
     """Device bytes the layer store may hold for streamed layers: the prefetch window plus
     the layers kept from forward to backward."""
@@ -61,8 +64,8 @@ class BlockPlacement:
 
     def describe(self, count: int) -> str:
         return (f"{len(self.resident)} of {count} blocks resident on the device, "
-                f"{len(self.keep_activations)} offloaded blocks keep their activations, "
-                f"{count - len(self.resident) - len(self.keep_activations)} recomputed; "
+                f"{len(self.keep_activations)} blocks keep their activations, "
+                f"{count - len(self.keep_activations)} recomputed; "
                 f"planned peak {self.planned_peak / MiB:,.0f} MiB")
 
 
@@ -97,19 +100,20 @@ def place_blocks(footprint: DeviceFootprint, hbm_budget: int, may_be_resident: l
     free = hbm_budget - planned
     resident: list[int] = []
     for i in _edges_first([i for i in range(count) if may_be_resident[i]]):
-        cost = footprint.block_state[i] + footprint.block_activations[i]
-        if cost <= free:
+        if footprint.block_state[i] <= free:
             resident.append(i)
-            free -= cost
+            free -= footprint.block_state[i]
     kept: list[int] = []
-    for i in _edges_first([i for i in range(count) if i not in resident]):
-        cost = footprint.block_activations[i] + footprint.block_layer[i]
+    offloaded = [i for i in range(count) if i not in resident]
+    for i in _edges_first(sorted(resident)) + _edges_first(offloaded):
+        cost = footprint.block_activations[i] + (0 if i in resident else footprint.block_layer[i])
         if cost <= free:
             kept.append(i)
             free -= cost
-    streamed = [footprint.block_layer[i] for i in range(count) if i not in resident]
+    streamed = [footprint.block_layer[i] for i in offloaded]
     biggest = max(streamed, default=0)
-    layer_budget = max(biggest, (window_layers + len(kept)) * biggest)
+    held = len([i for i in kept if i not in resident])
+    layer_budget = max(biggest, (window_layers + held) * biggest)
     return BlockPlacement(tuple(sorted(resident)), tuple(sorted(kept)), layer_budget,
                           hbm_budget - free)
 

@@ -6,6 +6,8 @@ buffer and starts filling it in the background (`LayerStore`: a copy from the CP
 pool's arena; `ShardedLayerStore`: an all-gather of the ranks' shards); `ensure` hands
 its tensors to the caller once filled, ordered on the caller's CUDA stream; `release`
 gives its budget back. Device memory held by layers never exceeds the budget.
+A source may defer the fill to `ensure` (`DeviceCopy.deferred`): `LayerStore` on the CPU
+hands out views of the CPU pool, pinned only while a layer is in use.
 
 Every decision (reserve or not, start or reuse) depends only on the caller's sequence
 of calls, never on timing: ranks that make the same calls make the same decisions, so
@@ -36,6 +38,12 @@ class DeviceCopy:
     filled: object | None = None  # torch.cuda.Event after the fill, on the stream that filled it
     wait_seconds: float = 0.0  # how long `ensure` waited for the fill
     error: BaseException | None = None
+    deferred: Callable[[], None] | None = None
+    """A fill left to `ensure` (run in the caller's thread, counted as a stall); dropped
+    unrun when the layer is released before it is used."""
+    pin: tuple[str, int] | None = None
+    """(key, version) the daemon keeps pinned while `tensors` are views of its CPU pool,
+    until the source releases it with the layer."""
 
     def done(self, filled: object | None = None, error: BaseException | None = None) -> None:
         """Called by the filler once the fill is queued (`filled`) or has failed (`error`)."""
@@ -111,6 +119,13 @@ class DeviceResidency:
         copy = self._copies.get(index)
         if copy is None or copy.error is not None:
             copy = self.start(index, required=True)
+        if copy.deferred is not None:
+            fill, copy.deferred = copy.deferred, None
+            start = time.perf_counter()
+            fill()
+            waited = time.perf_counter() - start
+            self.stall_seconds += waited
+            copy.wait_seconds += waited
         if not copy.ready.is_set():
             start = time.perf_counter()
             copy.ready.wait()
@@ -131,7 +146,9 @@ class DeviceResidency:
         with self._lock:
             copy = self._copies.pop(index, None)
         if copy is not None:
-            copy.ready.wait()
+            if copy.deferred is None:  # a deferred fill never started: nothing to wait for
+                copy.ready.wait()
+            copy.deferred = None
             self.budget.free(copy.nbytes)
         return copy
 
@@ -164,14 +181,16 @@ class DeviceResidency:
     def loading(self) -> int:
         """Copies still being filled."""
         with self._lock:
-            return sum(not c.ready.is_set() for c in self._copies.values())
+            return sum(not c.ready.is_set() and c.deferred is None for c in self._copies.values())
 
-    def clear(self) -> None:
-        """Forget every copy (the store is closing; its fills have finished)."""
+    def clear(self) -> list[DeviceCopy]:
+        """Forget every copy (the store is closing; its fills have finished); the copies."""
         with self._lock:
-            for copy in self._copies.values():
+            copies = list(self._copies.values())
+            for copy in copies:
                 self.budget.free(copy.nbytes)
             self._copies.clear()
+        return copies
 
     def _drop(self, index: int, copy: DeviceCopy) -> None:
         with self._lock:

@@ -96,6 +96,21 @@ function tierRate(links, tier) {
   return LINKS.filter((l) => l.split("->").includes(tier)).reduce((a, l) => a + (links[l] || 0), 0);
 }
 
+// What a job's workers report: the plan versions they follow, the plan's predicted step
+// and their last measured one (the median over the workers).
+function jobSteps(workers) {
+  const versions = [...new Set(workers.map((w) => w.plan_version).filter((v) => v > 0))].sort((a, b) => a - b);
+  const predicted = Math.max(0, ...workers.map((w) => w.predicted_step_seconds || 0));
+  const measured = workers.map((w) => w.step_seconds || 0).filter((s) => s > 0).sort((a, b) => a - b);
+  const median = measured.length ? measured[Math.floor(measured.length / 2)] : 0;
+  const secs = (s) => s >= 10 ? s.toFixed(1) + " s" : s.toFixed(3) + " s";
+  return {
+    follow: versions.length ? versions.map((v) => "v" + v).join(", ") : "–",
+    predicted: predicted > 0 ? secs(predicted) : "–",
+    measured: median > 0 ? secs(median) + (predicted > 0 ? ` (${(median / predicted).toFixed(2)}×)` : "") : "–",
+  };
+}
+
 function render(cluster, histories) {
   // The view: the cluster total, or one node.
   const select = $("view");
@@ -159,7 +174,8 @@ function render(cluster, histories) {
   const plan = $("plan");
   plan.replaceChildren();
   plan.insertAdjacentHTML("beforeend", "<tr><th>node</th><th>job</th><th>plan version</th>" +
-    "<th>reason</th><th>tensors</th><th>since</th></tr>");
+    "<th>reason</th><th>tensors</th><th>since</th><th>workers follow</th>" +
+    "<th>predicted step</th><th>measured step</th></tr>");
   const order = $("access-order");
   order.replaceChildren();
   order.insertAdjacentHTML("beforeend", "<tr><th>node</th><th>declared</th>" +
@@ -169,12 +185,15 @@ function render(cluster, histories) {
     if (!p.jobs.length) {
       plan.insertAdjacentHTML("beforeend", `<tr><td>${esc(n.node)}</td><td>none</td>
         <td class="num">0</td><td>${p.scheduler ? "no plan from the scheduler yet" : "no scheduler"}</td>
-        <td class="num">–</td><td>–</td></tr>`);
+        <td class="num">–</td><td>–</td><td>–</td><td class="num">–</td><td class="num">–</td></tr>`);
     }
     for (const j of p.jobs) {
-      plan.insertAdjacentHTML("beforeend", `<tr><td>${esc(n.node)}</td><td>${esc(j.job)}</td>
+      const steps = jobSteps(n.workers.filter((w) => w.job === j.job));
+      plan.insertAdjacentHTML("beforeend", `<tr class="job-plan"><td>${esc(n.node)}</td><td>${esc(j.job)}</td>
         <td class="num">${j.version}</td><td>${esc(j.reason)}</td>
-        <td class="num">${j.tensor_keys}</td><td>${when(j.applied_at)}</td></tr>`);
+        <td class="num">${j.tensor_keys}</td><td>${when(j.applied_at)}</td>
+        <td>${steps.follow}</td><td class="num predicted">${steps.predicted}</td>
+        <td class="num measured">${steps.measured}</td></tr>`);
     }
     order.insertAdjacentHTML("beforeend", `<tr><td>${esc(n.node)}</td>
       <td class="num">${p.access_order_version}</td><td class="num">${p.access_order_keys}</td>

@@ -17,7 +17,10 @@ Model of one iteration (GPT-like transformer, mixed precision with Adam):
 - a layer too large for the GPU's parameter buffers is cut into tiles (the paper's
   memory-centric tiling), each a step of its own;
 - the optimizer step runs on the CPU of each node over its shard, limited by DRAM
-  bandwidth (28 bytes touched per parameter).
+  bandwidth (28 bytes touched per parameter);
+- collectives reach `collective_efficiency` of the link (NCCL rings do not run at the
+  wire's rate); activation checkpoints (each layer's fp16 input per GPU) are offloaded to
+  CPU memory after a layer's forward and read back before its backward, over PCIe.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from tierstack.config import parse_size
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.scheduler.model import Bandwidths, JobTrace, NodeSpec, TensorSpec, TIERS
 from tierstack.services.scheduler.planner import plan_job
@@ -87,10 +89,14 @@ class ClusterSpec:
     activations, their checkpoints and the framework."""
     cpu_state_fraction: float = 0.9
     """Share of DRAM for training state (the rest: the OS, pinned staging, activations)."""
+    collective_efficiency: float = 1.0
+    """Share of the link rate an all-gather or reduce-scatter reaches."""
+    activation_offload: bool = True
+    """Activation checkpoints live in CPU memory (ZeRO-Infinity's activation offload)."""
 
     def validate(self) -> None:
         for name, value in asdict(self).items():
-            if not value > 0:
+            if not isinstance(value, bool) and not value > 0:
                 raise InvalidArgumentError(f"cluster: {name} must be positive, got {value}")
 
 
@@ -110,22 +116,24 @@ class Estimate:
 
 
 # The ZeRO-Infinity paper's hardware (Rajbhandari et al., SC'21): DGX-2 nodes of 16 V100
-# 32 GB with 1.5 TB of DRAM, NVMe, and 800 Gbps between nodes. Link figures are the
-# paper's own statements as we read them: over 64 DGX-2 nodes ZeRO-Infinity "has access to"
-# ~3 TB/s of CPU memory and ~1.5 TB/s of NVMe bandwidth, i.e. ~48 GB/s and ~24 GB/s per
-# node (3 and 1.5 GB/s per GPU when all 16 move data at once). The paper gives one NVMe
-# figure, so writes are taken at the read rate. The rest are vendor facts: V100 tensor
-# cores peak at 125 TFLOP/s (fp16); NVLink 2 on V100 moves 150 GB/s each way; a DGX-2 has
-# 8 x 3.84 TB NVMe drives and two Xeon Platinum 8168 with 6 channels of DDR4-2666 each
-# (256 GB/s peak). Assumptions (not from the paper, not fitted): kernels reach 70 TFLOP/s
-# (56% of peak, the paper's own "achievable peak" in its efficiency analysis, as we read
-# it), the CPU optimizer reaches 60% of DRAM peak (a typical STREAM efficiency), half the
-# HBM is for parameters, sequence 1024, micro-batch 8 per GPU.
+# 32 GB with 1.5 TB of DRAM, NVMe, and 800 Gbps between nodes. Link figures per DGX-2 node
+# are the paper's (its slides): aggregate NVMe -> GPU 28 GB/s, CPU -> GPU 64 GB/s (1.8 TB/s
+# and 4 TB/s over 64 nodes), and parameters/gradients moved at "> 70 GB/s" with
+# bandwidth-centric partitioning, i.e. 0.7 of the node's 100 GB/s network for the
+# collectives. The paper gives one NVMe figure, so writes are taken at the read rate.
+# Vendor facts: V100 tensor cores peak at 125 TFLOP/s (fp16); NVLink 2 on V100 moves
+# 150 GB/s each way; a DGX-2 has 8 x 3.84 TB NVMe drives and two Xeon Platinum 8168 with 6
+# channels of DDR4-2666 each (256 GB/s peak). Assumptions (not from the paper, not fitted):
+# kernels reach 70 TFLOP/s (56% of peak, the paper's own "achievable peak" in its
+# efficiency analysis, as we read it), the CPU optimizer reaches 60% of DRAM peak (a
+# typical STREAM efficiency), half the HBM is for parameters, sequence 1024, micro-batch 8
+# per GPU, and activation checkpoints are offloaded to CPU memory (the paper does so for
+# its largest models).
 ZERO_INFINITY_DGX2 = ClusterSpec(
     nodes=32, gpus_per_node=16, gpu_memory=32e9, cpu_memory=1.5e12, nvme=8 * 3.84e12,
-    nvme_read=24e9, nvme_write=24e9, pcie_per_gpu=3e9, network_per_node=800e9 / 8,
+    nvme_read=28e9, nvme_write=28e9, pcie_per_gpu=64e9 / 16, network_per_node=800e9 / 8,
     nvlink_per_gpu=150e9, gpu_peak_flops=125e12, achieved_fraction=0.56,
-    dram_bandwidth=0.6 * 256e9)
+    dram_bandwidth=0.6 * 256e9, collective_efficiency=0.7)
 
 # The paper's 1T model: 128 layers of hidden size 25,600 (12 L h^2 = 1.007e12 parameters).
 ONE_TRILLION = ModelSpec(params=1.0e12, layers=128, hidden=25_600, seq_len=1024, micro_batch=8)
@@ -154,8 +162,8 @@ def build_trace(model: ModelSpec, cluster: ClusterSpec) -> tuple[JobTrace, NodeS
     backward = [False] * units + [True] * units
     # Collectives move each GPU's (gpus - 1) / gpus of the fp16 tile: inside a node over
     # NVLink, across nodes over each GPU's share of the node's network.
-    per_gpu_link = cluster.nvlink_per_gpu if cluster.nodes == 1 else min(
-        cluster.nvlink_per_gpu, cluster.network_per_node / cluster.gpus_per_node)
+    per_gpu_link = cluster.collective_efficiency * (cluster.nvlink_per_gpu if cluster.nodes == 1 else min(
+        cluster.nvlink_per_gpu, cluster.network_per_node / cluster.gpus_per_node))
     collective = tile_params * PARAM_BYTES * (gpus - 1) / gpus / per_gpu_link if gpus > 1 else 0.0
     gather = [collective] * (2 * units)
     reduce = [0.0] * units + [collective] * units
@@ -165,9 +173,15 @@ def build_trace(model: ModelSpec, cluster: ClusterSpec) -> tuple[JobTrace, NodeS
             tensors.append(TensorSpec(f"model/unit{i}/{kind}", i, kind, int(tile_params * nbytes)))
     optimizer = tile_params / cluster.nodes * ADAM_BYTES_TOUCHED / cluster.dram_bandwidth
     nodes = [f"node{i}" for i in range(cluster.nodes)]
+    # Each GPU's checkpoint of a layer's input (fp16), all of the node's GPUs: out after the
+    # layer's forward, back before its backward (its last tile carries it).
+    checkpoint = (model.micro_batch * model.seq_len * model.hidden * PARAM_BYTES
+                  * cluster.gpus_per_node if cluster.activation_offload else 0.0)
+    activation = [checkpoint if (s % tiles == tiles - 1) else 0.0 for s in steps]
     trace = JobTrace(job="estimate", nodes=nodes, step_layer=steps, step_compute=compute,
                      step_backward=backward, tensors=tensors,
-                     optimizer_seconds=np.full(units, optimizer), step_gather=gather, step_reduce=reduce)
+                     optimizer_seconds=np.full(units, optimizer), step_gather=gather, step_reduce=reduce,
+                     step_activation=activation)
     # The node as the planner sees it: the gathered double buffer is reserved outside
     # it, the rest of the parameter share of HBM holds shards and their prefetches.
     gathered = 2 * tile_params * PARAM_BYTES
@@ -214,41 +228,76 @@ def paper_setups() -> dict[str, tuple[ModelSpec, ClusterSpec]]:
 
 # ---- the command line ------------------------------------------------------------------
 
+SHAPE_TOLERANCE = 2.0
+"""How far --params may be from the 12 L h^2 of its --layers and --hidden (embeddings and
+biases add to the blocks' count, more so for small models with large vocabularies)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ZERO_INFINITY_DGX2
-    parser.add_argument("--paper", action="store_true",
-                        help="reproduce the ZeRO-Infinity setups and compare with the published figures")
-    parser.add_argument("--params", type=float, default=ONE_TRILLION.params, help="parameters, e.g. 1e12")
-    parser.add_argument("--layers", type=int, default=ONE_TRILLION.layers)
-    parser.add_argument("--hidden", type=int, default=ONE_TRILLION.hidden)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per iteration")
-    parser.add_argument("--nodes", type=int, default=d.nodes)
-    parser.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    parser.add_argument("--gpu-memory", default="32GB", help="HBM per GPU")
-    parser.add_argument("--cpu-memory", default="1.5TB", help="DRAM per node")
-    parser.add_argument("--nvme", default="30.72TB", help="NVMe per node")
-    parser.add_argument("--nvme-read", type=float, default=d.nvme_read / 1e9, help="GB/s per node")
-    parser.add_argument("--nvme-write", type=float, default=d.nvme_write / 1e9, help="GB/s per node")
-    parser.add_argument("--pcie", type=float, default=d.pcie_per_gpu / 1e9,
-                        help="GB/s per GPU, CPU <-> GPU, all GPUs at once")
-    parser.add_argument("--network", type=float, default=d.network_per_node / 1e9, help="GB/s per node")
-    parser.add_argument("--nvlink", type=float, default=d.nvlink_per_gpu / 1e9, help="GB/s per GPU")
-    parser.add_argument("--peak-tflops", type=float, default=d.gpu_peak_flops / 1e12)
-    parser.add_argument("--efficiency", type=float, default=d.achieved_fraction,
-                        help="fraction of peak the kernels reach")
-    parser.add_argument("--dram-bandwidth", type=float, default=d.dram_bandwidth / 1e9,
-                        help="GB/s a node's CPU optimizer step reaches")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    from tierstack import arguments as types
+
+    d, m = ZERO_INFINITY_DGX2, ONE_TRILLION
+    model = parser.add_argument_group("model (default: the ZeRO-Infinity paper's 1T model)")
+    model.add_argument("--paper", action="store_true",
+                       help="reproduce the ZeRO-Infinity setups and compare with the published "
+                            "figures (ignores the other flags)")
+    model.add_argument("--params", type=types.positive_float, default=m.params,
+                       help=f"parameters, e.g. 13e9; about 12 x layers x hidden^2 (default {m.params:g})")
+    model.add_argument("--layers", type=types.positive_int, default=m.layers,
+                       help=f"transformer layers (default {m.layers})")
+    model.add_argument("--hidden", type=types.positive_int, default=m.hidden,
+                       help=f"hidden size (default {m.hidden})")
+    model.add_argument("--seq-len", type=types.positive_int, default=m.seq_len,
+                       help=f"tokens per sequence (default {m.seq_len})")
+    model.add_argument("--micro-batch", type=types.positive_int, default=m.micro_batch,
+                       help=f"sequences per GPU per iteration (default {m.micro_batch})")
+    cluster = parser.add_argument_group("cluster (default: 32 DGX-2 nodes, the paper's)")
+    cluster.add_argument("--nodes", type=types.positive_int, default=d.nodes,
+                         help=f"nodes (default {d.nodes})")
+    cluster.add_argument("--gpus-per-node", type=types.positive_int, default=d.gpus_per_node,
+                         help=f"GPUs per node (default {d.gpus_per_node})")
+    cluster.add_argument("--gpu-memory", type=types.positive_size, default="32GB",
+                         help="HBM per GPU (default 32GB)")
+    cluster.add_argument("--cpu-memory", type=types.positive_size, default="1.5TB",
+                         help="DRAM per node (default 1.5TB)")
+    cluster.add_argument("--nvme", type=types.positive_size, default="30.72TB",
+                         help="NVMe per node (default 30.72TB)")
+    cluster.add_argument("--nvme-read", type=types.positive_float, default=d.nvme_read / 1e9,
+                         help=f"NVMe read GB/s per node (default {d.nvme_read / 1e9:g})")
+    cluster.add_argument("--nvme-write", type=types.positive_float, default=d.nvme_write / 1e9,
+                         help=f"NVMe write GB/s per node (default {d.nvme_write / 1e9:g})")
+    cluster.add_argument("--pcie", type=types.positive_float, default=d.pcie_per_gpu / 1e9,
+                         help=f"CPU <-> GPU GB/s per GPU with all GPUs moving at once "
+                              f"(default {d.pcie_per_gpu / 1e9:g})")
+    cluster.add_argument("--network", type=types.positive_float, default=d.network_per_node / 1e9,
+                         help=f"network GB/s per node, each direction (default {d.network_per_node / 1e9:g})")
+    cluster.add_argument("--nvlink", type=types.positive_float, default=d.nvlink_per_gpu / 1e9,
+                         help=f"GPU <-> GPU GB/s per GPU inside a node (default {d.nvlink_per_gpu / 1e9:g})")
+    cluster.add_argument("--peak-tflops", type=types.positive_float, default=d.gpu_peak_flops / 1e12,
+                         help=f"GPU peak TFLOP/s at the training precision (default {d.gpu_peak_flops / 1e12:g})")
+    cluster.add_argument("--efficiency", type=types.fraction, default=d.achieved_fraction,
+                         help=f"fraction of peak the kernels reach, in (0, 1] (default {d.achieved_fraction:g})")
+    cluster.add_argument("--dram-bandwidth", type=types.positive_float, default=d.dram_bandwidth / 1e9,
+                         help=f"GB/s a node's CPU optimizer step reaches (default {d.dram_bandwidth / 1e9:g})")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (strict JSON: a time that does not exist is null)")
 
 
 def _from_args(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
+    implied = 12 * args.layers * args.hidden ** 2
+    if not 1 / SHAPE_TOLERANCE <= args.params / implied <= SHAPE_TOLERANCE:
+        layers = max(1, round(args.params / (12 * args.hidden ** 2)))
+        hidden = max(1, round(math.sqrt(args.params / (12 * args.layers))))
+        raise InvalidArgumentError(
+            f"--params {args.params:.3g} contradicts --layers {args.layers} and --hidden "
+            f"{args.hidden}: that shape has about 12 x layers x hidden^2 = {implied:.3g} "
+            f"parameters; give --layers {layers} (for hidden {args.hidden}) or --hidden {hidden} "
+            f"(for {args.layers} layers)")
     model = ModelSpec(params=args.params, layers=args.layers, hidden=args.hidden,
                       seq_len=args.seq_len, micro_batch=args.micro_batch)
     cluster = ClusterSpec(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-        gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"),
-        cpu_memory=parse_size(args.cpu_memory, "--cpu-memory"), nvme=parse_size(args.nvme, "--nvme"),
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory=args.gpu_memory,
+        cpu_memory=args.cpu_memory, nvme=args.nvme,
         nvme_read=args.nvme_read * 1e9, nvme_write=args.nvme_write * 1e9,
         pcie_per_gpu=args.pcie * 1e9, network_per_node=args.network * 1e9,
         nvlink_per_gpu=args.nvlink * 1e9, gpu_peak_flops=args.peak_tflops * 1e12,
@@ -276,12 +325,26 @@ def _report(name: str, model: ModelSpec, cluster: ClusterSpec, est: Estimate) ->
     return "\n".join(lines)
 
 
+def _finite(value):
+    """`value` with every infinite or NaN float replaced by None (JSON has no Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def run_cli(args: argparse.Namespace) -> int:
+    """Print the estimate(s); exit status 1 when a setup does not fit."""
     setups = paper_setups() if args.paper else {"estimate": _from_args(args)}
     out = {}
+    fits = True
     for name, (model, cluster) in setups.items():
         est = estimate(model, cluster)
-        out[name] = {"fits": est.fits, "step_seconds": est.step_seconds,
+        fits = fits and est.fits
+        out[name] = {"fits": est.fits, "reason": est.reason, "step_seconds": est.step_seconds,
                      "tflops_per_gpu": est.tflops_per_gpu, "pflops": est.cluster_pflops,
                      "placement_gb_per_node": est.placement, "published": PUBLISHED.get(name)}
         if not args.json:
@@ -294,5 +357,5 @@ def run_cli(args: argparse.Namespace) -> int:
             elif published:
                 print(f"  published: fits on one node ({'agrees' if est.fits else 'DISAGREES'})")
     if args.json:
-        print(json.dumps(out))
-    return 0
+        print(json.dumps(_finite(out), allow_nan=False))
+    return 0 if fits else 1

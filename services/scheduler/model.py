@@ -145,6 +145,10 @@ class JobTrace:
     (ZeRO-3 all-gather across data-parallel ranks; empty: none)."""
     step_reduce: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Per step: seconds of the collective after its compute (gradient reduce-scatter)."""
+    step_activation: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per step: bytes of activation checkpoints moved between the device and the host
+    (forward: written out after its compute; backward: read back before it). Set by the
+    estimator for ZeRO-Infinity's activation offload; workers report none (empty: none)."""
     device_residency: bool = True
     """Whether the job's workers keep layers on the device between uses when a plan
     says so; when not, all of the device budget is prefetch buffers."""
@@ -157,6 +161,8 @@ class JobTrace:
         n = len(self.step_layer)
         self.step_gather = np.asarray(self.step_gather, dtype=np.float64) if len(self.step_gather) else np.zeros(n)
         self.step_reduce = np.asarray(self.step_reduce, dtype=np.float64) if len(self.step_reduce) else np.zeros(n)
+        self.step_activation = (np.asarray(self.step_activation, dtype=np.float64)
+                                if len(self.step_activation) else np.zeros(n))
 
     def tensor_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(layer, nbytes, kind) of the tensors as arrays, computed once per tensor list."""
@@ -185,6 +191,10 @@ class JobTrace:
             raise InvalidArgumentError(f"trace of {self.job}: a node is listed twice: {self.nodes}")
         if n == 0:
             raise InvalidArgumentError(f"trace of {self.job} has no steps; report it after the first iteration")
+        if len(self.step_activation) != n:
+            raise InvalidArgumentError(
+                f"trace of {self.job}: {len(self.step_activation)} activation transfers for {n} "
+                f"steps; give one per step or none")
         if len(self.step_gather) != n or len(self.step_reduce) != n:
             raise InvalidArgumentError(
                 f"trace of {self.job}: give one collective time per step (or none), got "

@@ -152,6 +152,7 @@ def simulate(trace: JobTrace, tiers: np.ndarray, bandwidth: Bandwidths, prefetch
         return nbytes / rate if nbytes > 0 else 0.0
 
     compute_ids: list[int] = []
+    act_out: dict[int, int] = {}  # layer -> its forward's activation write
     last_backward: dict[int, int] = {}
     grad_ready: dict[int, int] = {}
     hits = 0
@@ -184,9 +185,19 @@ def simulate(trace: JobTrace, tiers: np.ndarray, bandwidth: Bandwidths, prefetch
             gather_id = tasks.add(NET, float(trace.step_gather[j]), j, [h2d_id], ("gather", j))
             if j - prefetch_depth - 1 >= 0:
                 pending_issue.setdefault(j - prefetch_depth - 1, []).append(gather_id)
+        act_in = -1
+        activation = float(trace.step_activation[j])
+        if activation > 0 and trace.step_backward[j]:  # the checkpoint comes back first
+            act_in = tasks.add(H2D, secs(activation, bw.h2d), j, [act_out.get(layer, -1)],
+                               ("act_in", j))
+            if j - prefetch_depth - 1 >= 0:
+                pending_issue.setdefault(j - prefetch_depth - 1, []).append(act_in)
         prev = compute_ids[-1] if compute_ids else -1
-        cid = tasks.add(DEVICE, float(trace.step_compute[j]), j, [prev, h2d_id, gather_id], ("compute", j))
+        cid = tasks.add(DEVICE, float(trace.step_compute[j]), j, [prev, h2d_id, gather_id, act_in],
+                        ("compute", j))
         compute_ids.append(cid)
+        if activation > 0 and not trace.step_backward[j]:  # offloaded behind the compute
+            act_out[layer] = tasks.add(D2H, secs(activation, bw.d2h), n + j, [cid], ("act_out", j))
         if trace.step_backward[j]:
             last_backward[layer] = j
             out = cid

@@ -95,7 +95,10 @@ def serve(config: TierManagerConfig, security: SecurityConfig | None = None,
           recover: bool = False) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT. With `recover`, first
     rebuild the manifest from the NVMe data (durable.py: DurableCopies.rebuild)."""
+    from tierstack.doctor import log_checks
+
     os.umask(0o077)  # everything the daemon creates is its user's alone
+    log_checks(config)  # what is off about the machine, in the log before anything fails
     daemon = TierManagerDaemon(config, security=security, recover=recover)
 
     def banner() -> list[str]:

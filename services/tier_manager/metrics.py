@@ -169,7 +169,8 @@ class NodeMetrics:
         workers = [WorkerFigures(r.worker_id, r.job, r.device, r.cpu_to_device_bytes,
                                  r.device_to_cpu_bytes, r.stall_seconds, r.device_used_bytes,
                                  r.device_capacity_bytes, r.loads_in_flight, r.prefetch_depth,
-                                 round(age, 3)) for r, age in live]
+                                 round(age, 3), r.plan_version, r.predicted_step_seconds,
+                                 r.step_seconds) for r, age in live]
         return NodeSnapshot(
             node=self.node, instance_id=stats.instance_id, url=self.url, timestamp=time.time(),
             uptime_seconds=time.time() - self.started, links=links, tiers=tiers,

@@ -165,6 +165,9 @@ class WorkerReport:
     device_capacity_bytes: int
     loads_in_flight: int
     prefetch_depth: int  # layers the worker prefetches ahead (0: unknown)
+    plan_version: int = 0  # the scheduler plan whose depths the worker follows (0: none)
+    predicted_step_seconds: float = 0.0  # that plan's predicted training step (0: none)
+    step_seconds: float = 0.0  # the worker's last measured training step (0: not training)
 
 
 @dataclass(frozen=True)

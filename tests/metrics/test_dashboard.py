@@ -27,7 +27,14 @@ def test_dashboard_shows_live_nonzero_bandwidth_and_keeps_updating(metrics_daemo
         browser = screenshot.launch(p)
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 1100})
-            page.on("pageerror", lambda e: errors.append(str(e)))
+            # Any error the browser reports fails the test: uncaught exceptions, console
+            # errors (a resource that 404s shows there), failed or erroring requests.
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+            page.on("console", lambda m: errors.append(f"console {m.type}: {m.text} {m.location}")
+                    if m.type == "error" else None)
+            page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url} {r.failure}"))
+            page.on("response", lambda r: errors.append(f"HTTP {r.status}: {r.url}")
+                    if r.status >= 400 else None)
             page.goto(metrics_daemon.url + "/dashboard/")
             screenshot.wait_for_traffic(page, timeout_s=45)
             # Streaming through a CPU pool smaller than the model: NVMe reads and device
@@ -62,4 +69,77 @@ def test_dashboard_shows_live_nonzero_bandwidth_and_keeps_updating(metrics_daemo
                 shutil.copy(shot, Path(artifacts) / "dashboard.png")
         finally:
             browser.close()
+    assert errors == []
+
+
+def test_the_plan_panel_shows_each_jobs_plan_with_its_predicted_and_measured_step(tmp_path):
+    """`tierstack train` with its embedded scheduler: the node's dashboard shows the job's
+    scheduler plan, the version its worker follows, the plan's predicted step and the
+    step the worker measured."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    import urllib.request
+
+    from playwright.sync_api import sync_playwright
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierstack.cli", "train", "--steps", "2000", "--layers", "3",
+         "--dim", "64", "--heads", "4", "--seq-len", "32", "--batch-size", "2",
+         "--cpu-pool-size", "2MiB", "--nvme-path", str(tmp_path / "nvme"), "--log-every", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    errors: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        url = ""
+        while not url and time.monotonic() < deadline and proc.poll() is None:
+            url = next((l.split()[1].removesuffix("/dashboard/") for l in list(lines)
+                        if l.startswith("dashboard: ")), "")
+            time.sleep(0.2)
+        assert url, "".join(lines)[-3000:]
+
+        def reported():
+            with urllib.request.urlopen(url + "/api/v1/node", timeout=10) as r:
+                node = json.loads(r.read())
+            return node if node["plan"]["jobs"] and any(
+                w["step_seconds"] > 0 and w["predicted_step_seconds"] > 0 and w["plan_version"] >= 1
+                for w in node["workers"]) else None
+
+        node = None
+        while node is None and time.monotonic() < deadline:
+            node = reported()
+            time.sleep(0.5)
+        assert node is not None, "".join(lines)[-3000:]
+        job = node["plan"]["jobs"][0]["job"]
+        with sync_playwright() as p:
+            browser = screenshot.launch(p)
+            try:
+                page = browser.new_page(viewport={"width": 1500, "height": 1100})
+                page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}")
+                        if m.type == "error" else None)
+                page.goto(url + "/dashboard/")
+                page.wait_for_function("() => { const c = document.querySelector('#plan .job-plan "
+                                       ".measured'); return c && c.textContent.includes('×'); }",
+                                       timeout=30_000)
+                cells = page.eval_on_selector_all("#plan .job-plan td", "tds => tds.map(t => t.textContent)")
+            finally:
+                browser.close()
+        _, shown_job, version, _, _, _, follow, predicted, measured = (c.strip() for c in cells)
+        assert shown_job == job and int(version) >= 1 and follow.startswith("v")
+        assert float(predicted.removesuffix(" s")) > 0
+        seconds, ratio = measured.split(" s (")
+        assert float(seconds) > 0 and ratio.endswith("×)")
+    finally:
+        proc.send_signal(signal.SIGINT)  # the job stops its embedded daemons on the way out
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     assert errors == []

@@ -62,3 +62,19 @@ class GPT(torch.nn.Module):
         n = sum(p.numel() for p in self.parameters())
         c = self.config
         return 6 * n + 12 * c.layers * c.dim * c.seq_len
+
+
+def build_gpt(config: GPTConfig, device: torch.device | str) -> GPT:
+    """A GPT whose blocks do not exist yet: built on the meta device, with the modules
+    before the blocks (the embeddings) created on `device` now. The engine creates each
+    block just before storing it and then the rest (final norm, head), every submodule by
+    its own reset_parameters, in the order an eager `GPT(config)` draws them: the model
+    never has to fit in host memory, and on the CPU a seed gives the same weights as
+    `GPT(config)` (on a GPU the device's generator draws them)."""
+    from tierstack.worker.engine import materialize
+
+    with torch.device("meta"):
+        model = GPT(config)
+    for module in (model.embed, model.pos):
+        materialize(module, device)
+    return model

@@ -24,7 +24,7 @@ from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.distributed import RankEnv, init_process_group, rank_device
-from tierstack.worker.jobs.gpt import GPT, GPTConfig
+from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.layers import layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.sharded_engine import ShardedEngine
@@ -129,7 +129,7 @@ def run_rank(env: RankEnv, spec: PartitionedSpec) -> RankResult:
 
 def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: str) -> RankResult:
     torch.manual_seed(spec.seed)  # every rank builds the same initial model
-    model = GPT(spec.gpt)
+    model = build_gpt(spec.gpt, device)  # blocks created one at a time: never whole in host memory
     layer_bytes = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes
     job = spec.job or f"train-{uuid.uuid4().hex[:8]}"
     budget = spec.device_budget or spec.device_budget_layers * layer_bytes

@@ -1,66 +1,137 @@
-"""`tierstack train`: a byte-level GPT on the standard library's sources, state offloaded.
+"""`tierstack train`: a model trained with its state offloaded (the main job).
 
-On one machine it starts an embedded tier manager, registers the model's blocks with it
-and trains, showing loss, tokens/s and per-tier traffic; the default model's training
-state (parameters, gradients, AdamW moments) is larger than both the device budget and
-the CPU pool, so the NVMe pool really is used.
+By default a byte-level GPT on the standard library's sources; with `--hf-model`, a
+Hugging Face causal LM from a local config (initialised, or loaded from the directory's
+weights) on a local text file (`--data`) or the same corpus. On one machine it starts an
+embedded scheduler and a tier manager registered with it, builds the model on the meta
+device (each block is created just before it is stored, so the model never has to fit
+in host memory), and trains, showing progress. The default GPT's training state
+(parameters, gradients, AdamW moments) is larger than both the device budget and the CPU
+pool, so the NVMe pool really is used. `--checkpoint-dir` / `--resume` save and restore
+the whole training state (the data order included), `--export` writes safetensors that
+`from_pretrained` loads.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tierstack.config import MiB, TierManagerConfig, load_config, parse_size
+from tierstack.config import MiB, TierManagerConfig, TierstackConfig, load_config
 from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
-from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.jobs.gpt import GPT, GPTConfig
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
+from tierstack.worker.engine import OffloadEngine, materialize
+from tierstack.worker.jobs import corpus
+from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
+from tierstack.worker.jobs.progress import TrainProgress
+from tierstack.worker.layers import LayerStore, layer_tensors
+from tierstack.worker.layout import LayerLayout
 from tierstack.worker.training import StepRecord, run_steps
 
-console = Console()
 LOCAL_NODE = "local"  # the embedded default's one node, as the scheduler knows it
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="tierstack or DeepSpeed JSON config")
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="rows per optimizer step; default: the config's train.micro_batch_size x "
-                             "train.gradient_accumulation_steps (8 x 1)")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--dim", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--cpu-pool-size", default="64MiB", help="the embedded CPU pool")
-    parser.add_argument("--device-budget", default="",
-                        help="default: the config's train.device_budget (0: 3 layers' worth)")
-    parser.add_argument("--nvme-path", default="/var/tmp/tierstack/train-nvme")
-    parser.add_argument("--tier-manager", help="use this running tier manager instead of starting one")
-    parser.add_argument("--no-scheduler", action="store_true",
-                        help="do not start the embedded scheduler (fixed prefetch depth)")
-    parser.add_argument("--ranks", type=int, default=1,
-                        help="data-parallel ranks, each a Ray actor keeping 1/N of every block "
-                             "(partitioned training); --batch-size is the global batch")
-    parser.add_argument("--address", help="join this Ray cluster (auto, or the head's host:port) "
-                                          "instead of starting Ray here; implies Ray actors")
-    parser.add_argument("--placement", default="SPREAD",
-                        help="Ray placement strategy of the ranks (SPREAD, STRICT_SPREAD, PACK)")
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when there is one)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precision", choices=["fp32", "bf16"],
-                        help="default: the config's train.precision (fp32)")
+# ---- what to train --------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """The model to train and how it is made, with what its progress lines need."""
+
+    model: torch.nn.Module
+    blocks_attr: str
+    initialize: Callable[[torch.nn.Module, torch.device], None]
+    description: str
+    identity: str
+    """What a checkpoint must have been saved from to be resumed (architecture and size)."""
+    vocab_size: int
+    layers: int
+    dim: int
+    tokenizer: object | None = None
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per parameter plus attention's 12 L d s."""
+        params = sum(p.numel() for p in self.model.parameters())
+        return 6 * params + 12 * self.layers * self.dim * seq_len
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device to train on; a device this machine does not have is refused."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: torch sees no CUDA device on this machine "
+                              f"(torch {torch.__version__}); use --device cpu or leave --device out")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA "
+                              f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif device.type != "cpu":
+        raise ConfigError(f"--device {name}: tierstack trains on cpu or cuda devices")
+    return device
+
+
+def build_job(args: argparse.Namespace, device: torch.device) -> Job:
+    """The model on the meta device (blocks are created by the engine, one at a time)."""
+    if args.hf_model:
+        from tierstack.worker.jobs import hf_model
+
+        hf = hf_model.build(args.hf_model, args.hf_init)
+        config = hf.model.config
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if limit and args.seq_len > limit:
+            raise ConfigError(f"--seq-len {args.seq_len} is longer than the model's "
+                              f"{limit} positions; give --seq-len {limit} or less")
+        tokenizer = hf_model.tokenizer_for(args.hf_model)
+        hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+        layers = len(hf.model.get_submodule(hf.blocks_attr))
+        identity = f"{type(hf.model).__name__} {layers} x {hidden}, vocabulary {config.vocab_size}"
+        return Job(hf.model, hf.blocks_attr, hf.initialize, hf.describe(), identity,
+                   config.vocab_size, layers, hidden, tokenizer)
+    gpt = GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads)
+    model = build_gpt(gpt, device)
+    params = sum(p.numel() for p in model.parameters())
+    return Job(model, "blocks", materialize, f"GPT {gpt.layers} x {gpt.dim}, {params / 1e6:.1f}M parameters",
+               f"GPT {gpt.layers} x {gpt.dim}, {gpt.heads} heads", gpt.vocab_size, gpt.layers, gpt.dim)
+
+
+def make_run_dir(nvme_path: str) -> str:
+    """A fresh directory under --nvme-path for this run's NVMe pool and manifest."""
+    base = Path(nvme_path)
+    if base.exists() and not base.is_dir():
+        raise ConfigError(f"--nvme-path {nvme_path} is a file, not a directory; give a directory "
+                          f"(on an NVMe drive for speed), created if missing")
+    run_dir = base / uuid.uuid4().hex[:8]
+    try:
+        run_dir.mkdir(parents=True)
+        probe = run_dir / ".write-test"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise ConfigError(f"--nvme-path {nvme_path}: cannot create and write a directory there "
+                          f"({e.strerror}); give a writable directory (on an NVMe drive for speed)") from None
+    return str(run_dir)
+
+
+# ---- the run --------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train as the flags say (checked by train_flags.run first)."""
     config = load_config(args.config)
     if not args.config:  # the main job's point: the blocks' state streams through NVMe
         config.train.params.device = config.train.optimizer_state.device = "nvme"
@@ -73,55 +144,73 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-size {args.batch_size} does not split into "
                           f"train.gradient_accumulation_steps = {accumulation} equal micro-batches; "
                           f"give a multiple of {accumulation}")
+    if args.device_budget is not None:
+        args.device_budget = args.device_budget or None  # 0: the config's default
     if args.ranks > 1 or args.address:
         from tierstack.worker.jobs.ray_train_job import run as run_on_ray
         return run_on_ray(args, config)
+    device = resolve_device(args.device)
+    run_dir = "" if args.tier_manager else make_run_dir(args.nvme_path)
+    try:
+        return _run_in(args, config, device, run_dir)
+    finally:
+        if run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.device,
+            run_dir: str) -> int:
+    """The run, with its NVMe directory made (none with --tier-manager)."""
+    accumulation = config.train.gradient_accumulation_steps
     torch.manual_seed(args.seed)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    gpt = GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads)
-    model = GPT(gpt)
-    block_params = sum(p.numel() for p in model.blocks.parameters())
-    from tierstack.worker.layers import layer_tensors
-    from tierstack.worker.layout import LayerLayout
-    layer_bytes = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes  # with slot padding
-    state_bytes = block_params * 16  # fp32 parameters, gradients, exp_avg, exp_avg_sq
-    budget = (parse_size(args.device_budget, "--device-budget") if args.device_budget
-              else config.train.device_budget_bytes(layer_bytes))
+    job = build_job(args, device)
+    blocks = job.model.get_submodule(job.blocks_attr)
+    layer_bytes = LayerLayout.of(layer_tensors(blocks[0])).nbytes  # with slot padding (meta: no memory)
+    state_bytes = sum(p.numel() for p in blocks.parameters()) * 16  # fp32 param, grad, m, v
+    budget = args.device_budget or config.train.device_budget_bytes(layer_bytes)
+    tokens = corpus.tokens(args.data, job.tokenizer, job.vocab_size)
+    data = corpus.ByteBatches(tokens, args.seq_len, args.batch_size, seed=args.seed)
     tm: TierManagerConfig = config.tier_manager
-    tm.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
-    run_dir = os.path.join(args.nvme_path, uuid.uuid4().hex[:8])
-    tm.nvme_pool.paths = [run_dir]
-    tm.nvme_pool.size = max(tm.nvme_pool.aio.block_size, 2 * state_bytes + 64 * MiB)
-    tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
+    tm.cpu_pool.size = args.cpu_pool_size
+    if run_dir:
+        tm.nvme_pool.paths = [run_dir]
+        tm.nvme_pool.size = max(tm.nvme_pool.aio.block_size, 2 * state_bytes + 64 * MiB)
+        tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
+    progress = TrainProgress(args.steps, args.batch_size * args.seq_len, interval=args.log_every)
     micro = f" in {accumulation} micro-batches" if accumulation > 1 else ""
-    console.print(f"[bold]tierstack train[/]: GPT {gpt.layers} x {gpt.dim}, "
-                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters on {device}, "
-                  f"batch {args.batch_size}{micro}; "
-                  f"block state {state_bytes / MiB:.0f} MiB vs device budget {budget / MiB:.0f} MiB "
-                  f"and CPU pool {tm.cpu_pool.size / MiB:.0f} MiB -> NVMe at {run_dir}")
-    data = ByteBatches(stdlib_bytes(), gpt.seq_len, args.batch_size, seed=args.seed)
+    where = (f"tier manager at {args.tier_manager}" if args.tier_manager else
+             f"CPU pool {_mib(tm.cpu_pool.size)} -> NVMe at {run_dir}")
+    progress.say(f"tierstack train: {job.description} on {device}, batch {args.batch_size}{micro}, "
+                 f"{'data ' + args.data if args.data else 'the standard library sources'} as "
+                 f"{'tokens' if job.tokenizer else 'bytes'}; block state {_mib(state_bytes)} vs "
+                 f"device budget {_mib(budget)} and {where}")
     try:
         if args.tier_manager:
-            return _train(args, model, device, budget, args.tier_manager, data, config)
+            return _train(args, job, device, budget, args.tier_manager, data, config, progress)
         if args.no_scheduler:
             with EmbeddedTierManager(tm) as daemon:
-                return _train(args, model, device, budget, daemon.address, data, config)
+                return _train(args, job, device, budget, daemon.address, data, config, progress)
         # The embedded single-node default: a scheduler, and a tier manager registered
         # with it; the job reports its first iteration and follows the plans it gets.
         from tierstack.services.scheduler.embedded import EmbeddedScheduler
         with EmbeddedScheduler(config.scheduler) as scheduler:
             tm.scheduler_address, tm.node_id = scheduler.address, LOCAL_NODE
             with EmbeddedTierManager(tm) as daemon:
-                return _train(args, model, device, budget, daemon.address, data, config,
+                return _train(args, job, device, budget, daemon.address, data, config, progress,
                               scheduler.address)
     finally:
-        import shutil
-        shutil.rmtree(run_dir, ignore_errors=True)
+        progress.close()
+
+
+def _mib(nbytes: int) -> str:
+    """MiB, with a decimal only where a small size needs one (0.4 MiB, 5 MiB, 226 MiB)."""
+    mib = nbytes / MiB
+    return f"{mib:.0f} MiB" if mib >= 10 or mib == round(mib) else f"{mib:.1f} MiB"
 
 
 def _counters(store: LayerStore) -> dict[str, float]:
-    """Running totals the progress line shows: the tier manager's NVMe traffic and CPU
-    pool, and this worker's own device-side copies and stalls."""
+    """Running totals the progress shows: the tier manager's NVMe traffic and CPU pool,
+    and this worker's own device-side copies and stalls."""
     stats, m = store.client.stats(), store.metrics
     return {"nvme_read": stats.nvme_bytes_read, "nvme_written": stats.nvme_bytes_written,
             "cpu_used": stats.cpu_used, "cpu_capacity": stats.cpu_capacity,
@@ -130,55 +219,79 @@ def _counters(store: LayerStore) -> dict[str, float]:
             "stalled": store.stall_seconds}
 
 
-def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatches, config,
+def _signature(args: argparse.Namespace, job: Job, precision: str) -> dict:
+    """What a checkpoint must match to be resumed: the model, its precision, the data."""
+    return {"model": job.identity, "precision": precision, "seq_len": args.seq_len,
+            "batch_size": args.batch_size, "data": args.data or "stdlib"}
+
+
+def _train(args, job: Job, device: torch.device, budget: int, address: str,
+           data: corpus.ByteBatches, config: TierstackConfig, progress: TrainProgress,
            scheduler: str = "") -> int:
     store = LayerStore(f"train-{uuid.uuid4().hex[:8]}", device=device, device_budget=budget,
                        address=address, durable=False)
     engine = follower = None
     try:
-        engine = OffloadEngine.from_config(model, store, config.train)
+        engine = OffloadEngine.from_config(job.model, store, config.train, job.blocks_attr,
+                                           initialize=job.initialize)
+        start, signature = 0, _signature(args, job, config.train.precision)
+        if args.resume:
+            start = _resume(args, engine, data, signature)
+            progress.done = progress.first = start
+            progress.say(f"resumed from {args.checkpoint_dir} after step {start}")
         if scheduler:  # records the first iteration's layer uses for the trace
             from tierstack.worker.plan_follower import PlanFollower
             follower = PlanFollower(store, scheduler, node_id=LOCAL_NODE)
-        tokens_per_step = args.batch_size * args.seq_len
         url = store.dashboard_url()
         if url:
-            console.print(f"dashboard: {url}/dashboard/   Prometheus metrics: {url}/metrics")
-        columns = [TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                   TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
-        with Progress(*columns, console=console, transient=False) as progress:
-            task = progress.add_task("train", total=args.steps, status="")
+            progress.say(f"dashboard: {url}/dashboard/   Prometheus metrics: {url}/metrics")
 
-            def report(step: StepRecord) -> None:
-                if follower is not None and step.index == 0:
-                    plan = follower.report_trace()
-                    mine = plan.nodes[LOCAL_NODE]
-                    console.print(f"scheduler plan v{plan.version}: prefetch depth "
-                                  f"{mine.prefetch_depth}, NVMe read-ahead {mine.read_ahead}, "
-                                  f"predicted step {plan.predicted_step_seconds:.3f} s")
-                # GB/s over the step; the device side of the links from this worker's counters.
-                rate = {name: moved / step.seconds for name, moved in step.moved.items()}
-                progress.update(task, advance=1, status=(
-                    f"loss {step.loss:.3f}  {tokens_per_step / step.seconds:,.0f} tok/s  GB/s: "
-                    f"nvme->cpu {rate['nvme_read'] / 1e9:.2f}  cpu->nvme {rate['nvme_written'] / 1e9:.2f}  "
-                    f"cpu->dev {rate['to_device'] / 1e9:.2f}  dev->cpu {rate['from_device'] / 1e9:.2f}  "
-                    f"stall {100 * rate['stalled']:.0f}%  cpu pool "
-                    f"{step.counters['cpu_used'] / MiB:.0f}/{step.counters['cpu_capacity'] / MiB:.0f} MiB"))
+        def save(step: int) -> None:
+            save_checkpoint(engine, args.checkpoint_dir,
+                            extra={**signature, "step": step, "data_state": data.state()})
 
-            first, start = store.client.stats(), time.perf_counter()
-            batches = iter(data.next, None)  # endless: next() never returns None
-            steps = run_steps(engine.train_step, batches, device, args.steps,
-                              counters=lambda: _counters(store), on_step=report)
-        elapsed = time.perf_counter() - start
+        # The trace is of the second step when there is one: the first also probes the
+        # placement and creates the optimizer state.
+        traced = min(1, args.steps - start - 1)
+
+        def report(step: StepRecord) -> None:
+            if follower is not None and step.index == traced - 1:
+                follower.record()
+            if follower is not None and step.index == traced:
+                plan = follower.report_trace(optimizer_seconds=engine.block_optimizer.block_seconds)
+                mine = plan.nodes[LOCAL_NODE]
+                progress.say(f"scheduler plan v{plan.version}: prefetch depth {mine.prefetch_depth}, "
+                             f"NVMe read-ahead {mine.read_ahead}, predicted step "
+                             f"{plan.predicted_step_seconds:.3f} s (step {step.index + 1} measured "
+                             f"{step.seconds:.3f} s)")
+            plan = follower.plan if follower is not None else None
+            store.report_step(step.seconds, plan.predicted_step_seconds if plan is not None else 0.0)
+            progress.step(step)
+            done = start + step.index + 1
+            if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
+                save(done)
+
+        first, began = store.client.stats(), time.perf_counter()
+        batches = iter(data.next, None)  # endless: next() never returns None
+        steps = run_steps(engine.train_step, batches, device, args.steps - start,
+                          counters=lambda: _counters(store), on_step=report)
+        elapsed = time.perf_counter() - began
         end = store.client.stats()
-        tokens = tokens_per_step * len(steps)
-        console.print(
-            f"[bold]done[/]: {len(steps)} steps, loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}, "
+        progress.close()
+        if args.checkpoint_dir:
+            save(args.steps)
+            progress.say(f"checkpoint: {args.checkpoint_dir} (step {args.steps})")
+        if args.export:
+            index = export_safetensors(engine, args.export)
+            progress.say(f"exported: {index.parent} (safetensors for from_pretrained)")
+        tokens = args.batch_size * args.seq_len * len(steps)
+        progress.say(
+            f"done: {len(steps)} steps, loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}, "
             f"{tokens / elapsed:,.0f} tokens/s, "
-            f"{model.flops_per_token() * tokens / elapsed / 1e12:.3f} model TFLOP/s; "
+            f"{job.flops_per_token(args.seq_len) * tokens / elapsed / 1e12:.3f} model TFLOP/s; "
             f"NVMe read {(end.nvme_bytes_read - first.nvme_bytes_read) / 1e9:.2f} GB, "
             f"written {(end.nvme_bytes_written - first.nvme_bytes_written) / 1e9:.2f} GB; "
-            f"device budget peak {store.budget.peak / MiB:.0f} of {store.budget.capacity / MiB:.0f} MiB")
+            f"device budget peak {_mib(store.budget.peak)} of {_mib(store.budget.capacity)}")
         return 0
     finally:
         if follower is not None:
@@ -186,3 +299,19 @@ def _train(args, model: GPT, device, budget: int, address: str, data: ByteBatche
         if engine is not None:
             engine.close()
         store.close()
+
+
+def _resume(args, engine: OffloadEngine, data: corpus.ByteBatches, signature: dict) -> int:
+    """Load the checkpoint into the engine and the data order; the steps it had done."""
+    extra = load_checkpoint(engine, args.checkpoint_dir)
+    differs = {k: (extra.get(k), v) for k, v in signature.items() if extra.get(k) != v}
+    if differs:
+        raise ConfigError(f"--resume: {args.checkpoint_dir} was saved with " + ", ".join(
+            f"{k} {saved!r}" for k, (saved, _) in differs.items()) + ", not " + ", ".join(
+            f"{v!r}" for _, v in differs.values()) + "; resume with the flags it was saved with")
+    step = int(extra.get("step", 0))
+    if step >= args.steps:
+        raise ConfigError(f"--resume: the checkpoint is at step {step} already; give --steps "
+                          f"above {step} to train further")
+    data.restore(extra["data_state"])
+    return step

@@ -1,0 +1,58 @@
+"""On the CPU device, ensure_layer hands out views of the CPU pool, pinned while in use."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tierstack.worker.layers import LayerStore
+
+
+def _pinned(store: LayerStore, expect: int, timeout: float = 10.0) -> int:
+    """The daemon's pinned tensors once they reach `expect` (pins are released from a
+    background thread), or their count when `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pinned = store.client.stats().pinned
+        if pinned == expect or time.monotonic() > deadline:
+            return pinned
+        time.sleep(0.02)
+
+
+def test_a_cpu_layer_is_a_view_of_the_arena_pinned_until_it_is_released(daemon):
+    torch.manual_seed(0)
+    layers = [{"w": torch.randn(256, 256), "b": torch.randn(256)} for _ in range(4)]
+    with LayerStore("views", device="cpu", device_budget=8 << 20, address=daemon.address,
+                    durable=False) as store:
+        store.register_layers(layers)
+        assert _pinned(store, 0) == 0
+        store.prefetch(1)  # starts the daemon's read only: a waiting layer holds no pin
+        tensors = store.ensure_layer(0)
+        assert torch.equal(tensors["w"], layers[0]["w"]) and torch.equal(tensors["b"], layers[0]["b"])
+        arenas = [store.session.arenas.view(a.index, 0, a.size) for a in store.client.node().arenas]
+        inside = [a for a in arenas if a.data_ptr() <= tensors["w"].data_ptr() < a.data_ptr() + a.numel()]
+        assert len(inside) == 1  # no copy: the bytes the daemon keeps
+        assert _pinned(store, 1) == 1
+        store.release_layer(0)
+        assert _pinned(store, 0) == 0
+        store.release_layer(1)  # prefetched, never used: released without a pin to drop
+        # An update written after the release is what the next ensure_layer sees.
+        store.write_back(0, {"w": torch.zeros(256, 256), "b": torch.ones(256)})
+        again = store.ensure_layer(0)
+        assert again["w"].abs().sum() == 0 and torch.equal(again["b"], torch.ones(256))
+        store.release_layer(0)
+        assert store.budget.used == 0 and store.stall_seconds > 0
+
+
+def test_closing_a_store_releases_the_pins_of_layers_still_in_use(daemon):
+    with LayerStore("views-close", device="cpu", device_budget=8 << 20, address=daemon.address,
+                    durable=False) as store:
+        store.register_layers([{"w": torch.ones(1024)} for _ in range(3)])
+        store.ensure_layer(0)
+        store.ensure_layer(2)
+        watcher = LayerStore("views-watch", device="cpu", address=daemon.address, metrics=False)
+    try:
+        assert _pinned(watcher, 0) == 0
+    finally:
+        watcher.close()
