@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tierstack.addresses import TIER_MANAGER_ENV, node_dir, node_tier_manager_address
 from tierstack.config import config_dict, load_config
+from tierstack.errors import InvalidArgumentError
 from tierstack.service_process import ServiceProcess
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 # The head's scheduler (which also serves the cluster's metrics and dashboard) listens on
 # this port of the head's address; every node's tier manager registers there.
 SCHEDULER_PORT = 6390
+# The cluster's token and TLS certificate, in the checkout that `ray up` copies to every
+# node (git ignores it); start-node-services.sh points $TIERSTACK_SECURITY_DIR at it.
+DEFAULT_SECRETS = "deploy/secrets"
 POLL_SECONDS = 1.0
 
 
@@ -202,18 +206,35 @@ def wait_ready(node_ip: str, timeout: float) -> int:
     return 0
 
 
+def make_secrets(directory: str) -> int:
+    """Write the cluster's token and TLS certificate into `directory` (kept if present)."""
+    from tierstack.rpc import write_secrets
+
+    path = write_secrets(directory)
+    print(f"the cluster's token, certificate and key are in {path} (0600 files in a 0700 "
+          f"directory); `ray up` copies {DEFAULT_SECRETS} with the checkout to every node")
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=["head", "worker"], required=True,
+    parser.add_argument("--role", choices=["head", "worker"],
                         help="head: also run the cluster scheduler; worker: the tier manager only")
-    parser.add_argument("--node-ip", required=True, help="this node's Ray node IP")
+    parser.add_argument("--node-ip", help="this node's Ray node IP")
     parser.add_argument("--config", help="node config JSON (its tier_manager section)")
     parser.add_argument("--head-ip", help="the head node's IP (where the scheduler listens); "
                                           "default: this node's on the head")
     parser.add_argument("--wait-ready", type=float, metavar="SECONDS",
                         help="only wait until the node's tier manager answers, then exit")
+    parser.add_argument("--make-secrets", metavar="DIR",
+                        help=f"only write a cluster's token and TLS certificate into DIR, "
+                             f"then exit (run once before `ray up`, with DIR {DEFAULT_SECRETS})")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.make_secrets:
+        return make_secrets(args.make_secrets)
+    if not args.role or not args.node_ip:
+        raise InvalidArgumentError("ray-node needs --role and --node-ip (or --make-secrets DIR)")
     if args.wait_ready is not None:
         return wait_ready(args.node_ip, args.wait_ready)
     return supervise(args.role, args.node_ip, args.config, args.head_ip)

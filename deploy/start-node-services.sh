@@ -13,6 +13,12 @@ node_ip=${2:?usage: start-node-services.sh head|worker NODE_IP}
 head_ip=${3:-$node_ip}
 home=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 logs="/tmp/tierstack-$(id -u)"
+# The cluster's token and TLS certificate (`tierstack ray-node --make-secrets deploy/secrets`
+# before `ray up`; copied with the checkout): required by every server beyond loopback, used
+# by every client. Without them a node on a real network refuses to start and says so.
+if [ -z "${TIERSTACK_SECURITY_DIR:-}" ] && [ -d "$home/deploy/secrets" ]; then
+    export TIERSTACK_SECURITY_DIR="$home/deploy/secrets"
+fi
 mkdir -p "$logs"
 setsid "$home/.venv/bin/tierstack" ray-node --role "$role" --node-ip "$node_ip" --head-ip "$head_ip" \
     --config "${TIERSTACK_NODE_CONFIG:-$home/deploy/node.json}" \

@@ -354,3 +354,17 @@ def test_a_terminal_gets_a_progress_bar_with_an_eta():
     assert "step 4/4" in text and "ETA" in text and "\x1b[" in text  # a live bar, not lines
     assert "loss 2.0000" in text and "2,048 tok/s" in text and "nvme->cpu 2.00" in text
     assert "cpu->dev 4.00" in text and "stall 50%" in text
+
+
+def test_jobs_lists_a_nodes_jobs_and_deletes_one(daemon, capsys):
+    from tierstack.services.tier_manager.client import TierManagerClient
+
+    worker = TierManagerClient(daemon.address, reconnect_timeout=10)
+    worker.open_job("pretrain", keep=True)
+    worker.open_job("sweep-3", quota_bytes=64 << 20)
+    assert cli.main(["jobs", "--tier-manager", daemon.address]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "kept" in rows["pretrain"] and "open" in rows["sweep-3"] and "quota 64 MiB" in rows["sweep-3"]
+    assert cli.main(["jobs", "--tier-manager", daemon.address, "--delete", "pretrain", "--force"]) == 0
+    assert "job pretrain: 0 tensors deleted" in capsys.readouterr().out
+    worker.close()

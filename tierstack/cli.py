@@ -131,6 +131,28 @@ def _plan(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _jobs(args: argparse.Namespace) -> int:
+    """List the jobs a tier manager holds state for, or delete one's tensors."""
+    from tierstack.services.tier_manager.client import TierManagerClient
+
+    client = TierManagerClient(args.tier_manager, reconnect_timeout=10)
+    try:
+        if args.delete:
+            deleted = client.delete_job(args.delete, force=args.force)
+            print(f"job {args.delete}: {deleted} tensors deleted")
+            return 0
+        jobs = client.jobs()
+    finally:
+        client.close()
+    print(f"{'job':24} {'tensors':>8} {'MiB':>10} {'workers':>7}  state")
+    for j in jobs:
+        state = ("kept" if j.keep else "not managed (kept)" if not j.managed
+                 else "open" if j.workers else f"deleted in {j.delete_in_seconds:.0f} s")
+        quota = f", quota {j.quota_bytes / 2**20:.0f} MiB" if j.quota_bytes else ""
+        print(f"{j.job:24} {j.tensors:8d} {j.bytes / 2**20:10.1f} {j.workers:7d}  {state}{quota}")
+    return 0
+
+
 def _doctor(args: argparse.Namespace) -> int:
     """Check this machine for tierstack; exit 1 when something needs fixing."""
     from tierstack.doctor import run_cli
@@ -186,6 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--listen", help="unix:/path/to.sock (default: $TIERSTACK_SCHEDULER or a "
                                         "per-user socket under /tmp) or host:port")
     sched.set_defaults(func=_scheduler)
+
+    jobs = sub.add_parser("jobs", help="list the jobs a tier manager keeps state for, or delete one's",
+                          description="A job's tensors go when its last worker does, unless it "
+                                      "asked to keep them; this lists every job on the node and "
+                                      "deletes one's tensors on request.")
+    jobs.add_argument("--tier-manager", metavar="ADDRESS",
+                      help="the tier manager (default: $TIERSTACK_TIER_MANAGER or the per-user socket)")
+    jobs.add_argument("--delete", metavar="JOB", help="delete this job's tensors now")
+    jobs.add_argument("--force", action="store_true",
+                      help="with --delete: even while workers hold the job open")
+    jobs.set_defaults(func=_jobs)
 
     ray_node = sub.add_parser("ray-node", help="this Ray node's tierstack services (started by deploy/cluster.yaml)",
                               description=_doc("tierstack.deploy.ray_node"))
