@@ -7,6 +7,10 @@ written to its own safetensors file, and dropped before the next one is read.
   `block-<i>.safetensors`, plus `engine.pt` with what lives on the device (persistent
   parameters and their optimizer state), the step count and the caller's extra state.
   Values are stored exactly, so training resumed from a checkpoint continues bit for bit.
+  A checkpoint is atomic: written into a staging directory beside its target, every file
+  fsynced and listed with its size and crc32 in `checkpoint.json`, then swapped into place
+  in one rename; `load_checkpoint` checks every file against that list before it changes
+  anything. A save that dies leaves the previous checkpoint whole.
 - `export_safetensors`: the model's weights as a sharded safetensors checkpoint with its
   index (`model.safetensors.index.json`), under the model's own parameter names, so
   Hugging Face `from_pretrained` loads it.
@@ -14,12 +18,17 @@ written to its own safetensors file, and dropped before the next one is read.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import shutil
+import zlib
 from pathlib import Path
+
 import torch
 from safetensors.torch import load_file, save_file
 
-from tierstack.errors import InvalidArgumentError
+from tierstack.errors import DataCorruptionError, InvalidArgumentError
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.tiered_adamw import MOMENTS
 
@@ -31,10 +40,14 @@ def _block_file(directory: Path, index: int) -> Path:
 
 
 def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | None = None) -> None:
-    """Write the engine's whole training state under `directory`."""
+    """Write the engine's whole training state as `directory`, replacing what was there
+    only once every file of the new checkpoint is durable."""
     engine.wait_for_optimizer()
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    target = Path(directory).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    directory = target.with_name(f".{target.name}.writing")
+    shutil.rmtree(directory, ignore_errors=True)  # what a save that died left
+    directory.mkdir()
     store, optimizer = engine.store, engine.block_optimizer
     for i in range(len(engine.blocks.blocks)):
         tensors = dict(store.read_layer(i))
@@ -50,6 +63,64 @@ def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | 
         "persistent_masters": [m.detach().cpu() for m in engine.persistent_masters],
         "extra": extra or {},
     }, directory / ENGINE_FILE)
+    files = {}
+    for path in sorted(directory.iterdir()):
+        files[path.name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+        _fsync(path)
+    (directory / LISTING_FILE).write_text(json.dumps({"files": files}, indent=1))
+    _fsync(directory / LISTING_FILE)
+    _fsync(directory)
+    _swap_into_place(directory, target)
+
+
+LISTING_FILE = "checkpoint.json"
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(staged: Path, target: Path) -> None:
+    """`staged` becomes `target` in one step: renameat2(RENAME_EXCHANGE) swaps the two
+    directories atomically where the old one exists (a crash leaves one whole checkpoint
+    or the other under the name), a plain rename where it does not."""
+    if target.exists():
+        libc = ctypes.CDLL(None, use_errno=True)
+        at_fdcwd, rename_exchange = -100, 2
+        if libc.renameat2(at_fdcwd, bytes(staged), at_fdcwd, bytes(target), rename_exchange) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot replace checkpoint {target}: {os.strerror(error)}")
+        shutil.rmtree(staged)  # now the old checkpoint
+    else:
+        staged.rename(target)
+    _fsync(target.parent)
+
+
+def _verify(directory: Path) -> None:
+    """Every file the checkpoint lists is there with its size and crc32."""
+    try:
+        listing = json.loads((directory / LISTING_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        raise InvalidArgumentError(
+            f"{directory} is not a complete tierstack checkpoint ({LISTING_FILE} is missing or "
+            f"unreadable: an interrupted save, or one from before checkpoints were verified)") from None
+    for name, expected in listing.items():
+        path = directory / name
+        if not path.exists() or path.stat().st_size != expected["bytes"] or _crc32(path) != expected["crc32"]:
+            raise DataCorruptionError(f"checkpoint file {path} is missing or does not match its "
+                                      f"size and crc32 in {LISTING_FILE}; load another checkpoint")
 
 
 def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
@@ -57,6 +128,7 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
     directory = Path(directory)
     if not (directory / ENGINE_FILE).exists():
         raise InvalidArgumentError(f"{directory} holds no tierstack checkpoint ({ENGINE_FILE} is missing)")
+    _verify(directory)
     meta = torch.load(directory / ENGINE_FILE, map_location="cpu", weights_only=False)
     if meta["blocks"] != len(engine.blocks.blocks):
         raise InvalidArgumentError(

@@ -173,6 +173,47 @@ def test_resume_after_step_10_reproduces_steps_11_to_20(daemon, tmp_path):
         store.close()
 
 
+def test_a_checkpoint_is_replaced_whole_or_not_at_all_and_verified_on_load(daemon, tmp_path, monkeypatch):
+    """A save that dies after its first block file leaves the previous checkpoint whole (it
+    once left a mix of steps that loaded silently); a damaged file is refused on load."""
+    import pytest
+    from tierstack.config import OptimizerConfig
+    from tierstack.errors import DataCorruptionError
+    from tierstack.worker import checkpoint
+    from tierstack.worker.engine import OffloadEngine
+    store = LayerStore("ckpt", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        saved = tmp_path / "checkpoints" / "ckpt"
+        engine = OffloadEngine(TinyGPT(dim=32, heads=2, layers=3), store, OptimizerConfig())
+        _steps(engine, 1, 1)
+        checkpoint.save_checkpoint(engine, saved, extra={"step": 1})
+        _steps(engine, 2, 1)
+        real_save, calls = checkpoint.save_file, []
+
+        def dies_after_the_first(*args, **kwargs):
+            calls.append(1)
+            if len(calls) > 1:
+                raise OSError("killed")  # the process dying mid-save
+            real_save(*args, **kwargs)
+
+        monkeypatch.setattr(checkpoint, "save_file", dies_after_the_first)
+        with pytest.raises(OSError, match="killed"):
+            checkpoint.save_checkpoint(engine, saved, extra={"step": 2})
+        monkeypatch.undo()
+        assert checkpoint.load_checkpoint(engine, saved) == {"step": 1}
+        checkpoint.save_checkpoint(engine, saved, extra={"step": 2})  # replaces it
+        assert [p.name for p in saved.parent.iterdir()] == ["ckpt"]  # nothing left aside
+        assert checkpoint.load_checkpoint(engine, saved) == {"step": 2}
+        block = saved / "block-00001.safetensors"
+        data = bytearray(block.read_bytes())
+        data[-1] ^= 0xFF
+        block.write_bytes(bytes(data))
+        with pytest.raises(DataCorruptionError, match="block-00001"):
+            checkpoint.load_checkpoint(engine, saved)
+    finally:
+        store.close()
+
+
 def test_export_loads_with_hugging_face_from_pretrained(daemon, tmp_path):
     transformers = __import__("pytest").importorskip("transformers")
     from tierstack.config import OptimizerConfig
