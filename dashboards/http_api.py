@@ -46,7 +46,8 @@ from tierstack.dashboards.snapshots import (ClusterHistory, ClusterSnapshot, His
                                             PlanFigures)
 from tierstack.config import SecurityConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
-from tierstack.rpc import RefusalLog, is_loopback, load_credentials, resolved_security
+from tierstack.rpc import (RefusalLog, is_loopback, load_credentials, missing_for_network,
+                           resolved_security)
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +167,7 @@ def http_security(listen: str, security: SecurityConfig | None, setting: str,
     if host not in ("0.0.0.0", "::"):
         allowed.add(host.lower())
     if not loopback:
-        missing = [name for name, have in (("security.cert_file", files.cert_file),
-                                           ("security.key_file", files.key_file),
-                                           ("security.token_file", creds.token)) if not have]
+        missing = missing_for_network(creds)
         if missing:
             raise ConfigError(
                 f"{setting} {listen} serves HTTP beyond loopback, which needs TLS and the token "

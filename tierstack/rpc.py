@@ -65,13 +65,19 @@ def rpc_method(method):
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except TierstackError as e:
-            context.abort(getattr(grpc.StatusCode, e.grpc_status), str(e))
-        except Exception as e:  # noqa: BLE001 - a bug: say so, keep the service up
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - _abort_with tells errors from bugs
+            _abort_with(context, method.__name__, e)
 
     return wrapper
+
+
+def _abort_with(context, method: str, e: Exception) -> None:
+    """End a call with a project error's status, or INTERNAL for anything else (a bug:
+    logged with its traceback; the service stays up)."""
+    if isinstance(e, TierstackError):
+        context.abort(getattr(grpc.StatusCode, e.grpc_status), str(e))
+    log.exception("%s failed", method)
+    context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
 
 def rpc_stream(method):
@@ -82,11 +88,8 @@ def rpc_stream(method):
     def wrapper(self, request, context):
         try:
             yield from method(self, request, context)
-        except TierstackError as e:
-            context.abort(getattr(grpc.StatusCode, e.grpc_status), str(e))
-        except Exception as e:  # noqa: BLE001 - a bug: say so, keep the service up
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - _abort_with tells errors from bugs
+            _abort_with(context, method.__name__, e)
 
     return wrapper
 
@@ -362,9 +365,7 @@ def server_credentials(target: str, security: SecurityConfig | None, what: str) 
     host = target_host(target)
     if is_loopback(host):
         return _with_defaults(creds, default_security(create=True))
-    missing = [name for name, have in (("security.cert_file", creds.cert_chain),
-                                       ("security.key_file", creds.private_key),
-                                       ("security.token_file", creds.token)) if not have]
+    missing = missing_for_network(creds)
     if missing:
         raise ConfigError(
             f"{what} would listen on {target}, beyond loopback, without TLS and a token "
@@ -372,6 +373,13 @@ def server_credentials(target: str, security: SecurityConfig | None, what: str) 
             f"`tierstack ray-node --make-secrets DIR` writes a set), or listen on a unix socket "
             f"or 127.0.0.1")
     return creds
+
+
+def missing_for_network(creds: Credentials) -> list[str]:
+    """The settings a server beyond loopback needs and `creds` lacks (TLS pair, token)."""
+    return [name for name, have in (("security.cert_file", creds.cert_chain),
+                                    ("security.key_file", creds.private_key),
+                                    ("security.token_file", creds.token)) if not have]
 
 
 def client_credentials(target: str, security: SecurityConfig | None) -> Credentials:
