@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tierstack.addresses import node_dir, node_tier_manager_address as tier_manager_address
+from tierstack.addresses import SECURITY_DIR_ENV, node_dir, node_tier_manager_address as tier_manager_address
 from tierstack.deploy.ray_node import ray_node_ip, scheduler_address
+from tierstack.rpc import security_from_dir
 from tierstack.services.tier_manager.client import TierManagerClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,8 +100,14 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
     cluster_yaml.write_text(yaml.safe_dump(config))
     # The cluster runs with Ray's token auth off (deploy/cluster.yaml says why): its
     # clients must not send tokens either, whatever an earlier ray.init left in os.environ.
+    # The head's scheduler listens on the machine's address, beyond loopback: it takes only
+    # TLS calls with the cluster's token. As the README says, make them before `ray up`
+    # (in the checkout, which the nodes share here) and give this side's clients the same.
+    secrets = REPO / "deploy" / "secrets"
+    subprocess.run([TIERSTACK, "ray-node", "--make-secrets", secrets], check=True,
+                   stdout=subprocess.DEVNULL)
     env = {**os.environ, "RAY_UP_enable_autoscaler_v2": "0", "RAY_AUTH_MODE": "disabled",
-           "COLUMNS": "200"}
+           "COLUMNS": "200", SECURITY_DIR_ENV: str(secrets)}
     home = Path.home()
     bashrc = home / ".bashrc"
     bashrc_before = bashrc.read_text() if bashrc.exists() else None
@@ -157,7 +164,8 @@ def _check_registered_with_the_scheduler(nodes: list[str]) -> None:
     """Each node's tier manager registered with the head's scheduler, under its node IP."""
     from tierstack.services.scheduler.client import SchedulerClient
 
-    client = SchedulerClient(scheduler_address(nodes[0]))
+    client = SchedulerClient(scheduler_address(nodes[0]),
+                             security=security_from_dir(REPO / "deploy" / "secrets"))
     try:
         deadline = time.monotonic() + 60
         while set(client.nodes()) != set(nodes):
