@@ -20,6 +20,7 @@ from tierstack.rpc import rpc_method
 from tierstack.services.tier_manager import wire
 from tierstack.services.tier_manager.adamw import AdamWStepper
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
+from tierstack.services.tier_manager.heap import trim_heap
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.types import (BufferLease, FetchResult, NodeInfo, NodeStats,
                                                    Resident)
@@ -246,13 +247,15 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         return len(expired) + len(stale_pins)
 
     def run_lease_reaper(self) -> None:
-        """Until `stop` (on a daemon thread): return the CPU pool's idle empty arenas to the
-        host about once a second, and expire leases periodically."""
+        """Until `stop` (on a daemon thread): return the CPU pool's idle empty arenas and
+        the heap's free pages to the host about once a second, and expire leases
+        periodically."""
         period = max(0.05, min(30.0, self.lease_timeout / 4))
         tick = min(period, 1.0)
         next_expiry = time.monotonic() + period
         while not self._stopping.wait(tick):
             self.registry.cpu_pool.trim()
+            trim_heap()
             if time.monotonic() >= next_expiry:
                 self.expire_leases()
                 next_expiry = time.monotonic() + period
