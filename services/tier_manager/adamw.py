@@ -192,9 +192,10 @@ class _ScratchPool:
 class AdamWStepper:
     """Runs AdamW steps over state kept by one node's registry."""
 
-    def __init__(self, registry: TierRegistry, threads: int | None = None) -> None:
+    def __init__(self, registry: TierRegistry, threads: int | None = None, native: bool = True) -> None:
         """`threads`: the native kernel's threads, by default one per core this process
-        may run on (as the daemon sizes PyTorch's intra-op pool)."""
+        may run on (as the daemon sizes PyTorch's intra-op pool). `native` False keeps
+        PyTorch's kernel (benchmarks compare the two)."""
         self.registry = registry
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-read")
@@ -204,11 +205,13 @@ class AdamWStepper:
         self._torch = TorchAdamW()
         # Checked against PyTorch on the compute thread: the only thread that runs kernels.
         self._native, why = self._compute.submit(
-            NativeAdamW.load, threads or len(os.sched_getaffinity(0)), self._torch).result()
-        if self._native is None:
+            NativeAdamW.load, threads or len(os.sched_getaffinity(0)), self._torch).result() \
+            if native else (None, "asked for")
+        if self._native is None and native:
             log.warning("AdamW steps run PyTorch's kernel, slower than the native one: %s", why)
         self.kernel = self._native.name if self._native is not None else f"torch ({why})"
         """Which kernel steps fp32 and bf16 blocks (for logs and benchmarks)."""
+        log.info("AdamW kernel: %s", self.kernel)
 
     def step(self, blocks: list[AdamWBlock], hyper: AdamWHyper, durable: bool = False) -> AdamWResult:
         """One AdamW step of `blocks`; returns the new versions and where time went."""
