@@ -18,8 +18,8 @@ Columns:
   says why it is not).
 Before timing, daemon and daemon_torch step the same tensors twice and their results are
 compared bit for bit ("<precision>_daemon_bit_exact"). Figures are ns per parameter
-(medians); ratios are daemon / other (< 1: the daemon is faster). The last line printed
-is one JSON object.
+(medians of `--reps` steps); ratios are daemon / other, the median of each round's ratio
+(< 1: the daemon is faster). The last line printed is one JSON object.
 
 DeepSpeed's op is built just in time on first use (DS_ACCELERATOR=cpu, ~2 minutes on the
 dev machine; needs `pip install deepspeed ninja einops` and a C++ compiler).
@@ -137,16 +137,19 @@ def torch_case(numel: int, precision: str) -> Callable[[int], None]:
     return step
 
 
-def time_cases(cases: dict[str, Callable[[int], None]], reps: int, numel: int) -> dict[str, float]:
-    """Median ns per parameter of each case, run interleaved; the first round is a warm-up."""
+def time_cases(cases: dict[str, Callable[[int], None]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each case's steps, run in rounds of one step each, the order reversed
+    every other round (no case always runs after the same one); the first round is a
+    warm-up and not kept."""
     times: dict[str, list[float]] = {name: [] for name in cases}
+    order = list(cases)
     for n in range(1, reps + 2):
-        for name, fn in cases.items():
+        for name in order if n % 2 else reversed(order):
             start = time.perf_counter()
-            fn(n)
+            cases[name](n)
             if n > 1:
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e9 / numel for name, t in times.items()}
+    return times
 
 
 def main() -> None:
@@ -180,12 +183,16 @@ def main() -> None:
                      "torch_fused": torch_case(args.numel, precision)}
             if op is not None:
                 cases["deepspeed"] = deepspeed_case(op, args.numel)
-            ns = time_cases(cases, args.reps, args.numel)
+            times = time_cases(cases, args.reps)
+            ns = {name: statistics.median(t) * 1e9 / args.numel for name, t in times.items()}
             for name, value in ns.items():
                 result[f"{precision}_{name}_ns_per_param"] = round(value, 3)
-            for other in ("torch_fused", "deepspeed"):
-                if other in ns:  # < 1: the daemon's step is faster
-                    result[f"{precision}_daemon_vs_{other}"] = round(ns["daemon"] / ns[other], 3)
+            for other in ("daemon_torch", "torch_fused", "deepspeed"):
+                if other in times:  # < 1: the daemon's step is faster. The median of each
+                    # round's ratio: a machine shared with other work slows both sides of a
+                    # round alike, where medians taken apart may come from different loads.
+                    result[f"{precision}_daemon_vs_{other}"] = round(statistics.median(
+                        a / b for a, b in zip(times["daemon"], times[other])), 3)
             log.info("%s ns/param: %s", precision, ", ".join(f"{k} {v:.3f}" for k, v in ns.items()))
             del cases  # this precision's tensors go before the next one's are made
     print(json.dumps(result))

@@ -38,9 +38,12 @@
  * square root per element are the cost).
  *
  * Threads: a persistent pool (POSIX threads, no OpenMP: the PyTorch in the same process
- * has its own OpenMP runtime). The calling thread is worker 0; the elements of a call are
- * split into equal contiguous ranges, one per thread, cut at 64-byte multiples of the fp32
- * state so that no two threads write one cache line.
+ * has its own OpenMP runtime). The calling thread is worker 0. The elements of a call are
+ * cut into chunks of CHUNK_ELEMENTS (a multiple of 16: 64 bytes of fp32 state, so that no
+ * two threads write one cache line of it) that the threads take in turn from a shared
+ * counter: a thread that the OS delays (the daemon shares its cores with the workers'
+ * processes, and the dev machine with everything) delays the step by a chunk, not by its
+ * whole share, as an equal static split would.
  *
  * Build: cc -O3 -std=c11 -D_GNU_SOURCE -ffp-contract=off -fno-math-errno -shared -fPIC
  *        -pthread -o libtierstack_adamw.so adamw.c -lm
@@ -78,6 +81,7 @@ typedef struct {
 
 typedef struct tsadam_pool {
     int nthreads;
+    int64_t next_chunk; /* the next chunk of the current job to take (atomic) */
     pthread_t *threads;
     pthread_mutex_t lock;
     pthread_cond_t wake, done;
@@ -175,11 +179,13 @@ __attribute__((target("avx2,fma"))) static void update_range_avx2(const job *j,
 }
 #endif
 
-/* Thread `t` of `used` takes the elements [t * total / used, (t + 1) * total / used) of
- * the call, counted across its pieces, with cuts rounded to 16 elements (64 bytes). */
-static void run_share(const job *j, int t, int used) {
-    int64_t begin = (int64_t)((__int128)j->total * t / used) & ~(int64_t)15;
-    int64_t end = t + 1 == used ? j->total : (int64_t)((__int128)j->total * (t + 1) / used) & ~(int64_t)15;
+/* Chunks a thread takes at a time: 64K elements, ~1.8 MB of traffic (~15 us on one
+ * core), so taking one costs nothing and a late thread delays a step by that little. A
+ * call wakes no more threads than it has chunks (a wake-up costs ~10-50 us). */
+#define CHUNK_ELEMENTS (1 << 16)
+
+/* The elements [begin, end) of the call, counted across its pieces. */
+static void run_range(const job *j, int64_t begin, int64_t end) {
     int64_t at = 0;
     for (int64_t i = 0; i < j->npieces && at < end; i++) {
         const tsadam_piece *pc = &j->pieces[i];
@@ -190,6 +196,16 @@ static void run_share(const job *j, int t, int used) {
 #endif
         }
         at += pc->numel;
+    }
+}
+
+/* Take chunks of the call until none is left. */
+static void run_chunks(const job *j, tsadam_pool *pool) {
+    for (;;) {
+        int64_t c = __atomic_fetch_add(&pool->next_chunk, 1, __ATOMIC_RELAXED);
+        int64_t begin = c * CHUNK_ELEMENTS;
+        if (begin >= j->total) return;
+        run_range(j, begin, j->total - begin < CHUNK_ELEMENTS ? j->total : begin + CHUNK_ELEMENTS);
     }
 }
 
@@ -207,9 +223,8 @@ static void *pool_main(void *arg) {
         seen = pool->generation;
         if (t >= pool->used) continue; /* a small job: not needed this time */
         job j = pool->current;
-        int used = pool->used;
         pthread_mutex_unlock(&pool->lock);
-        run_share(&j, t, used);
+        run_chunks(&j, pool);
         pthread_mutex_lock(&pool->lock);
         if (--pool->pending == 0) pthread_cond_signal(&pool->done);
     }
@@ -271,10 +286,6 @@ int tsadam_supported(void) {
 #endif
 }
 
-/* Below this many elements per thread, waking another thread costs more than it saves
- * (a wake-up is ~10-50 us; 32K elements are ~1 MB of traffic). */
-#define MIN_ELEMENTS_PER_THREAD (1 << 15)
-
 /* One AdamW step (decoupled weight decay, no amsgrad, no maximize) of every piece, with
  * PyTorch's step counter `step` (>= 1) and hyperparameters; gradients of `grad_dtype`
  * are multiplied by `grad_scale` first; with masters, the updated masters are written to
@@ -314,19 +325,23 @@ int tsadam_step(tsadam_pool *pool, const tsadam_piece *pieces, int64_t npieces, 
     j.small_lerp = fabsf((float)lerp_weight) < 0.5f;
     if (j.total == 0) return TSADAM_OK;
 
-    int used = (int)((j.total + MIN_ELEMENTS_PER_THREAD - 1) / MIN_ELEMENTS_PER_THREAD);
+    int64_t chunks = (j.total + CHUNK_ELEMENTS - 1) / CHUNK_ELEMENTS;
     int have = pool->started + 1;
-    if (used > have) used = have;
+    int used = chunks < have ? (int)chunks : have;
     if (used > 1) {
         pthread_mutex_lock(&pool->lock);
         pool->current = j;
         pool->used = used;
+        pool->next_chunk = 0;
         pool->pending = used - 1;
         pool->generation++;
         pthread_cond_broadcast(&pool->wake);
         pthread_mutex_unlock(&pool->lock);
     }
-    run_share(&j, 0, used);
+    if (used > 1)
+        run_chunks(&j, pool);
+    else
+        run_range(&j, 0, j.total);
     if (used > 1) {
         pthread_mutex_lock(&pool->lock);
         while (pool->pending > 0) pthread_cond_wait(&pool->done, &pool->lock);
