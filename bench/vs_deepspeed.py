@@ -177,7 +177,8 @@ def run_tierstack(args, config_dict: dict) -> dict:
                         if record.index == 0:
                             follower.record()
                         elif record.index == 1 and engine.blocks.offloaded():
-                            predicted.append(follower.report_trace().predicted_step_seconds)
+                            predicted.append(follower.report_trace(
+                                optimizer_seconds=engine.block_optimizer.block_seconds).predicted_step_seconds)
 
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)

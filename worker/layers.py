@@ -296,9 +296,10 @@ class LayerStore:
         """Layer `index`'s tensors on the device, ready for use on the current stream."""
         self.depths.at_boundary(self._ensures)
         self._ensures += 1
+        stalled = self.residency.stall_seconds
         copy = self.residency.ensure(index)
         if self.recorder is not None:
-            self.recorder.used(index)
+            self.recorder.used(index, self.residency.stall_seconds - stalled, copy.filled)
         return copy.tensors
 
     def release_layer(self, index: int) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from typing import Callable
 
 import torch
@@ -217,7 +218,13 @@ class OffloadedBlocks(torch.nn.Module):
     # ---- one block ---------------------------------------------------------------------
 
     def _materialize(self, index: int) -> None:
-        self.before_use(index)
+        recorder = self.store.recorder
+        if recorder is None:
+            self.before_use(index)
+        else:  # waiting for the block's update is not compute
+            start = time.perf_counter()
+            self.before_use(index)
+            recorder.waited(time.perf_counter() - start)
         for name, tensor in self.store.ensure_layer(index).items():
             _set_tensor(self.blocks[index], name, tensor)
 
@@ -265,7 +272,10 @@ class OffloadedBlocks(torch.nn.Module):
         try:
             with torch.enable_grad():
                 x_in = x.detach().requires_grad_(x.requires_grad)
-                return x_in, self.blocks[index](x_in, *args, **kwargs)
+                out = self.blocks[index](x_in, *args, **kwargs)
+            if self.store.recorder is not None:  # its forward ends here; it stays on the device
+                self.store.recorder.computed(index)
+            return x_in, out
         except BaseException:
             self._kept_live.discard(index)
             self._dematerialize(index)
@@ -276,6 +286,8 @@ class OffloadedBlocks(torch.nn.Module):
     def _backward_kept(self, index: int, x_in: torch.Tensor, out: torch.Tensor,
                        grad_out: torch.Tensor) -> torch.Tensor | None:
         """Run the kept graph of block `index`, store its gradients, let its tensors go."""
+        if self.store.recorder is not None:  # its backward: a use without a load
+            self.store.recorder.used(index)
         self.store.prefetch_ahead(index, -1, ready=self.ready_for_use)  # earlier blocks may need loading
         try:
             block = self.blocks[index]

@@ -7,10 +7,17 @@
     ... later iterations: the store's prefetch depth follows every new plan ...
 
 The trace is what the store saw in the recorded iteration: the order of its
-ensure_layer calls, each use's compute time (from ensure_layer's return to
-release_layer, the device synchronised while recording), and the bytes of each layer's
-parameters and of every other kind written with write_back. A use of a layer already
-used in the iteration counts as backward. New plans arrive on a background stream and
+ensure_layer calls, each use's compute time, and the bytes of each layer's parameters
+and of every other kind written with write_back. A use of a layer already used in the
+iteration counts as backward. A use's compute runs from ensure_layer's return to
+release_layer (or to `UseRecorder.computed` for a layer kept on the device until its
+backward), the device synchronised while recording; the time between uses that was not
+spent waiting (for a load, for an optimizer update) is compute too, of what the store
+does not hold (embeddings, the head, blocks resident on the device, the loss, the
+device's own optimizer), and counts with the use before it. So the trace's compute adds
+up to the iteration's time less its waits, and the plan's predicted step can be compared
+with the measured one. The optimizer's time per layer is given by the caller
+(`TieredAdamW.block_seconds`). New plans arrive on a background stream and
 take effect at the store's next layer boundary (`LayerStore.set_plan`). The plan's
 placement and eviction order reach the node's tier manager directly from the scheduler
 (services/tier_manager/node_link.py): the worker follows only the depths.
@@ -21,7 +28,8 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import torch
 
@@ -34,23 +42,70 @@ from tierstack.worker.layers import LayerStore
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Use:
+    layer: int
+    start: float
+    end: float | None = None
+    after: float = 0.0  # compute until the next use begins (waits excluded)
+
+
 class UseRecorder:
-    """The layer uses of one iteration as a store sees them: [layer, ready, released]
-    (perf_counter seconds), the device synchronised at each release so that the span
-    is the layer's compute."""
+    """The layer uses of one iteration as a store sees them, and the compute between them
+    (perf_counter seconds; the device synchronised at the end of each use, so that its
+    span is the layer's compute)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.uses: list[list] = []
+        self.uses: list[_Use] = []
+        self.began = self._last_end = time.perf_counter()
+        self.lead = 0.0  # compute before the first use
+        self._open: dict[int, _Use] = {}
+        self._last: _Use | None = None  # the use that ended last
+        self._waited = 0.0  # waits since then
 
-    def used(self, index: int) -> None:
-        self.uses.append([index, time.perf_counter(), None])
+    def waited(self, seconds: float) -> None:
+        """The store's user waited `seconds` before a use (not compute: an optimizer update)."""
+        self._waited += seconds
 
-    def released(self, index: int) -> None:
-        if self.uses and self.uses[-1][0] == index and self.uses[-1][2] is None:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the layer's compute
-            self.uses[-1][2] = time.perf_counter()
+    def used(self, index: int, waited: float = 0.0, filled: object | None = None) -> None:
+        """Layer `index` is ready; ensure_layer waited `waited` s for its load, and the
+        device waits for `filled` (a CUDA event) before it runs."""
+        if filled is not None:  # the device's wait for the copy is a wait, not compute
+            start = time.perf_counter()
+            filled.synchronize()
+            waited += time.perf_counter() - start
+        now = time.perf_counter()
+        self._gap(now, waited)
+        use = _Use(index, now)
+        self._open[index] = use
+        self.uses.append(use)
+
+    def computed(self, index: int) -> None:
+        """Layer `index`'s compute of its current use is done (it may stay on the device)."""
+        use = self._open.pop(index, None)
+        if use is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the layer's compute
+        use.end = self._last_end = time.perf_counter()
+        self._last, self._waited = use, 0.0
+
+    released = computed
+
+    def finish(self) -> None:
+        """The iteration ended: the time since the last use counts with it."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._gap(time.perf_counter(), 0.0)
+
+    def _gap(self, now: float, waited: float) -> None:
+        compute = max(0.0, now - self._last_end - self._waited - waited)
+        if self._last is not None:
+            self._last.after += compute
+        else:
+            self.lead += compute
+        self._last_end, self._waited = now, 0.0
 
 
 class PlanFollower:
@@ -71,36 +126,43 @@ class PlanFollower:
         self.recorder = self.store.recorder = UseRecorder(self.store.device)
 
     def trace(self, nodes: list[str] | None = None,
-              tier_overrides: Mapping[str, str] | None = None) -> JobTrace:
-        """The recorded iteration as a trace (stops recording)."""
+              tier_overrides: Mapping[str, str] | None = None,
+              optimizer_seconds: Sequence[float] = ()) -> JobTrace:
+        """The recorded iteration as a trace (stops recording). `optimizer_seconds[l]`:
+        the CPU optimizer step's time for layer l (none given: no optimizer)."""
         store = self.store
         store.recorder = None
-        uses = [u for u in self.recorder.uses if u[2] is not None]
+        self.recorder.finish()
+        uses = [u for u in self.recorder.uses if u.end is not None]
         if not uses:
             raise InvalidArgumentError(
                 "no layer use was recorded: run one iteration (ensure_layer ... release_layer "
                 "for each layer) between creating the PlanFollower and report_trace")
         seen: set[int] = set()
         backward = []
-        for layer, _, _ in uses:
-            backward.append(layer in seen)
-            seen.add(layer)
+        for use in uses:
+            backward.append(use.layer in seen)
+            seen.add(use.layer)
+        compute = [u.end - u.start + u.after for u in uses]
+        compute[0] += self.recorder.lead
         tensors = [TensorSpec(store.key(i), i, "params", layout.nbytes)
                    for i, layout in enumerate(store.layouts) if i not in store.forgotten]
         tensors += [TensorSpec(store.key(i, kind), i, "grad" if kind.startswith("grad") else kind, nbytes)
                     for (i, kind), nbytes in sorted(store.stored_kinds.items())
                     if i not in store.forgotten]
         return JobTrace(job=store.job, nodes=list(nodes or [self.node_id]),
-                        step_layer=[u[0] for u in uses], step_compute=[u[2] - u[1] for u in uses],
+                        step_layer=[u.layer for u in uses], step_compute=compute,
                         step_backward=backward, tensors=tensors,
+                        optimizer_seconds=[float(t) for t in optimizer_seconds],
                         tier_overrides=dict(tier_overrides or {}), device_budget=store.budget.capacity,
                         # The store drops a layer at release_layer: its budget is all buffers.
                         device_residency=False)
 
     def report_trace(self, nodes: list[str] | None = None,
-                     tier_overrides: Mapping[str, str] | None = None) -> Plan:
+                     tier_overrides: Mapping[str, str] | None = None,
+                     optimizer_seconds: Sequence[float] = ()) -> Plan:
         """Send the recorded trace; adopt the plan it returns and follow newer ones."""
-        self._trace = self.trace(nodes, tier_overrides)
+        self._trace = self.trace(nodes, tier_overrides, optimizer_seconds)
         plan = self.client.report_trace(self._trace)
         self._adopt(plan)
         if self.watcher is None:

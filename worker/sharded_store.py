@@ -85,6 +85,7 @@ class ShardedLayerStore:
         # scheduler plan would have to change them on every rank at the same layer, or
         # the ranks' collectives would diverge: plans are not followed here yet.
         self.depths = PrefetchDepths()
+        self.recorder = None  # no trace is recorded here (plans are not followed)
         # Squared L2 norm of each layer's stored (averaged) gradient shard, a device scalar:
         # summed over the ranks, the global norm for gradient clipping.
         self.grad_sq_norms: dict[int, torch.Tensor] = {}

@@ -56,6 +56,9 @@ class TieredAdamW:
         self.steps = 0
         self.update_seconds = 0.0  # daemon time in the AdamW kernel, all steps
         self.wait_seconds = 0.0  # daemon time waiting for state to be read
+        # Per block: the daemon's AdamW kernel time of its latest update (a trace's
+        # optimizer time, plan_follower.py).
+        self.block_seconds = [0.0] * len(blocks.blocks)
         self._requests = [self._prepare_block(i) for i in range(len(blocks.blocks))]
         self._pending: dict[int, Future] = {}  # started during this window's backward
         self._in_flight: dict[int, Future] = {}  # updates of the last step, not waited for
@@ -112,6 +115,8 @@ class TieredAdamW:
                                                      timeout=STEP_TIMEOUT)
         self.update_seconds += result.update_seconds
         self.wait_seconds += result.wait_seconds
+        for i in indices:
+            self.block_seconds[i] = result.update_seconds / len(indices)
 
     def start_block(self, index: int) -> None:
         """Start block `index`'s step now (its gradients of this window are stored)."""

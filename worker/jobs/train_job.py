@@ -250,13 +250,19 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
             save_checkpoint(engine, args.checkpoint_dir,
                             extra={**signature, "step": step, "data_state": data.state()})
 
+        # The trace is of the second step when there is one: the first also probes the
+        # placement and creates the optimizer state.
+        traced = min(1, args.steps - start - 1)
+
         def report(step: StepRecord) -> None:
-            if follower is not None and step.index == 0:
-                plan = follower.report_trace()
+            if follower is not None and step.index == traced - 1:
+                follower.record()
+            if follower is not None and step.index == traced:
+                plan = follower.report_trace(optimizer_seconds=engine.block_optimizer.block_seconds)
                 mine = plan.nodes[LOCAL_NODE]
                 progress.say(f"scheduler plan v{plan.version}: prefetch depth {mine.prefetch_depth}, "
                              f"NVMe read-ahead {mine.read_ahead}, predicted step "
-                             f"{plan.predicted_step_seconds:.3f} s (first step measured "
+                             f"{plan.predicted_step_seconds:.3f} s (step {step.index + 1} measured "
                              f"{step.seconds:.3f} s)")
             plan = follower.plan if follower is not None else None
             store.report_step(step.seconds, plan.predicted_step_seconds if plan is not None else 0.0)
