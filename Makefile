@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test bench-io bench-ensure-layer bench-train bench-scheduler bench-partitioned proto clean system-packages
 
-$(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c
+$(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c \
+          services/tier_manager/native/adamw.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: this machine keeps the CPU build of 2.13.0 on disk, while

@@ -14,11 +14,15 @@ Figures (the last line printed is one JSON object):
   The host budget is budgets.host when the config states it, else the daemon's CPU
   pool cap + HOST_OVERHEAD (the budget whose pool share that cap is).
 - daemon_threads_first / daemon_threads_last: the daemon's threads over the second
-  after step `--mark` (20) and the second after the last step (goal: equal), each the
+  after step `--mark` (20) and the second after the last step (goal: equal; the worker
+  idles through both, its job open, so they compare the daemon in the same state), each the
   least sample of its second: a batch of NVMe requests runs on threads of its own for a
   moment (daemon_threads_max shows those too);
-- daemon_rss_growth_pct: growth of the daemon's private memory between the same two
-  seconds (goal < 1);
+- daemon_rss_growth_pct: growth of the daemon's anonymous resident memory (RssAnon: its
+  heaps, stacks and scratch, what a leak grows) between the same two seconds (goal < 1);
+  daemon_private_growth_pct is the same for RSS - RssShmem, which also counts library
+  code pages: those page in as code runs for the first time and count as the daemon's
+  alone once the worker that shared them exits, so they move by a few MB with no leak;
 - pool_start_seconds: time to create a CPU pool and an NVMe pool with 64 GiB caps (goal
   < 2 s: nothing is reserved up front), and daemon_start_seconds for this run's daemon.
 
@@ -56,6 +60,7 @@ ARENA_PREFIX = "tierstack-arena-"  # services/tier_manager/cpu_pool.py
 class ProcessSample:
     rss: int
     rss_shmem: int
+    rss_anon: int
     threads: int
 
     @property
@@ -64,14 +69,14 @@ class ProcessSample:
 
 
 def process_sample(pid: int) -> ProcessSample | None:
-    """RSS, RssShmem and threads of one process (None once it is gone)."""
+    """RSS, RssShmem, RssAnon and threads of one process (None once it is gone)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     fields = dict(re.findall(r"^(\w+):\s+(\d+)", status, re.MULTILINE))
-    return ProcessSample(int(fields.get("VmRSS", 0)) * 1024, int(fields.get("RssShmem", 0)) * 1024,
-                         int(fields.get("Threads", 0)))
+    kib = {name: int(fields.get(name, 0)) * 1024 for name in ("VmRSS", "RssShmem", "RssAnon")}
+    return ProcessSample(kib["VmRSS"], kib["RssShmem"], kib["RssAnon"], int(fields.get("Threads", 0)))
 
 
 def arena_bytes(shm_dir: Path, pids: list[int]) -> int:
@@ -110,6 +115,7 @@ class Sampler:
     arenas: list[int] = field(default_factory=list)
     worker_private: list[int] = field(default_factory=list)
     daemon_private: list[int] = field(default_factory=list)
+    daemon_anon: list[int] = field(default_factory=list)
     daemon_threads: list[int] = field(default_factory=list)
 
     def settled(self, values: list[int], start: int) -> int:
@@ -136,6 +142,7 @@ class Sampler:
             self.footprints.append(d.private + w.private + arenas)
             self.arenas.append(arenas)
             self.daemon_private.append(d.private)
+            self.daemon_anon.append(d.rss_anon)
             self.daemon_threads.append(d.threads)
             self.worker_private.append(w.private)
 
@@ -189,6 +196,11 @@ def worker_main(spec: dict) -> None:
             start = time.perf_counter()
             loss = engine.train_step(x, y)
             print(f"step {step} loss {loss:.4f} seconds {time.perf_counter() - start:.4f}", flush=True)
+            if step in (spec["mark"], spec["steps"]):
+                # Idle for the sampler's window after the mark step and the last one: the
+                # two figures compare the daemon in the same state (between steps, the
+                # job open), not mid-step against idle or against a closed job.
+                time.sleep(WINDOW * SAMPLE_SECONDS * 1.5)
     finally:
         engine.close()
         store.close()
@@ -240,7 +252,8 @@ def run(args: argparse.Namespace) -> dict:
             daemon_start = time.perf_counter() - start
             node = TierManagerClient(daemon.address).node()
             host = config.budgets.host if config.budgets.host != "auto" else node.cpu_capacity + HOST_OVERHEAD
-            spec = {"address": daemon.address, "config": source, "steps": args.steps, "model": args.model,
+            spec = {"address": daemon.address, "config": source, "steps": args.steps,
+                    "mark": min(args.mark, args.steps), "model": args.model,
                     "dim": args.dim, "heads": args.heads, "layers": args.layers, "ffn": args.ffn,
                     "vocab": args.vocab, "seq_len": args.seq_len, "device": args.device,
                     "meta": args.model == "llama"}
@@ -251,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
             worker = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)],
                                       stdout=subprocess.PIPE, text=True)
             sampler = Sampler(daemon.proc.pid, worker.pid, shm_dir).start()
-            marked = 0
+            marked = last_marked = 0
             seconds = []
             try:
                 for line in worker.stdout:
@@ -262,15 +275,18 @@ def run(args: argparse.Namespace) -> dict:
                     seconds.append(float(line.split()[-1]))
                     if step == min(args.mark, args.steps):
                         marked = len(sampler.daemon_threads)
-                time.sleep(WINDOW * SAMPLE_SECONDS * 1.5)  # the last window: the daemon idle
+                    if step == args.steps:
+                        last_marked = len(sampler.daemon_threads)
             finally:
                 sampler.stop()
                 if worker.wait() != 0:
                     raise SystemExit(f"the training worker failed (exit {worker.returncode})")
         first_threads = sampler.settled(sampler.daemon_threads, marked)
-        last_threads = sampler.settled(sampler.daemon_threads, -WINDOW)
-        first_rss = sampler.settled(sampler.daemon_private, marked)
-        last_rss = sampler.settled(sampler.daemon_private, -WINDOW)
+        last_threads = sampler.settled(sampler.daemon_threads, last_marked)
+        first_rss = sampler.settled(sampler.daemon_anon, marked)
+        last_rss = sampler.settled(sampler.daemon_anon, last_marked)
+        first_private = sampler.settled(sampler.daemon_private, marked)
+        last_private = sampler.settled(sampler.daemon_private, last_marked)
         result = {
             "footprint_over_budget": round(max(sampler.footprints) / host, 4),
             "footprint_max_bytes": max(sampler.footprints),
@@ -286,6 +302,7 @@ def run(args: argparse.Namespace) -> dict:
             "daemon_rss_first_bytes": first_rss,
             "daemon_rss_last_bytes": last_rss,
             "daemon_rss_growth_pct": round(100 * (last_rss - first_rss) / first_rss, 3),
+            "daemon_private_growth_pct": round(100 * (last_private - first_private) / first_private, 3),
             "daemon_start_seconds": round(daemon_start, 3),
             "pool_start_seconds": round(pool_start_seconds(64 << 30), 3),
             "samples": len(sampler.footprints),

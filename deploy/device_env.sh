@@ -1,6 +1,7 @@
 # Source from the repository root on a machine where tierstack cannot be pip-installed
 # (the GPU machine of the device tool: no network, no venv): carried wheels go to
-# /tmp/site, the package is assembled under /tmp/pkg with its native IO loop compiled.
+# /tmp/site, the package is assembled under /tmp/pkg with its native libraries compiled
+# (the flags are setup.py's).
 set -e
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -12,6 +13,9 @@ cp -r services worker proto dashboards deploy /tmp/pkg/tierstack/
 cc -O2 -std=c11 -D_GNU_SOURCE -shared -fPIC -pthread \
     -o /tmp/pkg/tierstack/services/tier_manager/native/libtierstack_blockio.so \
     services/tier_manager/native/blockio.c
+cc -O3 -std=c11 -D_GNU_SOURCE -ffp-contract=off -fno-math-errno -shared -fPIC -pthread \
+    -o /tmp/pkg/tierstack/services/tier_manager/native/libtierstack_adamw.so \
+    services/tier_manager/native/adamw.c -lm
 export PYTHONPATH=/tmp/pkg:$PYTHONPATH
 # Carried Debian libaio (.whl/deb/*.deb) for DeepSpeed's async_io op (bench/vs_deepspeed.py):
 # unpacked into a private prefix, never into /.

@@ -102,7 +102,8 @@ def test_a_deepspeed_zero_infinity_config_is_accepted_as_is(caplog):
     (lambda d: d["zero_optimization"].update(stage3_magic=1), "unknown DeepSpeed key zero_optimization.stage3_magic"),
     (lambda d: d["aio"].update(use_gds=True), "aio.use_gds"),
     (lambda d: d.update(scheduler={"type": "WarmupLR"}), "scheduler"),
-    (lambda d: d["optimizer"]["params"].update(amsgrad=True), "optimizer.params.amsgrad"),
+    (lambda d: d["optimizer"]["params"].update(amsgrad=True), "optimizer.params.amsgrad true is not supported"),
+    (lambda d: d["optimizer"]["params"].update(maximize=True), "optimizer.params.maximize true is not supported"),
     (lambda d: d["zero_optimization"]["offload_param"].update(device="tape"), "zero_optimization.offload_param.device: 'tape'"),
 ])
 def test_bad_or_contradictory_deepspeed_keys_are_named(change, message):
@@ -111,6 +112,13 @@ def test_bad_or_contradictory_deepspeed_keys_are_named(change, message):
     change(data)
     with pytest.raises(ConfigError, match=message):
         load_config(data)
+
+
+def test_amsgrad_and_maximize_false_are_plain_adamw():
+    import copy
+    data = copy.deepcopy(DEEPSPEED_NVME)
+    data["optimizer"]["params"].update(amsgrad=False, maximize=False)
+    assert load_config(data).train.optimizer == load_config(DEEPSPEED_NVME).train.optimizer
 
 
 def test_module_tier_overrides_resolve_by_specificity():

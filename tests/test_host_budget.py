@@ -22,7 +22,7 @@ def test_a_long_run_stays_inside_the_host_budget_and_the_daemon_stays_flat(tmp_p
     CPU pool (host budget = HOST_OVERHEAD + 4 MiB), sampled from outside every 100 ms by
     bench/memory.py: the daemon's and the worker's private memory plus the arenas never
     pass the host budget, the daemon's thread count is the same at step 20 and step 200,
-    and its private memory grows by less than 1% between them."""
+    and its anonymous memory (heap, stacks, scratch) grows by less than 1% between them."""
     from tierstack.budgets import HOST_OVERHEAD
 
     out = subprocess.run(

@@ -153,6 +153,9 @@ class NvmePoolConfig:
         _validate_cap(prefix, self.size, self.aio.block_size * len(self.paths))
 
 
+MAX_HISTORY_SAMPLES = 100_000  # 7 MB of history rows (services/tier_manager/history_ring.py)
+
+
 @dataclass
 class MetricsConfig:
     """The node's metrics: Prometheus /metrics, the HTTP API and the dashboard."""
@@ -177,10 +180,20 @@ class MetricsConfig:
     """Host names the HTTP API answers to besides its own (loopback names, the listen
     host, and beyond loopback the machine's names and addresses): e.g. a DNS alias."""
 
+    @property
+    def history_samples(self) -> int:
+        """How many samples the history holds."""
+        return max(2, int(self.history_seconds / self.sample_interval_seconds) + 1)
+
     def validate(self, prefix: str = "metrics") -> None:
         for name in ("sample_interval_seconds", "history_seconds", "worker_stale_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{prefix}.{name} must be positive, got {getattr(self, name)}")
+        if self.history_samples > MAX_HISTORY_SAMPLES:
+            raise ConfigError(
+                f"{prefix}.history_seconds / sample_interval_seconds is {self.history_samples:.3g} "
+                f"samples; the daemon keeps at most {MAX_HISTORY_SAMPLES} (their memory is "
+                f"reserved at start): shorten the history or sample less often")
         if self.http_listen and not self.http_listen.rpartition(":")[2].isdigit():
             raise ConfigError(f"{prefix}.http_listen: {self.http_listen!r} is not host:port "
                               f"(e.g. 127.0.0.1:8470, 0.0.0.0:0 for any free port)")

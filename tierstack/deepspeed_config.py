@@ -246,6 +246,11 @@ def _optimizer(section: Any) -> dict:
                 elif pname in ("torch_adam", "adam_w_mode"):
                     if pname == "adam_w_mode" and not pvalue:
                         raise ConfigError("optimizer.params.adam_w_mode false (L2 Adam) is not supported; use AdamW")
+                elif pname in ("amsgrad", "maximize"):  # PyTorch's AdamW options; false is plain AdamW
+                    if pvalue:
+                        raise ConfigError(
+                            f"optimizer.params.{pname} true is not supported: the tier manager's "
+                            f"AdamW steps plain AdamW only; drop optimizer.params.{pname} or set it false")
                 else:
                     raise ConfigError(f"unknown DeepSpeed key optimizer.params.{pname}; "
                                       f"{suggest(pname, _OPTIMIZER_KEYS, 'optimizer.params.')}")
@@ -265,7 +270,8 @@ _ZERO_KEYS = ("stage", "offload_param", "offload_optimizer",
                 if k.startswith("zero_optimization.") and k.count(".") == 1))
 _AIO_KEYS = ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_gds",
              "single_submit", "overlap_events")
-_OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode")
+_OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "amsgrad",
+                   "maximize")
 
 
 def _known_offload_keys(key: str) -> tuple[str, ...]:

@@ -1,17 +1,23 @@
 """The optimizer step where the bytes are: AdamW run by the tier manager over its tiers.
 
 A worker's blocks keep their parameters, gradients, fp32 master weights and AdamW
-moments here. `AdamWStepper.step` updates them block by block with PyTorch's own fused
-CPU AdamW kernel (`torch.optim.adamw.adamw(fused=True)`), then rounds the masters into
-the block's low-precision parameters. No state byte crosses to the worker.
+moments here. `AdamWStepper.step` updates them block by block, bit for bit as PyTorch's
+own fused CPU AdamW (`torch.optim.adamw.adamw(fused=True)`) would, then rounds the
+masters into the block's low-precision parameters. No state byte crosses to the worker.
 
-Tiles. A block is updated in tiles of at most TILE_ELEMENTS elements: the kernel runs on
-a tile, its bf16 gradients are widened into a float32 scratch of one tile and its masters
-rounded into the parameters right after, while the tile is still in cache (a separate
-pass over the whole block for each conversion doubled the time per parameter). Tiles
-cut a tensor only at multiples of TILE_ALIGN elements from its start, so every element
-meets the same kernel code path as in one whole-tensor call: the result is bit for bit
-the whole-block step's, and PyTorch's.
+The arithmetic is adamw_kernel.py's: the fused native kernel (one pass over memory,
+gradients widened and masters rounded in registers, on a pool of one thread per core),
+or PyTorch's kernel where the native one is not built, does not cover the dtypes or does
+not reproduce this PyTorch.
+
+Tiles. PyTorch's kernel runs on tiles of at most TILE_ELEMENTS elements: its bf16
+gradients are widened into a float32 scratch of one tile and its masters rounded into
+the parameters right after, while the tile is still in cache (a separate pass over the
+whole block for each conversion doubled the time per parameter). The native kernel needs
+no scratch and takes a block held in the CPU pool in one call. Tiles cut a tensor only at
+multiples of TILE_ALIGN elements from its start, so every element meets the same kernel
+code path as in one whole-tensor call: the result is bit for bit the whole-block step's,
+and PyTorch's.
 
 Where the state is. A tensor already in the CPU pool is updated in place. A tensor only
 on NVMe is brought into the pool when the pool has room for the block's missing state;
@@ -20,16 +26,18 @@ a bounded, reused scratch, updated there, and written block by block to a fresh 
 that becomes its new version once synced. So a CPU pool of a few MiB trains any block
 size, only slower, and a crash mid-step leaves the old version intact.
 
-Threads. All kernel work runs on one thread (`tierstack-adamw`), so PyTorch's intra-op
-pool (an OpenMP team per calling thread) exists once: the gRPC handler threads that
-serve AdamWStep only wait. State is held one block ahead on a reader thread and finished
-blocks are committed on a writer thread. Everything a block's update needs is checked
-before any byte changes, so a bad request changes nothing.
+Threads. All kernel calls are made from one thread (`tierstack-adamw`): the native
+kernel's pool works for it, and PyTorch's intra-op pool (an OpenMP team per calling
+thread) exists once; the gRPC handler threads that serve AdamWStep only wait. State is
+held one block ahead on a reader thread and finished blocks are committed on a writer
+thread. Everything a block's update needs is checked before any byte changes, so a bad
+request changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,10 +45,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.optim import adamw
 
 from tierstack.dtypes import dtype_from_name
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
+from tierstack.services.tier_manager.adamw_kernel import TILE_ELEMENTS, NativeAdamW, Piece, TorchAdamW
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.extent_header import ExtentMeta
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent
@@ -54,12 +62,10 @@ log = logging.getLogger(__name__)
 
 _FLOAT = torch.float32
 _STATE_ITEMSIZE = 4
-TILE_ELEMENTS = 1 << 20
-"""Elements per kernel call: 4 MiB of float32 per state tensor, in L2/L3 while the
-conversions around the kernel touch it (measured best of 64K..4M on the dev machine)."""
 TILE_ALIGN = 1024
 """Tiles cut a segment only at multiples of this many elements from its start (see the
-module docstring: the kernel's vector and scalar paths see the same elements)."""
+module docstring: the kernels' vector and scalar paths see the same elements; a multiple
+of PyTorch's widest vector, 16 floats)."""
 _STREAMED_SPAN = TILE_ELEMENTS * _STATE_ITEMSIZE
 """The most bytes of one tensor a tile may span (a tile ends early where a gap, such as
 a large buffer between two parameters, would make it longer)."""
@@ -166,13 +172,12 @@ class _Held:
 
 
 class _ScratchPool:
-    """Float32 tile buffers and streaming windows, allocated once and reused: a fresh one
-    per block page-faults its way in each time (~25 ms per 200 MB) and grows the RSS."""
+    """Streaming windows, allocated once and reused: a fresh one per block page-faults its
+    way in each time (~25 ms per 200 MB) and grows the RSS."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}
-        self.floats = torch.empty(TILE_ELEMENTS, dtype=_FLOAT)  # the compute thread's own
 
     def take(self, nbytes: int) -> torch.Tensor:
         with self._lock:
@@ -190,13 +195,26 @@ class _ScratchPool:
 class AdamWStepper:
     """Runs AdamW steps over state kept by one node's registry."""
 
-    def __init__(self, registry: TierRegistry) -> None:
+    def __init__(self, registry: TierRegistry, threads: int | None = None, native: bool = True) -> None:
+        """`threads`: the native kernel's threads, by default one per core this process
+        may run on (as the daemon sizes PyTorch's intra-op pool). `native` False keeps
+        PyTorch's kernel (benchmarks compare the two)."""
         self.registry = registry
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-write")
         self._scratch = _ScratchPool()
         self.streamed_blocks = 0  # blocks whose state was (partly) streamed from NVMe
+        self._torch = TorchAdamW()
+        # Checked against PyTorch on the compute thread: the only thread that runs kernels.
+        self._native, why = self._compute.submit(
+            NativeAdamW.load, threads or len(os.sched_getaffinity(0)), self._torch).result() \
+            if native else (None, "asked for")
+        if self._native is None and native:
+            log.warning("AdamW steps run PyTorch's kernel, slower than the native one: %s", why)
+        self.kernel = self._native.name if self._native is not None else f"torch ({why})"
+        """Which kernel steps fp32 and bf16 blocks (for logs and benchmarks)."""
+        log.info("AdamW kernel: %s", self.kernel)
 
     def step(self, blocks: list[AdamWBlock], hyper: AdamWHyper, durable: bool = False) -> AdamWResult:
         """One AdamW step of `blocks`; returns the new versions and where time went."""
@@ -335,41 +353,24 @@ class AdamWStepper:
         """The block's step, tile by tile (on the compute thread)."""
         block, sources = held.block, held.sources
         p_dtype, g_dtype = dtype_from_name(block.param_dtype), dtype_from_name(block.grad_dtype)
-        convert = g_dtype != _FLOAT or hyper.grad_scale != 1.0
-        counter = torch.zeros(())
-        for tile in _tiles(block, p_dtype.itemsize, g_dtype.itemsize):
+        kernel = self._native if self._native is not None and self._native.covers(p_dtype, g_dtype) \
+            else self._torch
+        whole = kernel.max_elements is None and all(isinstance(s, _Resident) for s in sources.values())
+        for tile in _tiles(block, p_dtype.itemsize, g_dtype.itemsize, whole):
             spans = {"params": _span(tile, "param", p_dtype.itemsize),
                      "grads": _span(tile, "grad", g_dtype.itemsize)}
             state_span = _span(tile, "state", _STATE_ITEMSIZE)
             windows = {name: src.window(*(spans.get(name, state_span)))
                        for name, src in sources.items()}
-            targets, grads, m_list, v_list, rounded = [], [], [], [], []
-            at = 0
+            pieces = []
             for s, first, n in tile:
-                p = _piece(windows["params"], spans["params"][0], s.param_offset, first, n, p_dtype)
-                g = _piece(windows["grads"], spans["grads"][0], s.grad_offset, first, n, g_dtype)
-                if convert:  # the kernel wants float32 gradients; the stored ones stay as they are
-                    g = self._scratch.floats[at:at + n].copy_(g)
-                    at += n
-                    if hyper.grad_scale != 1.0:
-                        g.mul_(hyper.grad_scale)
                 st = (state_span[0], s.state_offset, first, n, _FLOAT)
-                m_list.append(_piece(windows["exp_avg"], *st))
-                v_list.append(_piece(windows["exp_avg_sq"], *st))
-                if block.master:
-                    master = _piece(windows["master"], *st)
-                    targets.append(master)
-                    rounded.append((p, master))
-                else:
-                    targets.append(p)
-                grads.append(g)
-            # AdamW increments each step counter itself: hand it the count before this step.
-            counters = [counter.fill_(hyper.step - 1).clone() for _ in targets]
-            adamw.adamw(targets, grads, m_list, v_list, [], counters, foreach=False, fused=True,
-                        amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr,
-                        weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
-            for p, master in rounded:
-                p.copy_(master)
+                pieces.append(Piece(
+                    params=_piece(windows["params"], spans["params"][0], s.param_offset, first, n, p_dtype),
+                    master=_piece(windows["master"], *st) if block.master else None,
+                    grads=_piece(windows["grads"], spans["grads"][0], s.grad_offset, first, n, g_dtype),
+                    exp_avg=_piece(windows["exp_avg"], *st), exp_avg_sq=_piece(windows["exp_avg_sq"], *st)))
+            kernel.step(pieces, hyper)
 
     # ---- finishing -----------------------------------------------------------------------
 
@@ -431,6 +432,8 @@ class AdamWStepper:
         self._reader.shutdown(wait=True)
         self._compute.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        if self._native is not None:
+            self._native.close()
 
 
 # ---- tiles ---------------------------------------------------------------------------------
@@ -438,13 +441,18 @@ class AdamWStepper:
 Tile = list[tuple[AdamWSegment, int, int]]  # (segment, first element, element count)
 
 
-def _tiles(block: AdamWBlock, p_size: int, g_size: int) -> list[Tile]:
+def _tiles(block: AdamWBlock, p_size: int, g_size: int, whole: bool = False) -> list[Tile]:
     """The block's segments cut into tiles of at most TILE_ELEMENTS elements whose span in
-    each tensor is at most _STREAMED_SPAN bytes; cuts fall at TILE_ALIGN multiples."""
+    each tensor is at most _STREAMED_SPAN bytes; cuts fall at TILE_ALIGN multiples. With
+    `whole`, one tile of every segment uncut."""
+    ordered = sorted(block.segments, key=lambda s: s.state_offset)
+    if whole:
+        tile = [(s, 0, s.numel) for s in ordered if s.numel]
+        return [tile] if tile else []
     tiles: list[Tile] = []
     tile: Tile = []
     count = 0
-    for s in sorted(block.segments, key=lambda s: s.state_offset):
+    for s in ordered:
         first = 0
         while first < s.numel:
             n = min(s.numel - first, TILE_ELEMENTS - count)

@@ -19,6 +19,7 @@ from tierstack.addresses import TIER_MANAGER_ENV, default_tier_manager_address
 from tierstack.config import SecurityConfig, TierManagerConfig
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import ServiceEndpoint, serve_until_signalled
+from tierstack.services.tier_manager.heap import bound_malloc_arenas
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.server import TierManagerServicer
 from tierstack.services.tier_manager.telemetry import NodeTelemetry
@@ -38,6 +39,7 @@ class TierManagerDaemon:
         # PyTorch's intra-op threads, set once for the process: the optimizer step's one
         # compute thread uses them all (adamw.py); nothing else here runs torch kernels.
         torch.set_num_threads(len(os.sched_getaffinity(0)))
+        bound_malloc_arenas()  # before the gRPC and IO threads exist (heap.py says why)
         self.config = config
         self.endpoint = ServiceEndpoint(config.listen or default_tier_manager_address(),
                                         SERVICE_NAME, "the tier manager", TIER_MANAGER_ENV, security)

@@ -25,13 +25,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import importlib.util
 import logging
 import mmap
 import os
 import threading
 import time
-from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -39,6 +37,7 @@ import crc32c
 import numpy as np
 
 from tierstack.config import AioConfig
+from tierstack.services.tier_manager.native_library import load_native_library
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes
 from tierstack.errors import DataCorruptionError, NvmePoolFullError, StorageIOError, UnsafePathError
 from tierstack.private_paths import open_private_file
@@ -102,26 +101,11 @@ _CHECKSUM_MISMATCH, _END_OF_FILE = -1, -2
 
 
 def load_native_blockio() -> ctypes.CDLL | None:
-    """The compiled native/blockio.c, or None (then the engine uses Python threads).
-
-    Looked for at $TIERSTACK_BLOCKIO_LIB, then as the extension module that `pip install`
-    builds, then as native/libtierstack_blockio.so (built by hand: see blockio.c).
-    """
-    candidates = [os.environ.get("TIERSTACK_BLOCKIO_LIB", "")]
-    try:
-        spec = importlib.util.find_spec("tierstack.services.tier_manager._blockio")
-        candidates.append(spec.origin if spec and spec.origin else "")
-    except (ImportError, ValueError):
-        pass
-    candidates.append(str(Path(__file__).parent / "native" / "libtierstack_blockio.so"))
-    for path in filter(None, candidates):
-        if not os.path.exists(path):
-            continue
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError as e:
-            log.warning("cannot load the native block-IO library %s: %s", path, e)
-            continue
+    """The compiled native/blockio.c with its signatures declared, or None (then the
+    engine uses Python threads). Found as native_library.py finds every native library
+    ($TIERSTACK_BLOCKIO_LIB, the extension module, native/libtierstack_blockio.so)."""
+    lib = load_native_library("blockio")
+    if lib is not None:
         lib.tsio_engine_new.argtypes = [ctypes.c_int]
         lib.tsio_engine_new.restype = ctypes.c_void_p
         lib.tsio_engine_free.argtypes = [ctypes.c_void_p]
@@ -131,8 +115,7 @@ def load_native_blockio() -> ctypes.CDLL | None:
         lib.tsio_run.restype = ctypes.c_int
         lib.tsio_crc32c.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
         lib.tsio_crc32c.restype = ctypes.c_uint32
-        return lib
-    return None
+    return lib
 
 
 def buffer_address(data: memoryview) -> int:

@@ -14,7 +14,6 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -24,6 +23,7 @@ from tierstack import metric_catalog as mc
 from tierstack.config import MetricsConfig
 from tierstack.dashboards.snapshots import (History, HistorySample, JobPlanFigures, LinkFigures,
                                             NodeSnapshot, PlanFigures, TierFigures, WorkerFigures)
+from tierstack.services.tier_manager.history_ring import HistoryRing
 from tierstack.services.tier_manager.rpc_metrics import RpcMetrics
 from tierstack.services.tier_manager.server import TierManagerServicer
 from tierstack.services.tier_manager.worker_reports import WorkerReports
@@ -60,8 +60,7 @@ class NodeMetrics:
         self.workers = WorkerReports(config.worker_stale_seconds, lambda: self.url)
         self.prometheus.register(self)
         self._lock = threading.Lock()
-        size = max(2, int(config.history_seconds / config.sample_interval_seconds) + 1)
-        self._samples: deque[HistorySample] = deque(maxlen=size)
+        self._samples = HistoryRing(config.history_samples)
         self._peaks = {link: 0.0 for link in mc.LINKS}
         self._rates = {link: 0.0 for link in mc.LINKS}
         self._stall_rate = 0.0
@@ -197,7 +196,7 @@ class NodeMetrics:
     def history(self, window_seconds: float) -> History:
         cutoff = time.time() - window_seconds
         with self._lock:
-            samples = [s for s in self._samples if s.timestamp >= cutoff]
+            samples = self._samples.since(cutoff)
             peaks = dict(self._peaks)
         return History(self.node, self.config.sample_interval_seconds, peaks, samples)
 

@@ -20,6 +20,7 @@ from tierstack.rpc import StreamSlots, checked_interval, rpc_method, rpc_stream
 from tierstack.services.tier_manager import wire
 from tierstack.services.tier_manager.adamw import AdamWStepper
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
+from tierstack.services.tier_manager.heap import trim_heap
 from tierstack.services.tier_manager.jobs import JobTable
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.sessions import (ClientHolds, SessionWatcher,
@@ -246,7 +247,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     def run_lease_reaper(self) -> None:
         """Until `stop` (on a daemon thread), about once a second: let go of what gone
         clients held, delete ended jobs' state, return the CPU pool's idle empty arenas
-        to the host; and expire leases periodically."""
+        and the heap's free pages to the host; and expire leases periodically."""
         period = max(0.05, min(30.0, self.lease_timeout / 4))
         tick = min(period, 1.0)
         next_expiry = time.monotonic() + period
@@ -255,6 +256,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
                 self.end_sessions()
                 self.jobs.tick()
                 self.registry.cpu_pool.trim()
+                trim_heap()
                 if time.monotonic() >= next_expiry:
                     self.expire_leases()
                     next_expiry = time.monotonic() + period
