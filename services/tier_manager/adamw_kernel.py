@@ -126,8 +126,8 @@ class NativeAdamW:
 
     @classmethod
     def load(cls, threads: int, reference: TorchAdamW) -> tuple[NativeAdamW | None, str]:
-        """The native kernel when it is built, this CPU runs it and it reproduces
-        `reference` here; else None and why (for a warning)."""
+        """The native kernel when it is built, this CPU runs it and it agrees with
+        `reference` here within MAX_ULPS; else None and why (for a warning)."""
         capability = torch.backends.cpu.get_cpu_capability()
         if capability not in _VECTOR_WIDTH:
             return None, (f"PyTorch runs its {capability} kernels here, whose rounding the native "
@@ -140,11 +140,13 @@ class NativeAdamW:
         if not lib.tsadam_supported():
             return None, "this CPU lacks AVX2 or FMA, which the native AdamW kernel needs"
         kernel = cls(lib, threads, _VECTOR_WIDTH[capability])
-        mismatch = _first_mismatch(kernel, reference)
-        if mismatch:
+        ulps, case = _largest_difference(kernel, reference)
+        if ulps > MAX_ULPS:
             kernel.close()
-            return None, (f"the native AdamW kernel does not reproduce this PyTorch "
-                          f"{torch.__version__} ({capability}) bit for bit ({mismatch})")
+            return None, (f"the native AdamW kernel differs from this PyTorch {torch.__version__} "
+                          f"({capability}) by {ulps} ulp, more than {MAX_ULPS} ({case})")
+        agreement = "bit for bit PyTorch's" if ulps == 0 else f"within {ulps} ulp of PyTorch's {capability} kernel"
+        kernel.name = f"native ({kernel.threads} threads, {agreement})"
         return kernel, ""
 
     def covers(self, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
@@ -178,6 +180,13 @@ class NativeAdamW:
             self._pool = None
 
 
+# PyTorch's AVX512 build contracts multiply-adds into FMAs in an order C compiled for
+# AVX2 cannot follow; its results differ from the native kernel's in the last bit of a
+# few moments. That is rounding, not a different update (DeepSpeed's cpu_adam differs
+# more): up to this many ulp the native kernel runs, beyond it PyTorch's.
+MAX_ULPS = 4
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     lib.tsadam_pool_new.argtypes = [ctypes.c_int]
     lib.tsadam_pool_new.restype = ctypes.c_void_p
@@ -208,10 +217,11 @@ _CHECK_DTYPES = (  # (parameters, gradients, with masters): every case the nativ
     (torch.float32, torch.float32, True), (torch.float32, torch.bfloat16, True))
 
 
-def _first_mismatch(kernel: NativeAdamW, reference: TorchAdamW) -> str:
-    """'' when `kernel` and `reference` agree bit for bit on every checked case, else the
-    first case that differs."""
+def _largest_difference(kernel: NativeAdamW, reference: TorchAdamW) -> tuple[int, str]:
+    """The largest difference, in units in the last place, between `kernel` and
+    `reference` over every checked case, and the case where it is."""
     g = torch.Generator().manual_seed(12)
+    worst, where = 0, ""
     for p_dtype, g_dtype, masters in _CHECK_DTYPES:
         for hyper in _CHECK_HYPERS:
             state = [_random_state(n, p_dtype, g_dtype, masters, hyper.step, g) for n in _CHECK_SIZES]
@@ -220,9 +230,26 @@ def _first_mismatch(kernel: NativeAdamW, reference: TorchAdamW) -> str:
             reference.step([_as_piece(s) for s in twin], hyper)
             for s, t in zip(state, twin):
                 for name in s:
-                    if not torch.equal(s[name].view(torch.uint8), t[name].view(torch.uint8)):
-                        return f"{name} of {p_dtype} parameters, {g_dtype} gradients, {hyper}"
-    return ""
+                    ulps = ulp_distance(s[name], t[name])
+                    if ulps > worst:
+                        worst, where = ulps, f"{name} of {p_dtype} parameters, {g_dtype} gradients, {hyper}"
+    return worst, where
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between `a` and `b` element by element, in representable
+    values of their dtype (float32 or bfloat16; 0: equal bit for bit)."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    sign = torch.iinfo(ints).max
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        # IEEE bit patterns, made monotonic in the value (negative ones mirrored).
+        bits = t.view(ints).to(torch.int64)
+        return torch.where(bits < 0, -(bits & sign), bits)
+
+    if a.numel() == 0:
+        return 0
+    return int((ordered(a) - ordered(b)).abs().max())
 
 
 def _random_state(n: int, p_dtype: torch.dtype, g_dtype: torch.dtype, masters: bool, step: int,

@@ -1,6 +1,6 @@
 """The daemon's AdamW kernel, over real gRPC: bit for bit torch.optim.AdamW(fused=True).
 
-The native kernel (native/adamw.c) claims PyTorch's fused CPU AdamW to the bit on every
+The native kernel (native/adamw.c) claims PyTorch's AVX2 fused CPU AdamW to the bit on every
 length (its vector loop and its scalar tail), with and without weight decay, on both lerp
 branches, for fp32 parameters and for bf16 parameters with fp32 masters. A CPU whose
 PyTorch has no AVX2 kernels keeps PyTorch's kernel and says so in the daemon's log.
@@ -125,3 +125,21 @@ def test_without_avx2_kernels_the_daemon_keeps_pytorchs_and_says_why(daemon_conf
         assert "AdamW steps run PyTorch's kernel" in log and "DEFAULT kernels" in log, log[-2000:]
     finally:
         proc.kill()
+
+
+def test_ulp_distance_counts_representable_values_across_zero_in_both_dtypes():
+    """What the start-up check measures the native kernel against PyTorch's with (it runs
+    the native kernel within MAX_ULPS, PyTorch's beyond)."""
+    from tierstack.services.tier_manager.adamw_kernel import ulp_distance
+
+    one = torch.tensor([1.0, -1.0, 0.0])
+    up = one.clone()
+    up[0] = torch.nextafter(one[0], torch.tensor(2.0))
+    assert ulp_distance(one, one) == 0
+    assert ulp_distance(one, up) == 1
+    tiny = torch.tensor([1e-45])  # the least subnormal: two steps from its negative
+    assert ulp_distance(tiny, -tiny) == 2
+    assert ulp_distance(torch.tensor([0.0]), torch.tensor([-0.0])) == 0
+    b = torch.tensor([1.0, -3.0], dtype=torch.bfloat16)
+    far = (b.view(torch.int16) + torch.tensor([3, 5], dtype=torch.int16)).view(torch.bfloat16)
+    assert ulp_distance(b, far) == 5
