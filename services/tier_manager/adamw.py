@@ -69,6 +69,10 @@ of PyTorch's widest vector, 16 floats)."""
 _STREAMED_SPAN = TILE_ELEMENTS * _STATE_ITEMSIZE
 """The most bytes of one tensor a tile may span (a tile ends early where a gap, such as
 a large buffer between two parameters, would make it longer)."""
+# params or master, exp_avg, exp_avg_sq, grads, and a new moment's stream: the most one
+# block streams at once; two blocks' worth lets the next block read while one is written.
+_MAX_STREAMS_PER_BLOCK = 5
+_SCRATCH_WINDOWS = 2 * _MAX_STREAMS_PER_BLOCK
 
 
 class _Resident:
@@ -173,23 +177,42 @@ class _Held:
 
 class _ScratchPool:
     """Streaming windows, allocated once and reused: a fresh one per block page-faults its
-    way in each time (~25 ms per 200 MB) and grows the RSS."""
+    way in each time (~25 ms per 200 MB) and grows the RSS.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    All `limit` windows are made, written whole, at the first request, so the daemon's
+    memory for them counts from the first streamed block and stays the same after it.
+    When all are in use the reader waits for the writer to give one back instead of
+    making more (a slow disk once grew the pool, and the daemon's memory, for as long as
+    the run lasted). The limit must cover one block's streamed tensors
+    (`_MAX_STREAMS_PER_BLOCK`). Windows are of one size in practice (a tile's span and two
+    disk blocks); a request of another size replaces a free window of the old one."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._ready = threading.Condition()
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._made = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
+        with self._ready:
+            if self._made == 0:
+                self._free[nbytes] = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(self.limit)]
+                self._made = self.limit
+            while True:
+                if self._free.get(nbytes):
+                    return self._free[nbytes].pop()
+                other = next((size for size, free in self._free.items() if free), None)
+                if other is not None:  # a free window of another size makes room for one
+                    self._free[other].pop()
+                    break
+                self._ready.wait()
+        return torch.zeros(nbytes, dtype=torch.uint8)
 
     def give(self, buffers: list[torch.Tensor]) -> None:
-        with self._lock:
+        with self._ready:
             for b in buffers:
                 self._free.setdefault(b.numel(), []).append(b)
+            self._ready.notify_all()
 
 
 class AdamWStepper:
@@ -203,7 +226,7 @@ class AdamWStepper:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-write")
-        self._scratch = _ScratchPool()
+        self._scratch = _ScratchPool(_SCRATCH_WINDOWS)
         self.streamed_blocks = 0  # blocks whose state was (partly) streamed from NVMe
         self._torch = TorchAdamW()
         # Checked against PyTorch on the compute thread: the only thread that runs kernels.
@@ -329,7 +352,13 @@ class AdamWStepper:
         durable = self.registry.durable
         out = durable.allocate(nbytes, meta) if writable else None
         scratch = self._scratch.take(_STREAMED_SPAN + 2 * durable.pool.block_size)
-        return _Streamed(durable, nbytes, source, checksums, out, scratch, meta)
+        try:
+            return _Streamed(durable, nbytes, source, checksums, out, scratch, meta)
+        except BaseException:
+            self._scratch.give([scratch])
+            if out is not None:
+                durable.free(out)
+            raise
 
     def _create_zeros(self, key: str, nbytes: int, placement: Placement) -> bool:
         """Moments of zeros in the CPU pool; False when the pool has no room for them."""
