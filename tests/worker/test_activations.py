@@ -21,8 +21,8 @@ from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.placement import SavedBytes
 
-SEQ, ROWS, LAYERS = 256, 8, 4
-INPUT_BYTES = ROWS * SEQ * 64 * 4  # one block's fp32 input: 512 KiB
+SEQ, ROWS, LAYERS = 128, 8, 4
+INPUT_BYTES = ROWS * SEQ * 64 * 4  # one block's fp32 input: 256 KiB
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def _activation_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
 
 # The CPU pool keeps "cpu" inputs (never evicted): room for them, not for the activations.
 # "nvme" inputs pass through a pool that cannot hold them next to the layers (2 MiB).
-@pytest.mark.parametrize("policy, pool_size", [("cpu", "8MiB"), ("nvme", "2MiB")])
+@pytest.mark.parametrize("policy, pool_size", [("cpu", "4MiB"), ("nvme", "2MiB")])
 def test_inputs_offloaded_to_the_tier_manager_train_like_plain_pytorch(daemon, policy):
     batches = _data(1, 3)
     expected = _plain_losses(_model(), batches)
