@@ -19,7 +19,8 @@ from tierstack.config import load_config
 from tierstack.errors import KeyNotFoundError
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.layers import LayerStore
-from tierstack.worker.placement import SavedBytes
+from tierstack.errors import ConfigError
+from tierstack.worker.placement import DeviceFootprint, SavedBytes, place_blocks
 
 SEQ, ROWS, LAYERS = 128, 8, 4
 INPUT_BYTES = ROWS * SEQ * 64 * 4  # one block's fp32 input: 256 KiB
@@ -126,6 +127,20 @@ def test_keep_and_recompute_policies_train_like_plain_pytorch(daemon, policy):
         engine.close()
     finally:
         store.close()
+
+
+def test_place_blocks_sends_the_first_inputs_out_when_the_streamed_step_is_over_budget():
+    MiB = 1 << 20
+    footprint = DeviceFootprint(peak=100 * MiB, block_state=(40 * MiB,) * 4,
+                                block_layer=(10 * MiB,) * 4, block_activations=(20 * MiB,) * 4,
+                                block_inputs=(10 * MiB,) * 4)
+    # 105 MiB planned (5% margin) against 90: one input out leaves 94.5, two leave 84.
+    p = place_blocks(footprint, 90 * MiB, [True] * 4, window_layers=3)
+    assert p.offload_inputs == (0, 1) and p.resident == () and p.keep_activations == ()
+    assert p.layer_budget == 3 * 10 * MiB and p.planned_peak <= 90 * MiB
+    # Every input out still needs 60 MiB (63 planned): the error names that budget.
+    with pytest.raises(ConfigError, match=r"still needs 60 MiB .* at least 63 MiB"):
+        place_blocks(footprint, 50 * MiB, [True] * 4, window_layers=3)
 
 
 def test_the_placement_sends_inputs_to_the_tier_manager_when_the_budget_cannot_hold_them(daemon):
