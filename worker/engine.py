@@ -17,6 +17,10 @@ and moved in bf16, half the bytes), while AdamW updates fp32 master weights, kep
 tier manager for blocks (kind "master") and on the device for persistent parameters.
 fp16 would also need loss scaling and is refused.
 
+Activations: `activation_policy` (train.activations.policy) says what each offloaded block
+keeps for its backward: everything ("keep"), its input on the device ("recompute"), its
+input with the tier manager ("cpu", "nvme"), or whatever the placement decides ("auto").
+
 `train_step` overlaps the optimizer with the backward: each block's AdamW step starts
 in the tier manager as soon as its gradients are stored. With gradient clipping the
 global norm needs every gradient first, so the blocks are stepped after the backward.
