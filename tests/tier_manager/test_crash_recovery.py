@@ -1,7 +1,7 @@
 """Nothing lost: SIGKILLs in the middle of durable writes, corrupt and lost manifests, two
 daemons on one pool. Real daemons, real files, real kills.
 
-The kill loop is time-bounded (TIERSTACK_KILL_SECONDS, default 60 under CI=true, 20
+The kill loop is time-bounded (TIERSTACK_KILL_SECONDS, default 30 under CI=true, 20
 otherwise) and prints what it covered.
 """
 
@@ -27,7 +27,7 @@ from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.worker.arenas import ArenaMap
 
 KILL_SECONDS = float(os.environ.get("TIERSTACK_KILL_SECONDS")
-                     or (60.0 if os.environ.get("CI") == "true" else 20.0))
+                     or (30.0 if os.environ.get("CI") == "true" else 20.0))
 DELETED = -1  # the state of a key whose delete was acknowledged
 
 
