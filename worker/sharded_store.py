@@ -346,6 +346,10 @@ class ShardedLayerStore:
         self.all_reduce_mean_([t])
         return float(t.item())
 
+    def barrier(self) -> None:
+        """Wait for every rank to get here (queued behind this rank's collectives)."""
+        self._collective(lambda: dist.barrier(group=self.group)).result()
+
     def close(self) -> None:
         self._comm.shutdown(wait=True)
         self.residency.clear()
