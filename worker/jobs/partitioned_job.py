@@ -58,6 +58,7 @@ class PartitionedSpec:
     checkpoint_dir: str = ""
     """Where the whole training state is saved at the end (worker/checkpoint.py's format:
     rank 0 writes, every rank must see the directory)."""
+    checkpoint_every: int = 0     # steps between checkpoints (0: only at the end)
     resume: bool = False          # continue from checkpoint_dir's state up to `steps`
     export: str = ""              # a directory for safetensors weights (from_pretrained)
     cpu_threads: int = 0          # torch intra-op threads per rank on the CPU; 0: torch's default
@@ -146,6 +147,16 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
         engine = ShardedEngine(model, store, spec.optimizer, prefetch_depth=spec.prefetch_depth,
                                precision=spec.precision)
         start = _resume(spec, engine) if spec.resume else 0
+
+        def save(step: int) -> None:
+            save_checkpoint(engine, spec.checkpoint_dir, extra={"step": step, **_signature(spec)})
+
+        def on_step(record) -> None:
+            done = start + record.index + 1
+            if spec.checkpoint_dir and spec.checkpoint_every and done % spec.checkpoint_every == 0 \
+                    and done < spec.steps:
+                save(done)
+
         # Same seed, same batches: a resumed run skips the ones already trained on.
         batches = ((rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size))
                    for x, y in itertools.islice(global_batches(spec), start, None))
@@ -156,9 +167,9 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
 
         steps = [StepFigures(r.loss, r.seconds, **{k: int(v) for k, v in r.moved.items()})
                  for r in run_steps(engine.train_step, batches, device, spec.steps - start,
-                                    counters=counters)]
+                                    counters=counters, on_step=on_step)]
         if spec.checkpoint_dir:
-            save_checkpoint(engine, spec.checkpoint_dir, extra={"step": spec.steps, **_signature(spec)})
+            save(spec.steps)
         if spec.export:
             export_safetensors(engine, spec.export)
         state = None
