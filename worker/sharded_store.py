@@ -120,16 +120,6 @@ class ShardedLayerStore:
 
     # ---- scheduler plans: offered to any rank, taken by all at a step boundary ---------------
 
-    @property
-    def plan_version(self) -> int:
-        """The scheduler plan whose depths are in effect on every rank (0: none)."""
-        return self.depths.plan_version
-
-    @property
-    def plan_switches(self) -> list[tuple[int, int, int]]:
-        """(ensure_layer calls before it, plan version, depth) of every plan taken."""
-        return self.depths.switches
-
     def set_plan(self, version: int, prefetch_depth: int, read_ahead: int, staging_buffers: int = 0,
                  reset: bool = False) -> None:
         """Offer a plan's depths (PlanFollower calls this); taken at `agree_on_plan`."""
@@ -238,11 +228,7 @@ class ShardedLayerStore:
     def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
         """Layer `index`'s full tensors on the device, ready on the current stream."""
         self._ensures += 1
-        stalled = self.residency.stall_seconds
-        copy = self.residency.ensure(index)
-        if self.recorder is not None:
-            self.recorder.used(index, self.residency.stall_seconds - stalled, copy.filled)
-        return copy.tensors
+        return self.residency.ensure_recorded(index, self.recorder).tensors
 
     def release_layer(self, index: int) -> None:
         """Drop the full layer `index` from the device (the shards stay with the tiers)."""

@@ -49,7 +49,7 @@ def _following_rank(env, scheduler: str, out_dir: str) -> None:
         for step in range(STEPS):
             x = torch.randint(0, 128, (4, 16), generator=data)
             losses.append(engine.train_step(rank_slice(x, env.rank, 2), rank_slice(x.roll(1, 1), env.rank, 2)))
-            versions.append(store.plan_version)
+            versions.append(store.depths.plan_version)
             if follower is not None and step == 0:
                 follower.report_trace(optimizer_seconds=engine.block_optimizer.block_seconds)
             if follower is not None and step == 2:  # the disk slowed down: a re-plan, pushed
@@ -66,7 +66,7 @@ def _following_rank(env, scheduler: str, out_dir: str) -> None:
         engine.close()
         store.close()
     torch.distributed.destroy_process_group()
-    torch.save({"switches": store.plan_switches, "versions": versions, "losses": losses},
+    torch.save({"switches": store.depths.switches, "versions": versions, "losses": losses},
                f"{out_dir}/rank{env.rank}.pt")
 
 
