@@ -94,4 +94,5 @@ def test_a_deepspeed_json_trains_unmodified(tmp_path, device):
         assert os.path.exists(nvme_path / "tierstack-nvme.data")
     else:  # the state stays in the CPU pool: NVMe holds only the layouts (written durably)
         assert stats.evictions == 0 and stats.nvme_bytes_read == 0 and stats.cpu_used > 0
-        assert stats.nvme_used <= 64 << 10
+        # the layouts only: a few KiB each (a data block and its self-describing header)
+        assert stats.nvme_used * 10 < stats.cpu_used, stats

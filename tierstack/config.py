@@ -21,7 +21,7 @@ from tierstack.errors import ConfigError
 
 if typing.TYPE_CHECKING:
     from tierstack.budgets import Budgets, MachineLimits
-from tierstack.tiers import AUTO, NVME, OFFLOAD_DEVICES, BlockTier
+from tierstack.tiers import ACTIVATION_POLICIES, AUTO, NVME, OFFLOAD_DEVICES, BlockTier
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 AUTO_SIZE = "auto"
@@ -407,6 +407,29 @@ class OptimizerConfig:
             raise ConfigError(f"{prefix}: lr and eps must be positive and weight_decay >= 0")
 
 
+@dataclass
+class ActivationConfig:
+    """What each offloaded block keeps for its backward (DeepSpeed's activation_checkpointing).
+
+    Blocks made resident by the placement follow the placement (kept or recomputed on the
+    device); this section speaks for the blocks that stay offloaded.
+    """
+
+    policy: str = "auto"
+    """'auto' (the HBM budget decides: blocks keep their activations where they fit, are
+    recomputed from their input otherwise, and their inputs go to the tier manager when
+    even those do not fit), 'keep' (every block keeps its activations: no recompute),
+    'recompute' (only each block's input stays on the device), 'cpu' or 'nvme' (each
+    block's input goes to the tier manager's CPU pool or NVMe during the forward, comes
+    back in reverse order for the backward, and is deleted once that block's backward is
+    done; never durable)."""
+
+    def validate(self, prefix: str) -> None:
+        if self.policy not in ACTIVATION_POLICIES:
+            raise ConfigError(f"{prefix}.policy: {self.policy!r} is not one of "
+                              f"{', '.join(ACTIVATION_POLICIES)}")
+
+
 DEVICE_BUDGET_LAYERS = 3
 """The device budget, in offloaded layers' worth, when none is given."""
 
@@ -432,6 +455,7 @@ class TrainConfig:
     params: ParamOffloadConfig = field(default_factory=ParamOffloadConfig)
     optimizer_state: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    activations: ActivationConfig = field(default_factory=ActivationConfig)
     tier_overrides: dict[str, str] = field(default_factory=dict)
     """Module name pattern -> tier ('gpu', 'cpu', 'nvme') of all that module's state,
     parameters and optimizer state alike, e.g. "model.layers[3-]": "nvme"."""
@@ -451,6 +475,7 @@ class TrainConfig:
         self.params.validate(f"{prefix}.params")
         self.optimizer_state.validate(f"{prefix}.optimizer_state")
         self.optimizer.validate(f"{prefix}.optimizer")
+        self.activations.validate(f"{prefix}.activations")
         from tierstack.module_tiers import ModuleTiers
         ModuleTiers(self.tier_overrides, f"{prefix}.tier_overrides")  # checks every pattern
 

@@ -6,6 +6,11 @@ from measured bandwidth, the tier manager's pools; accepted, logged once), or re
 feature tierstack does not have: an error naming the key, never a silent no-op).
 Anything else is an unknown key.
 
+`activation_checkpointing` becomes train.activations: `cpu_checkpointing` true sends every
+recomputed block's input to the CPU pool; `number_checkpoints` and the buffer knobs size
+DeepSpeed's own buffer (decided here); `partition_activations` is accepted, each rank
+keeping its own inputs whole (logged).
+
 Offload sections: `device` (none, cpu, nvme) and `nvme_path` in both; `buffer_count`,
 `buffer_size` and `max_in_cpu` of offload_param mean what they mean in DeepSpeed (see
 tierstack/config.py's ParamOffloadConfig). offload_optimizer has no max_in_cpu in
@@ -42,12 +47,16 @@ _DECIDED_BY_TIERSTACK = {
     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.pipeline",
     "aio.single_submit", "aio.overlap_events", "fp16.loss_scale_window", "fp16.hysteresis",
     "fp16.min_loss_scale", "fp16.initial_scale_power", "fp16.loss_scale",
+    # DeepSpeed sizes a contiguous buffer for its checkpoints with these; the tier
+    # manager's pools hold tierstack's, and every offloaded block is checkpointed.
+    "activation_checkpointing.contiguous_memory_optimization",
+    "activation_checkpointing.synchronize_checkpoint_boundary",
+    "activation_checkpointing.profile",
 }
 
 # Features tierstack does not have: refusing beats ignoring.
 _REFUSED = {
     "scheduler": "learning-rate schedulers are not supported yet; drop 'scheduler' and set optimizer.params.lr",
-    "activation_checkpointing": "activation checkpointing is not supported yet",
     "zero_optimization.offload_optimizer.ratio": "partial optimizer offload (ratio) is not supported",
     "zero_optimization.zero_quantized_weights": "quantized weights are not supported",
     "zero_optimization.zero_hpz_partition_size": "hierarchical partitioning is not supported",
@@ -179,6 +188,8 @@ def translate_deepspeed(ds: dict) -> dict:
                             "through the CPU pool); set it to false or drop it")
                 else:
                     raise ConfigError(f"unknown DeepSpeed key {full}; {suggest(aname, _AIO_KEYS, 'aio.')}")
+        elif name == "activation_checkpointing":
+            train["activations"] = _activation_checkpointing(value, decided)
         elif name == "train_micro_batch_size_per_gpu":
             train["micro_batch_size"] = _number(value, name)
         elif name == "gradient_accumulation_steps":
@@ -232,6 +243,40 @@ def translate_deepspeed(ds: dict) -> dict:
     return out
 
 
+def _activation_checkpointing(section: Any, decided: list[str]) -> dict:
+    """train.activations from DeepSpeed's activation_checkpointing: cpu_checkpointing true
+    puts every recomputed block's input in the CPU pool (policy "cpu"); false leaves the
+    choice to the HBM budget ("auto": keep, recompute, or inputs to the tier manager)."""
+    key = "activation_checkpointing"
+    section = _section(section, key, '{"cpu_checkpointing": true}')
+    policy = "auto"
+    for name, value in section.items():
+        full = f"{key}.{name}"
+        if _screened(full, decided):
+            continue
+        if name == "cpu_checkpointing":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{full}: expected true or false, got {value!r}")
+            policy = "cpu" if value else "auto"
+        elif name == "number_checkpoints":
+            # DeepSpeed: how many checkpoints its contiguous buffer holds. Here every
+            # offloaded block is checkpointed and the pools size themselves.
+            if value is not None:
+                _number(value, full)
+            decided.append(full)
+        elif name == "partition_activations":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{full}: expected true or false, got {value!r}")
+            if value:
+                log.warning("%s: each rank keeps its own micro-batch's block inputs whole (they "
+                            "are not split across data-parallel ranks); with cpu_checkpointing "
+                            "they leave the device all the same", full)
+        else:
+            raise ConfigError(f"unknown DeepSpeed key {full}; "
+                              f"{suggest(name, _CHECKPOINTING_KEYS, key + '.')}")
+    return {"policy": policy}
+
+
 def _optimizer(section: Any) -> dict:
     section = _section(section, "optimizer", '{"type": "AdamW", "params": {"lr": 1e-4}}')
     out: dict[str, Any] = {}
@@ -261,7 +306,8 @@ def _optimizer(section: Any) -> dict:
 
 
 # The keys each DeepSpeed section knows (for "did you mean" in errors).
-_TOP_KEYS = ("zero_optimization", "aio", "train_micro_batch_size_per_gpu", "train_batch_size",
+_TOP_KEYS = ("zero_optimization", "aio", "activation_checkpointing",
+             "train_micro_batch_size_per_gpu", "train_batch_size",
              "gradient_accumulation_steps", "gradient_clipping", "bf16", "fp16", "optimizer",
              "tier_overrides", "device_budget", "budgets", "tier_manager",
              *(k for k in _DECIDED_BY_TIERSTACK | set(_REFUSED) if "." not in k))
@@ -270,6 +316,9 @@ _ZERO_KEYS = ("stage", "offload_param", "offload_optimizer",
                 if k.startswith("zero_optimization.") and k.count(".") == 1))
 _AIO_KEYS = ("block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_gds",
              "single_submit", "overlap_events")
+_CHECKPOINTING_KEYS = ("cpu_checkpointing", "number_checkpoints", "partition_activations",
+                       "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
+                       "profile")
 _OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "amsgrad",
                    "maximize")
 

@@ -35,3 +35,10 @@ tier), and "auto": wherever the budgets place it (the device when it fits)."""
 
 METRIC_TIERS = ("device", CPU, NVME)
 """The tiers as metrics label them (a worker's device may be a GPU or the CPU)."""
+
+ActivationPolicy = Literal["auto", "keep", "recompute", "cpu", "nvme"]
+ACTIVATION_POLICIES: tuple[ActivationPolicy, ...] = ("auto", "keep", "recompute", CPU, NVME)
+"""What an offloaded block keeps for its backward: all its activations ("keep", no
+recompute), only its input on the device ("recompute"), or only its input, kept by the
+tier manager in the CPU pool ("cpu") or NVMe ("nvme") and recomputed from there; "auto":
+the HBM budget decides (worker/placement.py)."""

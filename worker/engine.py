@@ -17,6 +17,10 @@ and moved in bf16, half the bytes), while AdamW updates fp32 master weights, kep
 tier manager for blocks (kind "master") and on the device for persistent parameters.
 fp16 would also need loss scaling and is refused.
 
+Activations: `activation_policy` (train.activations.policy) says what each offloaded block
+keeps for its backward: everything ("keep"), its input on the device ("recompute"), its
+input with the tier manager ("cpu", "nvme"), or whatever the placement decides ("auto").
+
 `train_step` overlaps the optimizer with the backward: each block's AdamW step starts
 in the tier manager as soon as its gradients are stored. With gradient clipping the
 global norm needs every gradient first, so the blocks are stepped after the backward.
@@ -39,7 +43,8 @@ from tierstack.config import OptimizerConfig, TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
 from tierstack.services.tier_manager.types import NodeInfo
-from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, BlockTier
+from tierstack.tiers import (ACTIVATION_POLICIES, AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS,
+                             BlockTier)
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.placement import BlockPlacement, DeviceFootprint, SavedBytes, place_blocks
@@ -143,7 +148,8 @@ class OffloadEngine:
                  gradient_clipping: float = 0.0, state_tiers: list[str] | None = None,
                  gradient_accumulation_steps: int = 1, buffer_size: int = 0,
                  budgets: Budgets | None = None, may_be_resident: list[bool] | None = None,
-                 initialize: Callable[[torch.nn.Module, torch.device], None] = materialize) -> None:
+                 initialize: Callable[[torch.nn.Module, torch.device], None] = materialize,
+                 activation_policy: str = AUTO) -> None:
         """`tiers`: each block's tier (default "auto"); `state_tiers`: the tier of each
         offloaded block's gradients and optimizer state (default: its `tiers` entry).
         `buffer_size`: the most elements a tensor of an offloaded block may have (0: any).
@@ -152,7 +158,9 @@ class OffloadEngine:
         (default: those of tier "auto") and the offloaded blocks' activations.
         `initialize(module, device)` creates the tensors of a module built on the meta
         device, one block at a time, then the rest of the model (default: `materialize`;
-        a Hugging Face model brings its own init or its weights)."""
+        a Hugging Face model brings its own init or its weights).
+        `activation_policy`: what each offloaded block keeps for its backward
+        (tierstack.tiers.ACTIVATION_POLICIES; "auto": the placement decides)."""
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision {precision!r} is not supported by the engine; "
                               f"use one of {', '.join(PRECISIONS)} (fp16 needs loss scaling)")
@@ -175,7 +183,11 @@ class OffloadEngine:
             if len(given) != len(block_list) or any(t not in BLOCK_TIERS for t in given):
                 raise ConfigError(f"{name} must name one of {BLOCK_TIERS} for each of the "
                                   f"{len(block_list)} blocks, got {given}")
+        if activation_policy not in ACTIVATION_POLICIES:
+            raise ConfigError(f"train.activations.policy {activation_policy!r} is not one of "
+                              f"{', '.join(ACTIVATION_POLICIES)}")
         self.tiers, self.state_tiers = tiers, state_tiers
+        self.activation_policy = activation_policy
         positions = [i for i, t in enumerate(tiers) if t != GPU]
         if buffer_size:
             _check_buffer_size(block_list, blocks_attr, positions, buffer_size)
@@ -194,6 +206,7 @@ class OffloadEngine:
                 block.to(dtype)
 
         self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions, prepare)
+        self._apply_activation_policy()
         # What is left in the model stays on the device (persistent): created there.
         initialize(model, store.device)
         persistent_fp32 = None
@@ -220,6 +233,23 @@ class OffloadEngine:
         self.placement: BlockPlacement | None = None
         self.footprint: DeviceFootprint | None = None
         self._placement_pending = bool(budgets is not None and budgets.hbm > 0 and positions)
+
+    def _apply_activation_policy(self) -> None:
+        """Give every offloaded block the configured activation policy (not "auto")."""
+        policy, blocks = self.activation_policy, self.blocks
+        for index in blocks.offloaded():
+            blocks.keep_activations[index] = policy == "keep"
+            blocks.input_tiers[index] = policy if policy in HOST_TIERS else None
+        if policy == "keep" and blocks.blocks:
+            # Every block's tensors stay from its forward to its backward, with the
+            # prefetch window on top: the layer store must hold them all.
+            layers = [self.store.layouts[i].nbytes for i in blocks.offloaded()]
+            need = sum(layers) + self.store.prefetch_depth * max(layers)
+            if need > self.store.budget.capacity:
+                log.info("train.activations.policy 'keep': the device budget grows from %d to "
+                         "%d bytes to hold every offloaded block from forward to backward",
+                         self.store.budget.capacity, need)
+                self.store.budget.resize(need)
 
     def _pool_fits_overlap(self, store: LayerStore) -> bool:
         """Whether the blocks' updates may run behind the next forward: where the CPU pool
@@ -258,7 +288,7 @@ class OffloadEngine:
                    gradient_clipping=train.gradient_clipping,
                    gradient_accumulation_steps=train.gradient_accumulation_steps,
                    buffer_size=train.params.buffer_size if train.params.tier() != GPU else 0,
-                   initialize=initialize)
+                   initialize=initialize, activation_policy=train.activations.policy)
 
     def zero_grad(self) -> None:
         """Clear gradients: the next backward starts a new accumulation window."""
@@ -349,12 +379,19 @@ class OffloadEngine:
         offloaded = self.blocks.offloaded()
         placement = place_blocks(self.footprint, self.budgets.hbm, self._resident_ok,
                                  window_layers=self.store.prefetch_depth + 1)
+        policy = self.activation_policy
         for index in placement.resident:
-            self._make_resident(index, recompute=index not in placement.keep_activations)
-        for index in placement.keep_activations:
-            self.blocks.keep_activations[index] = True
+            keep = index in placement.keep_activations if policy == AUTO else policy == "keep"
+            self._make_resident(index, recompute=not keep)
+        if policy == AUTO:
+            for index in placement.keep_activations:
+                self.blocks.keep_activations[index] = True
+            for index in placement.offload_inputs:  # the CPU pool keeps what fits, NVMe the rest
+                self.blocks.input_tiers[index] = AUTO
         if len(placement.resident) < len(offloaded):
             self.store.budget.resize(max(placement.layer_budget, self.store.budget.used, 1))
+        if policy != AUTO:  # the configured policy for the blocks left offloaded
+            self._apply_activation_policy()
         left = self.blocks.offloaded()  # a step loads every block forward, then backward
         self.store.set_access_order(left + left[::-1])
         self.placement = placement
@@ -379,6 +416,7 @@ class OffloadEngine:
         store = self.store
         layers = tuple(store.layouts[i].nbytes for i in range(len(self.blocks.blocks)))
         activations = tuple(self.blocks.activation_bytes)
+        inputs = tuple(self.blocks.input_bytes)
         if cuda:
             torch.cuda.synchronize(store.device)
             peak = torch.cuda.max_memory_allocated(store.device)
@@ -394,7 +432,7 @@ class OffloadEngine:
             grads = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in trainable)
             masters = 4 * numel if self.block_optimizer.masters else 0
             states.append(layers[i] + grads + masters + 2 * 4 * numel)
-        return DeviceFootprint(int(peak), tuple(states), layers, activations)
+        return DeviceFootprint(int(peak), tuple(states), layers, activations, inputs)
 
     def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's logits: a plain module's output, or a Hugging Face model's `.logits`
@@ -437,6 +475,7 @@ class OffloadEngine:
 
     def close(self) -> None:
         self.block_optimizer.close()
+        self.blocks.stash.close()
 
 
 def _check_buffer_size(block_list: torch.nn.Module, blocks_attr: str, positions: list[int],

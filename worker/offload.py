@@ -6,7 +6,8 @@ blocks, and puts a thin proxy in each slot of the model's ModuleList, so the mod
 forward (a plain GPT's loop, Hugging Face's decoder loop with its masks and rotary
 embeddings passed as keyword arguments) runs unchanged. Forward runs block i with its tensors brought in by `ensure_layer(i)`
 (prefetching the next ones) and drops them right after; nothing but the block's input
-is saved. Backward recomputes block i from that input with its tensors brought in again
+is saved (on the device, or with the tier manager: the block's activation policy, see
+activation_stash.py). Backward recomputes block i from that input with its tensors brought in again
 (prefetching in reverse order), computes the gradients of the input and of the block's
 parameters, and writes the parameter gradients to the tier manager (kind "grad") as
 soon as the block is done. Outside a block's use window none of its bytes stay on the
@@ -39,6 +40,7 @@ import torch.utils.checkpoint
 
 from tierstack.errors import InvalidArgumentError
 from tierstack.dtypes import dtype_from_name
+from tierstack.worker.activation_stash import ActivationStash
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.placement import SavedBytes
 
@@ -62,20 +64,33 @@ class _Block(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, engine: "OffloadedBlocks", index: int, x: torch.Tensor, extra: tuple,
-                anchor: torch.Tensor):
+                anchor: torch.Tensor, training: bool):
         # `anchor` needs gradients, so this node is in the graph even when `x` does not
         # (a frozen embedding): the block's parameters still get theirs.
         ctx.engine, ctx.index, ctx.extra = engine, index, extra
         ctx.replay = _ReplayState.capture(x.device)
-        ctx.save_for_backward(x)
+        placement = engine.input_tiers[index] if training else None
+        # The input goes to the tier manager (its placement) or stays on the device; not
+        # outside training: no backward would ever take it back.
+        ctx.stashed = None if placement is None else engine.stash.put(index, x, placement)
+        if ctx.stashed is None:
+            ctx.save_for_backward(x)
         with torch.no_grad():
             return engine._forward_block(index, x, extra)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        grad_in = ctx.engine._backward_block(ctx.index, x, ctx.extra, grad_out, ctx.replay)
-        return None, None, grad_in, None, None
+        stash, entry = ctx.engine.stash, ctx.stashed
+        if entry is None:
+            (x,) = ctx.saved_tensors
+        else:
+            x = stash.take(entry).requires_grad_(entry.requires_grad)
+        try:
+            grad_in = ctx.engine._backward_block(ctx.index, x, ctx.extra, grad_out, ctx.replay)
+        finally:
+            if entry is not None:
+                stash.release(entry)
+        return None, None, grad_in, None, None, None
 
 
 class _KeptBlock(torch.autograd.Function):
@@ -153,9 +168,10 @@ class _BlockProxy(torch.nn.Module):
                 f"block {self.index} was given a key/value cache while training: the backward "
                 f"recompute would extend it a second time; call the model with use_cache=False")
         engine = self._engine[0]
-        kept = engine.keep_activations[self.index] and torch.is_grad_enabled()
-        return (_KeptBlock if kept else _Block).apply(engine, self.index, x, (args, kwargs),
-                                                      engine._anchor)
+        training = torch.is_grad_enabled()
+        if engine.keep_activations[self.index] and training:
+            return _KeptBlock.apply(engine, self.index, x, (args, kwargs), engine._anchor)
+        return _Block.apply(engine, self.index, x, (args, kwargs), engine._anchor, training)
 
 
 class OffloadedBlocks(torch.nn.Module):
@@ -193,6 +209,10 @@ class OffloadedBlocks(torch.nn.Module):
         # Per block: keep its activations (its tensors stay on the device from its forward
         # to its backward) instead of recomputing it; set by the engine's placement.
         self.keep_activations = [False] * len(self.blocks)
+        # Per recomputed block: where its input waits for the backward, None (on the
+        # device) or a tier manager placement ("cpu", "nvme", "auto"; activation_stash.py).
+        self.input_tiers: list[str | None] = [None] * len(self.blocks)
+        self.stash = ActivationStash(store)
         # Set by the optimizer: wait until a block's stored tensors are current (its update
         # of the last step is done) before it is used; whether that is so already.
         self.before_use: Callable[[int], None] = lambda index: None
@@ -201,6 +221,7 @@ class OffloadedBlocks(torch.nn.Module):
         # recompute counts the bytes autograd saves in its forward.
         self.measure_activations = False
         self.activation_bytes = [0] * len(self.blocks)
+        self.input_bytes = [0] * len(self.blocks)  # and the bytes of its saved input
         self.resident: set[int] = set()  # blocks brought to the device for good
         self._kept_live: set[int] = set()  # kept blocks whose backward has not run yet
         self._module_list = module_list
@@ -308,8 +329,16 @@ class OffloadedBlocks(torch.nn.Module):
             self._dematerialize(index)
             self.store.release_layer(index)
 
+    def policy(self, index: int) -> str:
+        """Block `index`'s activation policy now: keep, recompute, or where its input waits."""
+        if self.keep_activations[index]:
+            return "keep"
+        return self.input_tiers[index] or "recompute"
+
     def release_kept(self) -> None:
-        """Let go of kept blocks whose backward never ran (a forward without a backward)."""
+        """Let go of kept blocks whose backward never ran (a forward without a backward),
+        and of inputs stored for such a backward."""
+        self.stash.clear()
         for index in sorted(self._kept_live):
             self._dematerialize(index)
             self.store.release_layer(index)
@@ -333,6 +362,7 @@ class OffloadedBlocks(torch.nn.Module):
                     with SavedBytes(exclude=own) as saved:
                         out = block(x_in, *args, **kwargs)
                     self.activation_bytes[index] = saved.bytes
+                    self.input_bytes[index] = x.numel() * x.element_size()
                 else:
                     out = block(x_in, *args, **kwargs)
                 named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]

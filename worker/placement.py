@@ -13,6 +13,12 @@ the HBM budget with what it measured (`DeviceFootprint`):
    an offloaded one also keeps its parameters on the device from its forward to its
    backward.
 
+When even the probe's footprint is over the budget, no block moves in or keeps its
+activations; instead the fewest recomputed blocks' inputs wait for the backward with the
+tier manager (worker/activation_stash.py) rather than on the device, the first blocks'
+first. An explicit activation policy (train.activations.policy) overrides step 2 and
+this for the offloaded blocks.
+
 Blocks a constraint pins to a host tier (a DeepSpeed JSON's offload device, a module
 override) are never made resident; they may keep their activations. Which host tier an
 offloaded tensor lives in (CPU pool or NVMe), and how far ahead it is prefetched, is
@@ -47,6 +53,9 @@ class DeviceFootprint:
     keeps its activations)."""
     block_activations: tuple[int, ...]
     """Bytes autograd saves in each block's forward (what keeping its activations costs)."""
+    block_inputs: tuple[int, ...] = ()
+    """Bytes of each block's input, part of the peak while it waits on the device for the
+    block's backward (what sending it to the tier manager saves; empty: unknown, 0 each)."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +70,15 @@ class BlockPlacement:
     the layers kept from forward to backward."""
     planned_peak: int
     """The footprint the placement expects (within the HBM budget)."""
+    offload_inputs: tuple[int, ...] = ()
+    """Recomputed blocks whose input waits for the backward with the tier manager, not on
+    the device (the budget cannot hold every input)."""
 
     def describe(self, count: int) -> str:
         return (f"{len(self.resident)} of {count} blocks resident on the device, "
                 f"{len(self.keep_activations)} blocks keep their activations, "
-                f"{count - len(self.keep_activations)} recomputed; "
+                f"{count - len(self.keep_activations)} recomputed, "
+                f"{len(self.offload_inputs)} of them from an input kept by the tier manager; "
                 f"planned peak {self.planned_peak / MiB:,.0f} MiB")
 
 
@@ -92,11 +105,7 @@ def place_blocks(footprint: DeviceFootprint, hbm_budget: int, may_be_resident: l
     count = len(footprint.block_state)
     planned = int(footprint.peak * (1 + MARGIN_FRACTION))
     if planned > hbm_budget:
-        raise ConfigError(
-            f"budgets.hbm is {hbm_budget / MiB:,.0f} MiB but one step with every block "
-            f"streamed from the host already needs {footprint.peak / MiB:,.0f} MiB of device "
-            f"memory; raise budgets.hbm to at least {planned / MiB:,.0f} MiB, or lower the "
-            f"micro-batch or sequence length")
+        return _offloading_inputs(footprint, hbm_budget, window_layers)
     free = hbm_budget - planned
     resident: list[int] = []
     for i in _edges_first([i for i in range(count) if may_be_resident[i]]):
@@ -116,6 +125,31 @@ def place_blocks(footprint: DeviceFootprint, hbm_budget: int, may_be_resident: l
     layer_budget = max(biggest, (window_layers + held) * biggest)
     return BlockPlacement(tuple(sorted(resident)), tuple(sorted(kept)), layer_budget,
                           hbm_budget - free)
+
+
+def _offloading_inputs(footprint: DeviceFootprint, hbm_budget: int,
+                       window_layers: int) -> BlockPlacement:
+    """The placement when even the probe's footprint is over the budget: every block
+    streamed and recomputed, and the fewest block inputs sent to the tier manager that
+    bring the peak within it, the first blocks' first (their backward comes last, so
+    their inputs have the longest to come back). Raises when all of them are not enough."""
+    inputs = footprint.block_inputs or (0,) * len(footprint.block_state)
+    peak, offloaded = footprint.peak, []
+    for i, nbytes in enumerate(inputs):
+        if int(peak * (1 + MARGIN_FRACTION)) <= hbm_budget:
+            break
+        if nbytes:
+            peak -= nbytes
+            offloaded.append(i)
+    planned = int(peak * (1 + MARGIN_FRACTION))
+    if planned > hbm_budget:
+        raise ConfigError(
+            f"budgets.hbm is {hbm_budget / MiB:,.0f} MiB but one step with every block "
+            f"streamed from the host and every block input kept by the tier manager still "
+            f"needs {peak / MiB:,.0f} MiB of device memory; raise budgets.hbm to at least "
+            f"{planned / MiB:,.0f} MiB, or lower the micro-batch or sequence length")
+    layer_budget = window_layers * max(footprint.block_layer, default=0)
+    return BlockPlacement((), (), max(layer_budget, 1), planned, tuple(offloaded))
 
 
 class SavedBytes:

@@ -76,6 +76,7 @@ class ShardedLayerStore:
         self.device = self.local.device
         self.cuda = self.local.cuda
         self.client = self.local.client
+        self.session = self.local.session  # this rank's own writes (activation checkpoints)
         self.residency = DeviceResidency(self.device, device_budget, self)  # full layers
         self.budget = self.residency.budget
         self.layouts: list[FlatLayout] = []

@@ -532,14 +532,18 @@ def test_fuzzing_every_rpc_of_both_daemons_gets_proper_statuses_and_touches_no_s
         # The daemon still answers at once, its HTTP API serves, and the sentinels are intact,
         # also after a graceful restart (they are durable). The fuzzer's own tensors go
         # first: some were placed "cpu" (never evicted) and may fill the pool, rightly.
+        # (a bound far above a healthy answer, for loaded CI machines; a wedged daemon never answers)
         start = time.monotonic()
         client.node()
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < CALL_TIMEOUT / 2
         _http_ok(client)
         tm.close()
         for job in client.jobs():
             if job.job != SENTINEL_JOB:
-                client.delete_job(job.job, force=True)
+                try:
+                    client.delete_job(job.job, force=True)
+                except KeyNotFoundError:  # ended by itself since listed (its grace ran out)
+                    pass
         for key in KEYS:
             try:
                 client.delete([key])

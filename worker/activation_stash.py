@@ -1,0 +1,109 @@
+"""Offloaded activation checkpoints: recomputed blocks' inputs kept by the tier manager.
+
+A block whose activation policy is "cpu" or "nvme" keeps nothing on the device between
+its forward and its backward. Its forward writes its input to the node's tier manager
+(state kind "activation", under `<job>/layer<i>/activation.<n>`, never durable: a lost
+checkpoint costs the step, not the job, so no write waits for the disk), placed in the
+CPU pool ("cpu": never evicted) or out of it ("nvme": evicted first). The backward runs
+the blocks in reverse order, so taking one input starts reading the one stored before it
+in the background (the daemon brings it back from NVMe, a loader thread copies it out)
+while this block recomputes; each input is deleted as soon as its block's backward is
+done, so none outlives the step.
+
+The stash knows nothing of blocks or policies: it stores, reads back and deletes
+tensors in the order the forward put them.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from tierstack.errors import KeyNotFoundError
+from tierstack.worker.layers import LayerStore
+
+
+@dataclass(frozen=True)
+class StashedInput:
+    """One block input stored with the tier manager: what is needed to rebuild it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+class ActivationStash:
+    """Block inputs kept by the tier manager from a block's forward to its backward."""
+
+    def __init__(self, store: LayerStore) -> None:
+        self.store = store
+        self._live: list[StashedInput] = []  # in forward order; backward takes from the end
+        self._reads: dict[str, Future] = {}
+        # One reader: inputs come back one at a time, each behind a block's recompute.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-activations")
+        self._count = 0
+        self.bytes_written = 0
+
+    def put(self, index: int, x: torch.Tensor, placement: str) -> StashedInput:
+        """Store block `index`'s input `x` in the tier manager (`placement`: cpu, nvme, auto)."""
+        entry = StashedInput(self.store.key(index, f"activation.{self._count}"), tuple(x.shape),
+                             x.dtype, x.device, x.requires_grad)
+        self._count += 1
+        flat = x.detach().contiguous().view(-1).view(torch.uint8)
+        self.store.session.write(entry.key, flat.numel(), lambda block: block.copy_(flat),
+                                 durable=False, placement=placement)
+        self.bytes_written += flat.numel()
+        self._live.append(entry)
+        return entry
+
+    def take(self, entry: StashedInput) -> torch.Tensor:
+        """`entry`'s tensor back on its device; starts reading the input stored before it."""
+        future = self._reads.pop(entry.key, None)
+        x = future.result() if future is not None else self._read(entry)
+        position = self._live.index(entry)
+        if position > 0:
+            self._read_ahead(self._live[position - 1])
+        return x
+
+    def release(self, entry: StashedInput) -> None:
+        """Delete `entry` from the tier manager: its block's backward is done."""
+        self._live.remove(entry)
+        future = self._reads.pop(entry.key, None)
+        if future is not None:
+            future.exception()  # the read ends before its key goes
+        try:
+            self.store.client.delete([entry.key])
+        except KeyNotFoundError:
+            pass  # a restarted daemon lost it already (never durable)
+
+    def clear(self) -> None:
+        """Delete every input still stored (a forward whose backward never ran)."""
+        for entry in list(self._live):
+            self.release(entry)
+        self._count = 0
+
+    def live(self) -> list[StashedInput]:
+        return list(self._live)
+
+    def close(self) -> None:
+        self.clear()
+        self._reader.shutdown(wait=True)
+
+    def _read_ahead(self, entry: StashedInput) -> None:
+        if entry.key not in self._reads:
+            self._reads[entry.key] = self._reader.submit(self._read, entry)
+
+    def _read(self, entry: StashedInput) -> torch.Tensor:
+        data = self.store.session.read_block(entry.key)  # a CPU copy: the pin goes at once
+        x = data.view(entry.dtype).view(entry.shape)
+        if entry.device.type == "cuda":
+            x = x.pin_memory().to(entry.device, non_blocking=True)
+        return x
