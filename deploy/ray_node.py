@@ -32,6 +32,10 @@ SCHEDULER_PORT = 6390
 # node (git ignores it); start-node-services.sh points $TIERSTACK_SECURITY_DIR at it.
 DEFAULT_SECRETS = "deploy/secrets"
 POLL_SECONDS = 1.0
+# In the node config's metrics.http_listen, this host stands for the node's own IP: the
+# config is the same on every node, and the head's cluster view reaches each node's HTTP
+# API at the address it registered (its own loopback one is no use on another host).
+NODE_IP_HOST = "{node_ip}"
 
 
 def ray_node_ip(address: str) -> str:
@@ -83,7 +87,9 @@ def node_tier_manager_config(config_path: str | None, node_ip: str, head_ip: str
     """The node config's tier_manager section with per-node paths and this node's socket.
 
     The daemon registers with the head's scheduler under the node's IP (unique even for
-    nodes sharing a host).
+    nodes sharing a host). Its HTTP API stays where metrics.http_listen says (loopback by
+    default); a host of "{node_ip}" there binds it to the node's IP, where the head's
+    cluster view can reach it when nodes are separate hosts.
     """
     tm = load_config(config_path).tier_manager
     if head_ip:
@@ -93,6 +99,9 @@ def node_tier_manager_config(config_path: str | None, node_ip: str, head_ip: str
     if not tm.manifest_path:
         tm.manifest_path = str(Path(tm.nvme_pool.paths[0]) / "manifest.sqlite")
     tm.listen = node_tier_manager_address(node_ip)
+    host, _, port = tm.metrics.http_listen.rpartition(":")
+    if host == NODE_IP_HOST:  # beyond loopback, the daemon requires the token and TLS
+        tm.metrics.http_listen = f"[{node_ip}]:{port}" if ":" in node_ip else f"{node_ip}:{port}"
     tm.validate()
     return config_dict(tm)
 

@@ -14,6 +14,13 @@ written to its own safetensors file, and dropped before the next one is read.
 - `export_safetensors`: the model's weights as a sharded safetensors checkpoint with its
   index (`model.safetensors.index.json`), under the model's own parameter names, so
   Hugging Face `from_pretrained` loads it.
+
+A partitioned engine (`ShardedEngine`) is saved the same way, into the same format: every
+rank calls these functions (each block is gathered from the ranks' shards, a collective),
+rank 0 alone writes, and no rank returns before the files are in place. On load every
+rank reads the files and keeps its own slice, so a checkpoint written by N ranks resumes
+on any number of ranks (the directory must be visible to every rank: the same host or a
+shared filesystem).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from tierstack.errors import DataCorruptionError, InvalidArgumentError
 from tierstack.worker.engine import OffloadEngine
+from tierstack.worker.sharded_store import ShardedLayerStore
 from tierstack.worker.tiered_adamw import MOMENTS
 
 ENGINE_FILE = "engine.pt"  # train_flags.py names it too (without importing torch)
@@ -39,22 +47,39 @@ def _block_file(directory: Path, index: int) -> Path:
     return directory / f"block-{index:05d}.safetensors"
 
 
+def _writes(engine: OffloadEngine) -> bool:
+    """Whether this process writes the files: the only rank, or rank 0 of a partitioned job."""
+    return not isinstance(engine.store, ShardedLayerStore) or engine.store.rank == 0
+
+
+def _all_ranks_reach(engine: OffloadEngine) -> None:
+    """Wait until every rank is here (rank 0 has written), for a partitioned engine."""
+    if isinstance(engine.store, ShardedLayerStore):
+        engine.store.barrier()
+
+
 def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | None = None) -> None:
     """Write the engine's whole training state as `directory`, replacing what was there
     only once every file of the new checkpoint is durable."""
     engine.wait_for_optimizer()
     target = Path(directory).absolute()
-    target.parent.mkdir(parents=True, exist_ok=True)
     directory = target.with_name(f".{target.name}.writing")
-    shutil.rmtree(directory, ignore_errors=True)  # what a save that died left
-    directory.mkdir()
+    writes = _writes(engine)
+    if writes:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)  # what a save that died left
+        directory.mkdir()
     store, optimizer = engine.store, engine.block_optimizer
     for i in range(len(engine.blocks.blocks)):
-        tensors = dict(store.read_layer(i))
+        tensors = dict(store.read_layer(i))  # partitioned: gathered from every rank
         kinds = (MOMENTS if optimizer.steps else ()) + (("master",) if optimizer.masters else ())
         for kind in kinds:
             tensors.update(store.read_layer(i, kind))
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(_block_file(directory, i)))
+        if writes:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(_block_file(directory, i)))
+    if not writes:
+        _all_ranks_reach(engine)
+        return
     torch.save({
         "blocks": len(engine.blocks.blocks),
         "steps": optimizer.steps,
@@ -71,6 +96,7 @@ def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | 
     _fsync(directory / LISTING_FILE)
     _fsync(directory)
     _swap_into_place(directory, target)
+    _all_ranks_reach(engine)
 
 
 LISTING_FILE = "checkpoint.json"
@@ -157,7 +183,9 @@ def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
     engine.wait_for_optimizer()
     blocks_attr = engine.blocks_attr
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    writes = _writes(engine)
+    if writes:
+        directory.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total = 0
     seen: set[int] = set()
@@ -167,22 +195,29 @@ def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
             continue
         seen.add(tensor.data_ptr())
         persistent[name] = tensor.detach().cpu().contiguous()
-    shards = [("model-persistent.safetensors", persistent)]
+    weights = [("model-persistent.safetensors", persistent)]
     for i in range(len(engine.blocks.blocks)):
-        shards.append((f"model-block-{i:05d}.safetensors",
-                       {f"{blocks_attr}.{i}.{n}": t.contiguous()
-                        for n, t in engine.store.read_layer(i).items()}))
-        file_name, tensors = shards.pop()
-        save_file(tensors, str(directory / file_name), metadata={"format": "pt"})
-        weight_map.update({k: file_name for k in tensors})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    file_name, tensors = shards.pop()
+        block = engine.store.read_layer(i)  # partitioned: gathered from every rank
+        weights.append((f"model-block-{i:05d}.safetensors",
+                        {f"{blocks_attr}.{i}.{n}": t.contiguous() for n, t in block.items()}))
+        if writes:  # one block in memory at a time
+            total += _write_weights(directory, *weights.pop(), weight_map)
+        else:
+            weights.pop()
+    index = directory / "model.safetensors.index.json"
+    if writes:
+        total += _write_weights(directory, *weights.pop(), weight_map)
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        config = getattr(engine.model, "config", None)
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+    _all_ranks_reach(engine)
+    return index
+
+
+def _write_weights(directory: Path, file_name: str, tensors: dict[str, torch.Tensor],
+                   weight_map: dict[str, str]) -> int:
+    """One safetensors file of the export, entered in `weight_map`; its bytes."""
     save_file(tensors, str(directory / file_name), metadata={"format": "pt"})
     weight_map.update({k: file_name for k in tensors})
-    total += sum(t.numel() * t.element_size() for t in tensors.values())
-    index = directory / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    config = getattr(engine.model, "config", None)
-    if hasattr(config, "save_pretrained"):
-        config.save_pretrained(directory)
-    return index
+    return sum(t.numel() * t.element_size() for t in tensors.values())

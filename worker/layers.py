@@ -299,11 +299,7 @@ class LayerStore:
         """Layer `index`'s tensors on the device, ready for use on the current stream."""
         self.depths.at_boundary(self._ensures)
         self._ensures += 1
-        stalled = self.residency.stall_seconds
-        copy = self.residency.ensure(index)
-        if self.recorder is not None:
-            self.recorder.used(index, self.residency.stall_seconds - stalled, copy.filled)
-        return copy.tensors
+        return self.residency.ensure_recorded(index, self.recorder).tensors
 
     def release_layer(self, index: int) -> None:
         """Drop layer `index` from the device (its bytes stay with the tier manager)."""

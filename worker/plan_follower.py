@@ -145,8 +145,10 @@ class PlanFollower:
             seen.add(use.layer)
         compute = [u.end - u.start + u.after for u in uses]
         compute[0] += self.recorder.lead
+        # What moves through this node's tiers: a partitioned store's node holds its shards.
+        node_store = getattr(store, "local", store)
         tensors = [TensorSpec(store.key(i), i, "params", layout.nbytes)
-                   for i, layout in enumerate(store.layouts) if i not in store.forgotten]
+                   for i, layout in enumerate(node_store.layouts) if i not in store.forgotten]
         tensors += [TensorSpec(store.key(i, kind), i, "grad" if kind.startswith("grad") else kind, nbytes)
                     for (i, kind), nbytes in sorted(store.stored_kinds.items())
                     if i not in store.forgotten]

@@ -52,5 +52,9 @@ class PrefetchDepths:
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:
-            self.plan_version, self.depth, self.read_ahead = pending
-            self.switches.append((boundary, pending[0], pending[1]))
+            self.adopt(boundary, *pending)
+
+    def adopt(self, boundary: int, version: int, depth: int, read_ahead: int) -> None:
+        """Take a plan's depths now (the caller is at a boundary)."""
+        self.plan_version, self.depth, self.read_ahead = version, depth, read_ahead
+        self.switches.append((boundary, version, depth))

@@ -114,6 +114,15 @@ class DeviceResidency:
             raise
         return copy
 
+    def ensure_recorded(self, index: int, recorder) -> DeviceCopy:
+        """`ensure(index)`, telling `recorder` (a plan_follower.UseRecorder, or None) of the
+        use and of the time it waited."""
+        stalled = self.stall_seconds
+        copy = self.ensure(index)
+        if recorder is not None:
+            recorder.used(index, self.stall_seconds - stalled, copy.filled)
+        return copy
+
     def ensure(self, index: int) -> DeviceCopy:
         """Layer `index` on the device, ready for use on the current stream."""
         copy = self._copies.get(index)

@@ -100,6 +100,7 @@ class ShardedEngine(OffloadEngine):
         grads = [p.grad for p in self.persistent if p.grad is not None]
         self.store.all_reduce_mean_(grads)
         super().step()
+        self.store.agree_on_plan()  # the step boundary: every rank switches plans here
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and step on this rank's slice; the global batch's mean loss."""

@@ -82,11 +82,15 @@ class ShardedLayerStore:
         self.layouts: list[FlatLayout] = []
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="tierstack-collective")
         self._comm_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # Layers gathered ahead of use (prefetch_ahead); OffloadedBlocks sets them. A
-        # scheduler plan would have to change them on every rank at the same layer, or
-        # the ranks' collectives would diverge: plans are not followed here yet.
+        # Layers gathered ahead of use (prefetch_ahead); OffloadedBlocks sets them. Which
+        # gathers a rank queues depends on them, so every rank must change them at the same
+        # layer, or the ranks' collectives diverge: a plan given to any rank (`set_plan`) is
+        # only offered, and at each step boundary every rank takes rank 0's newest offer
+        # (`agree_on_plan`, a broadcast), so all switch before the same ensure_layer.
         self.depths = PrefetchDepths()
-        self.recorder = None  # no trace is recorded here (plans are not followed)
+        self._offered = PrefetchDepths(depth=0, read_ahead=0)
+        self._ensures = 0
+        self.recorder = None  # a plan_follower.UseRecorder while a trace is recorded
         # Squared L2 norm of each layer's stored (averaged) gradient shard, a device scalar:
         # summed over the ranks, the global norm for gradient clipping.
         self.grad_sq_norms: dict[int, torch.Tensor] = {}
@@ -105,6 +109,40 @@ class ShardedLayerStore:
 
     def placement(self, index: int, kind: str = "params") -> int:
         return self.local.placement(index, kind)
+
+    @property
+    def stored_kinds(self) -> dict[tuple[int, str], int]:
+        """(layer, kind) -> bytes of this rank's shards, for traces (LayerStore's)."""
+        return self.local.stored_kinds
+
+    @property
+    def forgotten(self) -> set[int]:
+        return self.local.forgotten
+
+    # ---- scheduler plans: offered to any rank, taken by all at a step boundary ---------------
+
+    def set_plan(self, version: int, prefetch_depth: int, read_ahead: int, staging_buffers: int = 0,
+                 reset: bool = False) -> None:
+        """Offer a plan's depths (PlanFollower calls this); taken at `agree_on_plan`."""
+        self._offered.propose(version, prefetch_depth, read_ahead, staging_buffers, reset)
+
+    def agree_on_plan(self) -> None:
+        """A step boundary on every rank (a collective): all take rank 0's newest plan.
+
+        One broadcast of three integers per step; a plan offered to rank 0 during step s
+        is in effect on every rank from the first layer of step s + 1."""
+        self._offered.at_boundary(self._ensures)
+        offer = [self._offered.plan_version, self._offered.depth, self._offered.read_ahead]
+
+        def op() -> list[int]:
+            t = torch.tensor(offer, dtype=torch.int64, device=self.device)
+            dist.broadcast(t, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
+                           group=self.group)
+            return t.tolist()
+
+        version, depth, read_ahead = self._collective(op).result()
+        if version != self.depths.plan_version:  # lower after a scheduler restart (reset)
+            self.depths.adopt(self._ensures, version, depth, read_ahead)
 
     def set_access_order(self, layers: Sequence[int]) -> None:
         """The cyclic order this rank's shards are loaded in (LayerStore.set_access_order)."""
@@ -190,10 +228,13 @@ class ShardedLayerStore:
 
     def ensure_layer(self, index: int) -> dict[str, torch.Tensor]:
         """Layer `index`'s full tensors on the device, ready on the current stream."""
-        return self.residency.ensure(index).tensors
+        self._ensures += 1
+        return self.residency.ensure_recorded(index, self.recorder).tensors
 
     def release_layer(self, index: int) -> None:
         """Drop the full layer `index` from the device (the shards stay with the tiers)."""
+        if self.recorder is not None:
+            self.recorder.released(index)
         self.residency.release(index)
 
     def resident_layers(self) -> list[int]:
@@ -346,6 +387,10 @@ class ShardedLayerStore:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         self.all_reduce_mean_([t])
         return float(t.item())
+
+    def barrier(self) -> None:
+        """Wait for every rank to get here (queued behind this rank's collectives)."""
+        self._collective(lambda: dist.barrier(group=self.group)).result()
 
     def close(self) -> None:
         self._comm.shutdown(wait=True)

@@ -157,6 +157,7 @@ def _llama_rank(env, out_dir: str, steps: int) -> None:
 
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
     from tierstack.config import load_config
+    from tierstack.worker.checkpoint import export_safetensors
     from tierstack.worker.distributed import init_process_group
     from tierstack.worker.jobs.partitioned_job import rank_slice
     from tierstack.worker.sharded_engine import ShardedEngine
@@ -182,6 +183,7 @@ def _llama_rank(env, out_dir: str, steps: int) -> None:
             loss.backward()
             engine.step()
             losses.append(store.all_reduce_mean(loss.item()))
+        export_safetensors(engine, f"{out_dir}/export")  # every rank: blocks are gathered
         store.close()
     torch.distributed.destroy_process_group()
     if env.rank == 0:
@@ -196,7 +198,8 @@ def _llama_config():
 
 
 def test_hugging_face_llama_trains_partitioned_like_plain_pytorch(tmp_path):
-    """A model the engine was not written around: LLaMA from config, blocks at model.layers."""
+    """A model the engine was not written around: LLaMA from config, blocks at model.layers;
+    its export (worker/checkpoint.py, rank 0 writing) loads with from_pretrained."""
     transformers = __import__("pytest").importorskip("transformers")
     from tierstack.worker.distributed import launch_local
     steps = 3
@@ -213,6 +216,14 @@ def test_hugging_face_llama_trains_partitioned_like_plain_pytorch(tmp_path):
         loss.backward()
         opt.step()
         assert abs(losses[step] - loss.item()) <= 1e-5 * loss.item(), (step, losses[step], loss.item())
+    # The partitioned run's export is what from_pretrained loads: every weight, the trained
+    # values (to summation order, as above).
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export",
+                                                                 output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    want = dict(reference.named_parameters())
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p.detach(), want[name].detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_bf16_blocks_with_fp32_masters_partition_too():

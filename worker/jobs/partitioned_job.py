@@ -10,11 +10,12 @@ it, so every way of starting ranks trains the same way.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from tierstack.config import MiB, OptimizerConfig, TierManagerConfig, config_dict, load_config
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+from tierstack.worker.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.distributed import RankEnv, init_process_group, rank_device
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
@@ -53,6 +55,12 @@ class PartitionedSpec:
     embedded: dict | None = None
     """tier_manager config (as config_dict gives) for the embedded daemons; paths get a per-rank suffix."""
     collect_state: bool = False   # gather the trained weights into the result (tests)
+    checkpoint_dir: str = ""
+    """Where the whole training state is saved at the end (worker/checkpoint.py's format:
+    rank 0 writes, every rank must see the directory)."""
+    checkpoint_every: int = 0     # steps between checkpoints (0: only at the end)
+    resume: bool = False          # continue from checkpoint_dir's state up to `steps`
+    export: str = ""              # a directory for safetensors weights (from_pretrained)
     cpu_threads: int = 0          # torch intra-op threads per rank on the CPU; 0: torch's default
 
 
@@ -138,15 +146,32 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
     try:
         engine = ShardedEngine(model, store, spec.optimizer, prefetch_depth=spec.prefetch_depth,
                                precision=spec.precision)
+        start = _resume(spec, engine) if spec.resume else 0
+
+        def save(step: int) -> None:
+            save_checkpoint(engine, spec.checkpoint_dir, extra={"step": step, **_signature(spec)})
+
+        def on_step(record) -> None:
+            done = start + record.index + 1
+            if spec.checkpoint_dir and spec.checkpoint_every and done % spec.checkpoint_every == 0 \
+                    and done < spec.steps:
+                save(done)
+
+        # Same seed, same batches: a resumed run skips the ones already trained on.
         batches = ((rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size))
-                   for x, y in global_batches(spec))
+                   for x, y in itertools.islice(global_batches(spec), start, None))
 
         def counters() -> dict[str, float]:
             return {"cpu_pool_read": store.local.bytes_read, "cpu_pool_written": store.local.bytes_written,
                     "nvme_read": store.client.stats().nvme_bytes_read, "gathered": store.bytes_gathered}
 
         steps = [StepFigures(r.loss, r.seconds, **{k: int(v) for k, v in r.moved.items()})
-                 for r in run_steps(engine.train_step, batches, device, spec.steps, counters=counters)]
+                 for r in run_steps(engine.train_step, batches, device, spec.steps - start,
+                                    counters=counters, on_step=on_step)]
+        if spec.checkpoint_dir:
+            save(spec.steps)
+        if spec.export:
+            export_safetensors(engine, spec.export)
         state = None
         if spec.collect_state:
             state = {"blocks": [store.read_layer(i) for i in range(len(store.layouts))],
@@ -155,6 +180,28 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
         return RankResult(env.rank, env.world_size, node, str(device), steps, state)
     finally:
         store.close()
+
+
+def _signature(spec: PartitionedSpec) -> dict:
+    """What a checkpoint must match to be resumed: the model, its precision, the data."""
+    return {"gpt": asdict(spec.gpt), "precision": spec.precision,
+            "global_batch": spec.global_batch, "seed": spec.seed, "data": spec.data}
+
+
+def _resume(spec: PartitionedSpec, engine: ShardedEngine) -> int:
+    """Load `spec.checkpoint_dir` into the engine (on every rank); the steps it had done."""
+    if not spec.checkpoint_dir:
+        raise InvalidArgumentError("resume needs checkpoint_dir: the checkpoint to continue from")
+    extra = load_checkpoint(engine, spec.checkpoint_dir)
+    saved = {k: extra.get(k) for k in _signature(spec)}
+    if saved != _signature(spec):
+        differs = sorted(k for k, v in _signature(spec).items() if saved[k] != v)
+        raise InvalidArgumentError(f"{spec.checkpoint_dir} was saved from another run ({', '.join(differs)} "
+                                   f"differ); resume with the spec it was saved with")
+    if extra["step"] >= spec.steps:
+        raise InvalidArgumentError(f"{spec.checkpoint_dir} is at step {extra['step']} already; "
+                                   f"give steps > {extra['step']} to train on")
+    return extra["step"]
 
 
 def spec_from_dict(data: dict) -> PartitionedSpec:
