@@ -340,10 +340,11 @@ class ParamOffloadConfig:
     offloaded block holding a tensor of more elements than this is an error naming the
     block, the tensor and both numbers (checked when the engine registers its blocks)."""
     max_in_cpu: int = 1_000_000_000
-    """With device 'nvme': 0 sends the blocks out of the CPU pool between uses (evicted
-    before anything else); any other value lets the CPU pool keep what fits of them, the
-    rest on NVMe. Not a quota: the pool is shared by the node's jobs and bounded by
-    tier_manager.cpu_pool.size alone."""
+    """With device 'nvme', as DeepSpeed's: the parameter elements the CPU pool keeps cached
+    between uses, counted over the blocks in order (blocks a tier override places are not
+    counted). The blocks past it leave the pool after each use (evicted before anything
+    else); 0 sends them all out. The pool itself is shared by the node's jobs and bounded by
+    tier_manager.cpu_pool.size."""
 
     def tier(self) -> BlockTier:
         """The tier of a block with no override: 'gpu', 'cpu', 'nvme' or 'auto'."""

@@ -43,7 +43,7 @@ from tierstack.config import OptimizerConfig, TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
 from tierstack.services.tier_manager.types import NodeInfo
-from tierstack.tiers import (ACTIVATION_POLICIES, AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS,
+from tierstack.tiers import (ACTIVATION_POLICIES, AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS, NVME,
                              BlockTier)
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
@@ -55,10 +55,14 @@ log = logging.getLogger(__name__)
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def block_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[BlockTier]:
+def block_tiers(train: TrainConfig, blocks_attr: str, count: int,
+                block_numels: list[int] | None = None) -> list[BlockTier]:
     """Each block's tier by the config: its module's override, else the params device
-    ("none": stays on the GPU; "nvme" with max_in_cpu 0: out of the CPU pool between uses,
-    else the CPU pool caches what fits; "auto": offloaded at first, the budgets decide).
+    ("none": stays on the GPU; "nvme": the CPU pool caches the blocks' parameters between
+    uses up to `max_in_cpu` elements, as DeepSpeed's offload_param.max_in_cpu, counted
+    over the blocks in order when `block_numels` gives their sizes; the blocks past it
+    leave the pool after each use, as all do with max_in_cpu 0; "auto": offloaded at
+    first, the budgets decide).
 
     Parameters on the device with the optimizer state offloaded (DeepSpeed's ZeRO-Offload)
     is a block whose master copy lives on the host: its parameters come to the device at
@@ -71,7 +75,15 @@ def block_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[BlockT
                  "blocks' parameters are brought to the device for each step and their "
                  "optimizer state stays on the host (ZeRO-Offload)", train.optimizer_state.device)
         default = CPU
-    return [overrides.tier_for(f"{blocks_attr}.{i}") or default for i in range(count)]
+    tiers = [overrides.tier_for(f"{blocks_attr}.{i}") or default for i in range(count)]
+    if train.params.device == NVME and train.params.max_in_cpu and block_numels is not None:
+        cached = 0
+        for i, numel in enumerate(block_numels):
+            if overrides.tier_for(f"{blocks_attr}.{i}") is None:
+                cached += numel
+                if cached > train.params.max_in_cpu:
+                    tiers[i] = NVME
+    return tiers
 
 
 def may_be_resident(train: TrainConfig, blocks_attr: str, count: int) -> list[bool]:
@@ -275,7 +287,9 @@ class OffloadEngine:
         """An engine as `train` (precision, optimizer, clipping, accumulation, tiers, the
         params' buffer count and size) says, placing what fits on the device within
         `budgets` (default: the machine's, tierstack/budgets.py)."""
-        count = len(model.get_submodule(blocks_attr))
+        blocks = model.get_submodule(blocks_attr)
+        count = len(blocks)
+        numels = [sum(p.numel() for p in block.parameters()) for block in blocks]
         ModuleTiers(train.tier_overrides).check_matches(name for name, _ in model.named_modules())
         if budgets is None:
             budgets = default_budgets(measure(None, str(store.device)))
@@ -283,7 +297,7 @@ class OffloadEngine:
         return cls(model, store, train.optimizer, blocks_attr, budgets=budgets,
                    may_be_resident=may_be_resident(train, blocks_attr, count),
                    prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,
-                   tiers=block_tiers(train, blocks_attr, count),
+                   tiers=block_tiers(train, blocks_attr, count, numels),
                    state_tiers=state_tiers(train, blocks_attr, count),
                    gradient_clipping=train.gradient_clipping,
                    gradient_accumulation_steps=train.gradient_accumulation_steps,

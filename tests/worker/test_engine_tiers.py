@@ -301,3 +301,34 @@ def test_a_tensor_larger_than_buffer_size_is_refused_by_block_tensor_and_setting
     assert engine("exact-buffers", params={"device": "cpu", "buffer_size": 16384}) > 0
     assert engine("no-param-offload", params={"device": "none", "buffer_size": 1},
                   tier_overrides={"blocks[1]": "cpu"}) > 0
+
+
+def test_max_in_cpu_caps_the_parameter_elements_the_cpu_pool_keeps_between_uses(daemon):
+    """DeepSpeed's offload_param.max_in_cpu with device nvme: the blocks, in order, keep
+    their parameters cached in the CPU pool until their elements pass the cap; the rest
+    leave it after each use (as all do with max_in_cpu 0). Blocks a module override places
+    are not counted. Training still matches plain AdamW."""
+    sizes = [100, 100, 100, 100]
+    train = _train_config(params={"device": "nvme", "max_in_cpu": 250})
+    assert block_tiers(train, "blocks", 4, sizes) == ["auto", "auto", "nvme", "nvme"]
+    assert block_tiers(train, "blocks", 4) == ["auto"] * 4  # sizes unknown: the pool decides
+    pinned = _train_config(params={"device": "nvme", "max_in_cpu": 250}, tier_overrides={"blocks[0]": "cpu"})
+    assert block_tiers(pinned, "blocks", 4, sizes) == ["cpu", "auto", "auto", "nvme"]
+    assert block_tiers(_train_config(params={"device": "nvme", "max_in_cpu": 0}), "blocks", 4, sizes) == ["nvme"] * 4
+
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, heads=4, layers=4)
+    model = copy.deepcopy(reference)
+    batches = _data(3, 2)
+    expected = _plain_losses(reference, batches)
+    per_block = sum(p.numel() for p in reference.blocks[0].parameters())
+    train = _train_config(params={"device": "nvme", "max_in_cpu": 2 * per_block})
+    store = LayerStore("max-in-cpu", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, train)
+        assert engine.tiers == ["auto", "auto", "nvme", "nvme"]
+        got = [engine.train_step(x, y) for x, y in batches]
+        engine.close()
+    finally:
+        store.close()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
