@@ -75,11 +75,12 @@ def block_tiers(train: TrainConfig, blocks_attr: str, count: int,
                  "blocks' parameters are brought to the device for each step and their "
                  "optimizer state stays on the host (ZeRO-Offload)", train.optimizer_state.device)
         default = CPU
-    tiers = [overrides.tier_for(f"{blocks_attr}.{i}") or default for i in range(count)]
+    overridden = [overrides.tier_for(f"{blocks_attr}.{i}") for i in range(count)]
+    tiers = [override or default for override in overridden]
     if train.params.device == NVME and train.params.max_in_cpu and block_numels is not None:
         cached = 0
-        for i, numel in enumerate(block_numels):
-            if overrides.tier_for(f"{blocks_attr}.{i}") is None:
+        for i, (numel, override) in enumerate(zip(block_numels, overridden)):
+            if override is None:
                 cached += numel
                 if cached > train.params.max_in_cpu:
                     tiers[i] = NVME
@@ -95,14 +96,16 @@ def may_be_resident(train: TrainConfig, blocks_attr: str, count: int) -> list[bo
     return [free and overrides.tier_for(f"{blocks_attr}.{i}") is None for i in range(count)]
 
 
-def state_tiers(train: TrainConfig, blocks_attr: str, count: int) -> list[BlockTier]:
+def state_tiers(train: TrainConfig, blocks_attr: str, count: int,
+                block_numels: list[int] | None = None) -> list[BlockTier]:
     """Each block's tier for its gradients and optimizer state: its module's override
     (all of a module's state), else the optimizer_state device, else ("none") its
-    parameters' tier. A block on the "gpu" tier keeps everything on the device."""
+    parameters' tier (`block_numels` as for `block_tiers`). A block on the "gpu" tier
+    keeps everything on the device."""
     overrides = ModuleTiers(train.tier_overrides)
     device_default = train.optimizer_state.tier()
     tiers: list[BlockTier] = []
-    for i, params_tier in enumerate(block_tiers(train, blocks_attr, count)):
+    for i, params_tier in enumerate(block_tiers(train, blocks_attr, count, block_numels)):
         override = overrides.tier_for(f"{blocks_attr}.{i}")
         if params_tier == GPU:
             tiers.append(GPU)
@@ -298,7 +301,7 @@ class OffloadEngine:
                    may_be_resident=may_be_resident(train, blocks_attr, count),
                    prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,
                    tiers=block_tiers(train, blocks_attr, count, numels),
-                   state_tiers=state_tiers(train, blocks_attr, count),
+                   state_tiers=state_tiers(train, blocks_attr, count, numels),
                    gradient_clipping=train.gradient_clipping,
                    gradient_accumulation_steps=train.gradient_accumulation_steps,
                    buffer_size=train.params.buffer_size if train.params.tier() != GPU else 0,

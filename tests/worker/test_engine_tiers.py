@@ -311,6 +311,7 @@ def test_max_in_cpu_caps_the_parameter_elements_the_cpu_pool_keeps_between_uses(
     sizes = [100, 100, 100, 100]
     train = _train_config(params={"device": "nvme", "max_in_cpu": 250})
     assert block_tiers(train, "blocks", 4, sizes) == ["auto", "auto", "nvme", "nvme"]
+    assert state_tiers(train, "blocks", 4, sizes) == ["auto", "auto", "nvme", "nvme"]  # with the params
     assert block_tiers(train, "blocks", 4) == ["auto"] * 4  # sizes unknown: the pool decides
     pinned = _train_config(params={"device": "nvme", "max_in_cpu": 250}, tier_overrides={"blocks[0]": "cpu"})
     assert block_tiers(pinned, "blocks", 4, sizes) == ["cpu", "auto", "auto", "nvme"]
@@ -326,7 +327,7 @@ def test_max_in_cpu_caps_the_parameter_elements_the_cpu_pool_keeps_between_uses(
     store = LayerStore("max-in-cpu", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
         engine = OffloadEngine.from_config(model, store, train)
-        assert engine.tiers == ["auto", "auto", "nvme", "nvme"]
+        assert engine.tiers == engine.state_tiers == ["auto", "auto", "nvme", "nvme"]
         got = [engine.train_step(x, y) for x, y in batches]
         engine.close()
     finally:
