@@ -145,7 +145,8 @@ class NativeAdamW:
             kernel.close()
             return None, (f"the native AdamW kernel differs from this PyTorch {torch.__version__} "
                           f"({capability}) by {ulps} ulp, more than {MAX_ULPS} ({case})")
-        agreement = "bit for bit PyTorch's" if ulps == 0 else f"within {ulps} ulp of PyTorch's {capability} kernel"
+        agreement = ("bit for bit PyTorch's" if ulps == 0
+                     else f"within {ulps} ulp of PyTorch's {capability} kernel")
         kernel.name = f"native ({kernel.threads} threads, {agreement})"
         return kernel, ""
 
