@@ -259,17 +259,21 @@ def bind_listener(listen: str, setting: str) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
+        # With SO_REUSEADDR two services starting at once may both bind the port; the
+        # second learns it is taken only at listen().
         sock.bind((host, int(port)))
+        sock.listen(128)
     except OSError as e:
+        sock.close()
         if e.errno != errno.EADDRINUSE:
-            sock.close()
             raise InvalidArgumentError(
                 f"cannot serve HTTP on {listen}: {e.strerror}; set "
                 f"{setting} to host:port (or '' for no HTTP)") from None
         log.warning("HTTP port %s is in use (another tierstack service?): serving metrics and "
                     "the dashboard on a free port instead; set %s", port, setting)
+        sock = socket.socket(family, socket.SOCK_STREAM)
         sock.bind((host, 0))
-    sock.listen(128)
+        sock.listen(128)
     sock.setblocking(False)
     return sock
 
