@@ -63,6 +63,12 @@ def deepspeed_json(mode: str, micro: int, nvme_dir: str) -> dict:
         # 65.5M) hold them (4.5 GB pinned).
         zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True,
                                  "max_in_cpu": 0, "buffer_count": 32, "buffer_size": 70_000_000}
+        # With its defaults (1e9 elements) DeepSpeed keeps every parameter it will reuse
+        # within 1e9 elements live, each in a swap buffer, until none is left ("Not enough
+        # buffers 0 for swapping 1", with 5 buffers and with 32): a DeepSpeed user lowers
+        # the reuse distance to run at all.
+        zero["stage3_max_reuse_distance"] = 0
+        zero["stage3_max_live_parameters"] = 100_000_000
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True}
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": zero,
@@ -180,10 +186,12 @@ def run_tierstack(args, config_dict: dict) -> dict:
                             predicted.append(follower.report_trace(
                                 optimizer_seconds=engine.block_optimizer.block_seconds).predicted_step_seconds)
 
+                    phases = _time_phases(engine, store)
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
                     stats0 = store.client.stats()
-                    records = run_steps(engine.train_step, pairs, device, on_step=on_step)
+                    records = run_steps(engine.train_step, pairs, device, on_step=on_step,
+                                        counters=phases.totals)
                     stats1 = store.client.stats()
                     placement = engine.placement
                     result = {
@@ -193,6 +201,11 @@ def run_tierstack(args, config_dict: dict) -> dict:
                         "nvme_read": stats1.nvme_bytes_read - stats0.nvme_bytes_read,
                         "nvme_written": stats1.nvme_bytes_written - stats0.nvme_bytes_written,
                         "budgets": vars(budgets),
+                        # Where each step's time went, as the worker's thread saw it: the
+                        # forward's and the optimizer call's seconds (the backward is the
+                        # rest), waits for blocks' updates and for blocks' tensors, and the
+                        # daemon's AdamW seconds.
+                        "phases": [{k: round(v, 4) for k, v in r.moved.items()} for r in records],
                         "placement": None if placement is None else {
                             "resident": len(placement.resident),
                             "keep_activations": len(placement.keep_activations),
@@ -205,6 +218,39 @@ def run_tierstack(args, config_dict: dict) -> dict:
                     store.close()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class _Phases:
+    """Running totals of where a tierstack step's time goes (wall seconds in the worker's
+    thread; the device's queued work shows up in whatever waits for it next)."""
+
+    def __init__(self, engine, store) -> None:
+        self.engine, self.store = engine, store
+        self.seconds = {"forward": 0.0, "optimizer_call": 0.0}
+
+    def wrap(self, name: str, fn):
+        def timed(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+    def totals(self) -> dict[str, float]:
+        optimizer = self.engine.block_optimizer
+        return {**self.seconds, "tensor_waits": self.store.stall_seconds,
+                "daemon_adamw": getattr(optimizer, "update_seconds", 0.0),
+                "daemon_state_reads": getattr(optimizer, "wait_seconds", 0.0)}
+
+
+def _time_phases(engine, store) -> _Phases:
+    phases = _Phases(engine, store)
+    engine._logits = phases.wrap("forward", engine._logits)
+    engine.step = phases.wrap("optimizer_call", engine.step)
+    phases.seconds["update_waits"] = 0.0  # a block's use waiting for its last update
+    engine.blocks.before_use = phases.wrap("update_waits", engine.blocks.before_use)
+    return phases
 
 
 def child(args) -> int:
