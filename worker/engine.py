@@ -213,12 +213,24 @@ class OffloadEngine:
         for layer, position in enumerate(positions):
             store.place(layer, tiers[position], state_tiers[position])
 
+        # Blocks whose masters are put off until the placement (see prepare).
+        self._deferred_masters: set[int] = set()
+        defer = budgets is not None and budgets.hbm > 0 and bool(positions)
+
         def prepare(i: int, block: torch.nn.Module) -> None:
             initialize(block, store.device)  # initialised where it is fastest; stored at once
-            if dtype != torch.float32:  # fp32 masters come from the fp32 weights
-                store.write_back(i, {f"{n}.master": p.detach().float() for n, p in
-                                     block.named_parameters() if p.requires_grad}, kind="master")
-                block.to(dtype)
+            if dtype == torch.float32:
+                return
+            trainable = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+            if defer and all(p.dtype == dtype for _, p in trainable):
+                # Weights already in the training dtype: their masters are those values
+                # widened, made once the placement knows where the block lives (on the
+                # device for a resident block) rather than held in host memory ahead of it.
+                self._deferred_masters.add(i)
+            else:  # fp32 masters come from the fp32 weights
+                store.write_back(i, {f"{n}.master": p.detach().float() for n, p in trainable},
+                                 kind="master")
+            block.to(dtype)
 
         self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions, prepare)
         self._apply_activation_policy()
@@ -323,8 +335,18 @@ class OffloadEngine:
         total = torch.stack([s.to(self.store.device) for s in squares]).sum().sqrt()
         return min(1.0, self.gradient_clipping / (total.item() + 1e-6))
 
+    def _store_deferred_masters(self) -> None:
+        """Store the fp32 masters put off at registration for the blocks still offloaded
+        (their stored parameters widened): before anything reads or steps them."""
+        for index in sorted(self._deferred_masters):
+            params = self.store.read_layer(index)
+            self.store.write_back(index, {f"{n}.master": params[n].float()
+                                          for n, _, _ in self.blocks.trainable(index)}, kind="master")
+        self._deferred_masters.clear()
+
     def step(self) -> None:
         """The optimizer step after a backward: persistent parameters, then every block."""
+        self._store_deferred_masters()
         scale = self._clip_scale() if self.gradient_clipping > 0 else 1.0
         if scale != 1.0:
             for p in self.persistent:
@@ -409,6 +431,7 @@ class OffloadEngine:
             self.store.budget.resize(max(placement.layer_budget, self.store.budget.used, 1))
         if policy != AUTO:  # the configured policy for the blocks left offloaded
             self._apply_activation_policy()
+        self._store_deferred_masters()  # of the blocks left offloaded
         left = self.blocks.offloaded()  # a step loads every block forward, then backward
         self.store.set_access_order(left + left[::-1])
         self.placement = placement
@@ -469,7 +492,10 @@ class OffloadEngine:
         block = self.blocks.make_resident(index, tensors, recompute)
         named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         masters = [p for _, p in named]
-        if self.block_optimizer.masters:
+        if index in self._deferred_masters:  # never stored: the weights widened, here
+            self._deferred_masters.discard(index)
+            masters = [p.detach().float().requires_grad_() for _, p in named]
+        elif self.block_optimizer.masters:
             stored = store.read_layer(index, "master")
             masters = [stored[f"{n}.master"].to(device).requires_grad_() for n, _ in named]
         steps = self.block_optimizer.steps
@@ -489,6 +515,7 @@ class OffloadEngine:
         """Wait for the blocks' updates of the last step (they run behind the next
         forward): before reading the stored state (checkpoints, export)."""
         self.block_optimizer.wait_all()
+        self._store_deferred_masters()
 
     def close(self) -> None:
         self.block_optimizer.close()

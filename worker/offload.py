@@ -375,6 +375,8 @@ class OffloadedBlocks(torch.nn.Module):
     def _store_gradients(self, index: int, named: list, param_grads, device) -> None:
         """Write block `index`'s parameter gradients to the tier manager (added to the
         window's earlier ones), then tell `on_gradients`."""
+        if self.measure_activations:
+            return  # the placement's probe: its gradients are thrown away, never stored
         new = {f"{n}.grad": (g if g is not None else torch.zeros_like(p))
                for (n, p), g in zip(named, param_grads)}
         if self.has_gradients(index):  # accumulate within the window

@@ -183,3 +183,42 @@ def test_a_model_larger_than_every_budget_is_refused_before_anything_is_stored(d
         assert store.client.stats().tensors == before
     finally:
         store.close()
+
+
+def test_a_bf16_model_s_masters_wait_for_the_placement(daemon):
+    """A model built in bf16 keeps no fp32 masters in the CPU pool before the placement:
+    resident blocks widen theirs on the device, blocks left offloaded get them stored
+    after the placement, and both train as the engine that stored them at once. The
+    placement's probe stores no gradients either."""
+    batches = _data(9, 4)
+
+    def run(job: str, hbm: int, params_device: str):
+        torch.manual_seed(0)
+        model = TinyGPT(dim=64, layers=3).to(torch.bfloat16)
+        store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address,
+                           durable=False)
+        try:
+            before = store.client.stats().cpu_used  # the daemon serves other tests' jobs too
+            engine = OffloadEngine.from_config(
+                model, store, _train_config(precision="bf16", params={"device": params_device}),
+                budgets=_budgets(hbm))
+            registered = store.client.stats().cpu_used - before
+            engine._probe(*batches[0])
+            after_probe = store.client.stats().cpu_used - before
+            losses = [engine.train_step(x, y) for x, y in batches]
+            engine.close()
+            return losses, registered, after_probe, engine.placement
+        finally:
+            store.close()
+
+    stored, stored_bytes, _, _ = run("masters-at-once", 0, "cpu")  # no HBM budget: no placement
+    offloaded, deferred_bytes, probed_bytes, placement = run("masters-after", 1 << 40, "cpu")
+    assert placement.resident == ()
+    # bf16 parameters alone (2 bytes per parameter) against parameters and masters (2 + 4).
+    assert deferred_bytes * 2.5 <= stored_bytes, (deferred_bytes, stored_bytes)
+    assert probed_bytes == deferred_bytes  # the probe's gradients were never stored
+    assert offloaded == stored  # the same daemon AdamW from the same masters, bit for bit
+    resident, resident_bytes, _, placement = run("masters-on-device", 1 << 40, "auto")
+    assert placement.resident == (0, 1, 2) and resident_bytes == deferred_bytes
+    # The device's AdamW against the daemon's: equal to within a few bf16 roundings.
+    torch.testing.assert_close(torch.tensor(resident), torch.tensor(stored), rtol=2e-3, atol=0)
