@@ -187,7 +187,6 @@ def build(path: str | Path, init: str = "auto") -> HfModel:
     """A causal LM from a local config on the meta device; `init`: "weights" (the model
     directory's checkpoint), "config" (fresh initialisation) or "auto" (weights when the
     directory has them)."""
-    transformers = _transformers()
     path = Path(path)
     config = load_config(path)
     has_weights = path.is_dir() and CheckpointTensors.present(path)
@@ -196,15 +195,24 @@ def build(path: str | Path, init: str = "auto") -> HfModel:
     if init == "weights" and not has_weights:
         raise ConfigError(f"--hf-model {path}: --hf-init weights needs a model directory with "
                           f"{' or '.join(SINGLE_FILES)} (or a sharded index)")
+    hf = from_config(config, path)
+    if init == "weights":
+        hf.source, hf.weights = "weights", CheckpointTensors(path, hf.model.base_model_prefix)
+    return hf
+
+
+def from_config(config, path: str | Path = "") -> HfModel:
+    """A causal LM for a transformers config object on the meta device, initialised by its
+    own init when the engine creates its tensors (`path`: where the config came from, for
+    messages)."""
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = _transformers().AutoModelForCausalLM.from_config(config)
     except ValueError as e:
-        raise ConfigError(f"--hf-model {path}: no causal language model for this config ({e})") from None
-    blocks_attr = find_blocks(model)
+        where = f"--hf-model {path}: " if path else ""
+        raise ConfigError(f"{where}no causal language model for this config ({e})") from None
     names = {id(m): n for n, m in model.named_modules()}
-    weights = CheckpointTensors(path, model.base_model_prefix) if init == "weights" else None
-    return HfModel(model, blocks_attr, init, path, weights, names)
+    return HfModel(model, find_blocks(model), "config", Path(path), None, names)
 
 
 def find_blocks(model: torch.nn.Module) -> str:
