@@ -118,6 +118,7 @@ class HfModel:
                     continue
                 sub.to_empty(device=device, recurse=False)
                 self.model._init_weights(sub)
+                _compute_rotary_table(sub, device)
                 if self.weights is None:
                     continue
                 prefix = self.names.get(id(sub), "")
@@ -150,6 +151,21 @@ class HfModel:
                 f"{len(self.model.get_submodule(self.blocks_attr))} x {getattr(config, 'hidden_size', '?')}, "
                 f"{params / 1e6:.1f}M parameters, "
                 f"{'weights from ' + str(self.path) if self.source == 'weights' else 'initialised from its config'}")
+
+
+def _compute_rotary_table(module: torch.nn.Module, device: torch.device) -> None:
+    """A transformers 4.x rotary embedding's `inv_freq`, which that release computes only in
+    `__init__` (on the meta device: no values) and its `_init_weights` leaves alone (5.x's
+    recomputes it; its rotary modules have no `rope_init_fn`, so this does nothing there)."""
+    rope_init_fn = getattr(module, "rope_init_fn", None)
+    if rope_init_fn is None or "inv_freq" not in module._buffers:
+        return
+    inv_freq, module.attention_scaling = rope_init_fn(module.config, device)
+    module.inv_freq.copy_(inv_freq)
+    if "original_inv_freq" in module._buffers:
+        module.original_inv_freq.copy_(inv_freq)
+    else:  # 4.x keeps it as a plain attribute, still the meta tensor
+        module.original_inv_freq = module.inv_freq
 
 
 def _is_tied(model: torch.nn.Module, name: str) -> bool:
