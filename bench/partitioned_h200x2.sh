@@ -62,7 +62,7 @@ EOF
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$log" 2>&1
 df -h /var/tmp /dev/shm >> "$log" 2>&1
-"$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$log" 2>&1
+"$py" -c "import torch, transformers as t; print(torch.__version__, t.__version__)" >> "$log" 2>&1
 
 llama_small="--model llama --layers 4 --dim 512 --heads 8 --kv-heads 4 --intermediate 1376 --vocab 32000"
 gpt_small="--model gpt --layers 4 --dim 512 --heads 8 --vocab 256"
