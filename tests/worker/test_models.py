@@ -111,6 +111,31 @@ def test_hugging_face_models_from_a_config_train_with_ties_and_rotary_tables(dae
             assert hf.model.lm_head.weight is hf.model.transformer.wte.weight
 
 
+def test_a_transformers_4_rotary_table_is_computed_when_its_block_is_created():
+    """transformers 4.x computes a rotary embedding's inv_freq only in __init__ (on the meta
+    device: nothing) and its _init_weights leaves it alone; the engine's init computes it."""
+    transformers = pytest.importorskip("transformers")
+    from tierstack.worker.jobs import hf_model
+
+    class Rotary4x(torch.nn.Module):  # transformers 4.x's LlamaRotaryEmbedding, in short
+        def __init__(self, config, device=None):
+            super().__init__()
+            self.config = config
+            self.rope_init_fn = lambda config, device: (
+                1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float, device=device) / 16), 1.0)
+            inv_freq, self.attention_scaling = self.rope_init_fn(config, device)
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.original_inv_freq = self.inv_freq
+
+    hf = hf_model.from_config(transformers.LlamaConfig(**LLAMA))
+    with torch.device("meta"):
+        hf.model.model.rotary_emb = Rotary4x(hf.model.config)
+    hf.initialize(hf.model, torch.device("cpu"))
+    want = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16)
+    rotary = hf.model.model.rotary_emb
+    assert torch.equal(rotary.inv_freq, want) and rotary.original_inv_freq is rotary.inv_freq
+
+
 def test_a_config_that_is_not_a_transformers_config_is_refused_by_name(tmp_path):
     pytest.importorskip("transformers")
     from tierstack.worker.jobs import hf_model

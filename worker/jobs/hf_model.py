@@ -118,6 +118,7 @@ class HfModel:
                     continue
                 sub.to_empty(device=device, recurse=False)
                 self.model._init_weights(sub)
+                _compute_rotary_table(sub, device)
                 if self.weights is None:
                     continue
                 prefix = self.names.get(id(sub), "")
@@ -150,6 +151,21 @@ class HfModel:
                 f"{len(self.model.get_submodule(self.blocks_attr))} x {getattr(config, 'hidden_size', '?')}, "
                 f"{params / 1e6:.1f}M parameters, "
                 f"{'weights from ' + str(self.path) if self.source == 'weights' else 'initialised from its config'}")
+
+
+def _compute_rotary_table(module: torch.nn.Module, device: torch.device) -> None:
+    """A transformers 4.x rotary embedding's `inv_freq`, which that release computes only in
+    `__init__` (on the meta device: no values) and its `_init_weights` leaves alone (5.x's
+    recomputes it; its rotary modules have no `rope_init_fn`, so this does nothing there)."""
+    rope_init_fn = getattr(module, "rope_init_fn", None)
+    if rope_init_fn is None or "inv_freq" not in module._buffers:
+        return
+    inv_freq, module.attention_scaling = rope_init_fn(module.config, device)
+    module.inv_freq.copy_(inv_freq)
+    if "original_inv_freq" in module._buffers:
+        module.original_inv_freq.copy_(inv_freq)
+    else:  # 4.x keeps it as a plain attribute, still the meta tensor
+        module.original_inv_freq = module.inv_freq
 
 
 def _is_tied(model: torch.nn.Module, name: str) -> bool:
@@ -187,7 +203,6 @@ def build(path: str | Path, init: str = "auto") -> HfModel:
     """A causal LM from a local config on the meta device; `init`: "weights" (the model
     directory's checkpoint), "config" (fresh initialisation) or "auto" (weights when the
     directory has them)."""
-    transformers = _transformers()
     path = Path(path)
     config = load_config(path)
     has_weights = path.is_dir() and CheckpointTensors.present(path)
@@ -196,15 +211,24 @@ def build(path: str | Path, init: str = "auto") -> HfModel:
     if init == "weights" and not has_weights:
         raise ConfigError(f"--hf-model {path}: --hf-init weights needs a model directory with "
                           f"{' or '.join(SINGLE_FILES)} (or a sharded index)")
+    hf = from_config(config, path)
+    if init == "weights":
+        hf.source, hf.weights = "weights", CheckpointTensors(path, hf.model.base_model_prefix)
+    return hf
+
+
+def from_config(config, path: str | Path = "") -> HfModel:
+    """A causal LM for a transformers config object on the meta device, initialised by its
+    own init when the engine creates its tensors (`path`: where the config came from, for
+    messages)."""
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = _transformers().AutoModelForCausalLM.from_config(config)
     except ValueError as e:
-        raise ConfigError(f"--hf-model {path}: no causal language model for this config ({e})") from None
-    blocks_attr = find_blocks(model)
+        where = f"--hf-model {path}: " if path else ""
+        raise ConfigError(f"{where}no causal language model for this config ({e})") from None
     names = {id(m): n for n, m in model.named_modules()}
-    weights = CheckpointTensors(path, model.base_model_prefix) if init == "weights" else None
-    return HfModel(model, blocks_attr, init, path, weights, names)
+    return HfModel(model, find_blocks(model), "config", Path(path), None, names)
 
 
 def find_blocks(model: torch.nn.Module) -> str:

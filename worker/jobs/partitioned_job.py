@@ -1,21 +1,24 @@
 """One rank of a partitioned training run: what every launcher runs.
 
 `run_rank(env, spec)` joins the process group, finds (or starts) its node's tier manager,
-trains the GPT of `spec` with its blocks partitioned over the ranks and its slice of
-every global batch, and returns per-step figures: the global loss, the step time, and
-the bytes this rank read from each tier. The Ray actors (`tierstack train --ranks N`),
+trains the model of `spec` (the project's GPT, or a Hugging Face LLaMA built from a
+config) with its blocks partitioned over the ranks and its slice of every global batch,
+and returns per-step figures: the global loss, the step time, and the bytes this rank
+moved through each tier. The Ray actors (`tierstack train --ranks N`),
 the plain multiprocessing launcher and `torchrun` (the GPU machine has no Ray) all call
 it, so every way of starting ranks trains the same way.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import shutil
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.distributed import RankEnv, init_process_group, rank_device
+from tierstack.worker.engine import materialize
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.layers import layer_tensors
 from tierstack.worker.layout import LayerLayout
@@ -39,6 +43,14 @@ class PartitionedSpec:
     """What to train and where its state lives; the same on every rank."""
 
     gpt: GPTConfig = field(default_factory=GPTConfig)
+    """The model trained unless `hf_llama` is set; its seq_len is every row's length either way."""
+    hf_llama: dict | None = None
+    """transformers.LlamaConfig keyword arguments: train a LlamaForCausalLM built from them
+    instead of the GPT (blocks at model.layers, created one at a time by Hugging Face's own
+    init; head untied from the embedding and torch's SDPA attention unless given here). The
+    loss is the engine's: cross-entropy of the logits against the batch's targets, the next
+    tokens (what the model computes from labels). Rows are gpt.seq_len tokens drawn from
+    the LLaMA's vocabulary."""
     steps: int = 10
     global_batch: int = 8
     seed: int = 0
@@ -71,6 +83,7 @@ class StepFigures:
     cpu_pool_read: int   # bytes this rank read from its tier manager's CPU pool
     cpu_pool_written: int
     nvme_read: int       # bytes its tier manager read from NVMe (its own daemon only)
+    nvme_written: int    # bytes its tier manager wrote to NVMe
     gathered: int        # bytes received from the other ranks by all-gathers
 
 
@@ -84,9 +97,55 @@ class RankResult:
     state: dict | None = None  # {"blocks": [{name: tensor}], "persistent": {name: tensor}}
 
 
+LLAMA_DEFAULTS = {"tie_word_embeddings": False, "attn_implementation": "sdpa"}
+
+
+def llama_config(hf_llama: dict):
+    """The transformers.LlamaConfig `hf_llama` describes (LLAMA_DEFAULTS where it is
+    silent); a key LlamaConfig does not know is refused by name, not silently kept."""
+    try:
+        import transformers
+    except ImportError:
+        raise InvalidArgumentError("hf_llama needs the transformers package: pip install "
+                                   "transformers") from None
+    known = set(inspect.signature(transformers.LlamaConfig.__init__).parameters)
+    known |= set(transformers.LlamaConfig().to_dict()) | set(LLAMA_DEFAULTS)
+    unknown = sorted(set(hf_llama) - known)
+    if unknown:
+        raise InvalidArgumentError(
+            f"hf_llama.{unknown[0]} is not a LlamaConfig field (transformers "
+            f"{transformers.__version__}); give LlamaConfig keyword arguments such as "
+            f"hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
+            f"intermediate_size, vocab_size")
+    return transformers.LlamaConfig(**{**LLAMA_DEFAULTS, **hf_llama})
+
+
+def build_model(spec: PartitionedSpec, device: torch.device | str
+                ) -> tuple[torch.nn.Module, str, Callable[[torch.nn.Module, torch.device], None]]:
+    """The model of `spec` with its blocks not created yet, so it never sits whole in host
+    memory: the engine creates each block on the device just before storing it, then the
+    rest. Returns the model, the dotted name of its blocks and the engine's `initialize`."""
+    if spec.hf_llama is None:
+        return build_gpt(spec.gpt, device), "blocks", materialize
+    from tierstack.worker.jobs import hf_model
+
+    hf = hf_model.from_config(llama_config(spec.hf_llama))
+    return hf.model, hf.blocks_attr, hf.initialize
+
+
+def vocab_size(spec: PartitionedSpec) -> int:
+    """The size of the trained model's vocabulary (token ids are below it)."""
+    return llama_config(spec.hf_llama).vocab_size if spec.hf_llama is not None else spec.gpt.vocab_size
+
+
 def global_batches(spec: PartitionedSpec):
     """The run's global batches, identical on every rank (same seed)."""
+    vocab = vocab_size(spec)
     if spec.data == "stdlib":
+        if vocab < 256:
+            raise InvalidArgumentError(f"data 'stdlib' is bytes (token ids up to 255), the model's "
+                                       f"vocabulary has {vocab}; use data 'random' or a vocab_size "
+                                       f"of at least 256")
         batches = ByteBatches(stdlib_bytes(), spec.gpt.seq_len, spec.global_batch, seed=spec.seed)
         while True:
             yield batches.next()
@@ -94,8 +153,8 @@ def global_batches(spec: PartitionedSpec):
         g = torch.Generator().manual_seed(spec.seed + 1)
         shape = (spec.global_batch, spec.gpt.seq_len)
         while True:
-            yield (torch.randint(0, spec.gpt.vocab_size, shape, generator=g),
-                   torch.randint(0, spec.gpt.vocab_size, shape, generator=g))
+            yield (torch.randint(0, vocab, shape, generator=g),
+                   torch.randint(0, vocab, shape, generator=g))
     else:
         raise InvalidArgumentError(f"data {spec.data!r}: use 'stdlib' or 'random'")
 
@@ -137,15 +196,16 @@ def run_rank(env: RankEnv, spec: PartitionedSpec) -> RankResult:
 
 def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: str) -> RankResult:
     torch.manual_seed(spec.seed)  # every rank builds the same initial model
-    model = build_gpt(spec.gpt, device)  # blocks created one at a time: never whole in host memory
-    layer_bytes = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes
+    model, blocks_attr, initialize = build_model(spec, device)
+    layer_bytes = LayerLayout.of(layer_tensors(model.get_submodule(blocks_attr)[0])).nbytes
     job = spec.job or f"train-{uuid.uuid4().hex[:8]}"
     budget = spec.device_budget or spec.device_budget_layers * layer_bytes
     store = ShardedLayerStore(job, device=device, device_budget=budget,
                               address=address, durable=False)
     try:
-        engine = ShardedEngine(model, store, spec.optimizer, prefetch_depth=spec.prefetch_depth,
-                               precision=spec.precision)
+        engine = ShardedEngine(model, store, spec.optimizer, blocks_attr=blocks_attr,
+                               prefetch_depth=spec.prefetch_depth, precision=spec.precision,
+                               initialize=initialize)
         start = _resume(spec, engine) if spec.resume else 0
 
         def save(step: int) -> None:
@@ -162,8 +222,10 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
                    for x, y in itertools.islice(global_batches(spec), start, None))
 
         def counters() -> dict[str, float]:
+            node = store.client.stats()
             return {"cpu_pool_read": store.local.bytes_read, "cpu_pool_written": store.local.bytes_written,
-                    "nvme_read": store.client.stats().nvme_bytes_read, "gathered": store.bytes_gathered}
+                    "nvme_read": node.nvme_bytes_read, "nvme_written": node.nvme_bytes_written,
+                    "gathered": store.bytes_gathered}
 
         steps = [StepFigures(r.loss, r.seconds, **{k: int(v) for k, v in r.moved.items()})
                  for r in run_steps(engine.train_step, batches, device, spec.steps - start,
@@ -184,7 +246,7 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
 
 def _signature(spec: PartitionedSpec) -> dict:
     """What a checkpoint must match to be resumed: the model, its precision, the data."""
-    return {"gpt": asdict(spec.gpt), "precision": spec.precision,
+    return {"gpt": asdict(spec.gpt), "hf_llama": spec.hf_llama, "precision": spec.precision,
             "global_batch": spec.global_batch, "seed": spec.seed, "data": spec.data}
 
 
@@ -225,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     """One rank under torchrun (or any launcher that sets RANK, WORLD_SIZE, MASTER_*).
 
     torchrun --nproc-per-node 2 -m tierstack.worker.jobs.partitioned_job --spec '{"steps": 5}'
+    (a Hugging Face LLaMA: --spec '{"hf_llama": {"hidden_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "intermediate_size": 1376}, "data": "random", "precision": "bf16"}')
     Each rank starts its own embedded tier manager unless the spec names one
     ("tier_manager"); every rank prints one JSON line with its per-step figures.
     """
@@ -243,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"rank": result.rank, "world_size": result.world_size, "device": result.device,
                       "losses": [round(s.loss, 5) for s in result.steps],
                       "step_s": median("seconds"), "cpu_pool_read": median("cpu_pool_read"),
-                      "nvme_read": median("nvme_read"), "gathered": median("gathered")}), flush=True)
+                      "nvme_read": median("nvme_read"), "nvme_written": median("nvme_written"),
+                      "gathered": median("gathered")}), flush=True)
     return 0
 
 
