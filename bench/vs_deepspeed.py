@@ -152,9 +152,11 @@ def run_tierstack(args, config_dict: dict) -> dict:
     run_dir = Path(args.nvme_dir) / f"ts-{uuid.uuid4().hex[:8]}"
     tm.nvme_pool.paths = [str(run_dir)]
     tm.manifest_path = str(run_dir / "manifest.sqlite")
-    # The pools grow to what is stored, capped by the budgets. Until max_in_cpu caps the
-    # CPU bytes of parameters (DeepSpeed's meaning of max_in_cpu 0), an nvme JSON gets a
-    # pool of a few blocks' worth, as DeepSpeed's own swap buffers are.
+    # The pools grow to what is stored, capped by the budgets. An nvme JSON's parameters
+    # leave the pool after each use (max_in_cpu 0), but its optimizer state is cached in
+    # the pool as far as the host budget allows (offload_optimizer has no max_in_cpu in
+    # DeepSpeed: tierstack's default). DeepSpeed keeps that state on NVMe with swap
+    # buffers only, so for the same placement the pool is capped at a few blocks' worth.
     state = training_state_bytes(model, "bf16")
     pool = budgets.cpu_pool
     if config.train.params.tier() == "nvme":

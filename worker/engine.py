@@ -306,9 +306,10 @@ class OffloadEngine:
         count = len(blocks)
         numels = [sum(p.numel() for p in block.parameters()) for block in blocks]
         ModuleTiers(train.tier_overrides).check_matches(name for name, _ in model.named_modules())
-        if budgets is None:
-            budgets = default_budgets(measure(None, str(store.device)))
-        check_capacity(model, train.precision, budgets.hbm, store.client.node())
+        node = store.client.node()
+        if budgets is None:  # the NVMe budget is the daemon's: it knows its drives
+            budgets = default_budgets(measure(None, str(store.device))).with_(nvme=node.nvme_capacity)
+        check_capacity(model, train.precision, budgets.hbm, node)
         return cls(model, store, train.optimizer, blocks_attr, budgets=budgets,
                    may_be_resident=may_be_resident(train, blocks_attr, count),
                    prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,

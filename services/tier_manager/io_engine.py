@@ -218,6 +218,7 @@ class IoEngine:
                           ThreadPoolExecutor(self.workers, thread_name_prefix="tierstack-io"))
         self._local = threading.local()
         self._free_staging: list[StagingBuffer] = []
+        self._staging_made = False
         self._staging_lock = threading.Lock()
         self.stats = IoStats()
         self._stats_lock = threading.Lock()
@@ -329,6 +330,13 @@ class IoEngine:
 
     def _take_staging(self, n: int) -> list[StagingBuffer]:
         with self._staging_lock:
+            if not self._staging_made:
+                # The whole kept set at the first batch: the daemon's memory then stays
+                # flat, where a set that grew with the busiest moment so far would step
+                # up long after start (more batches at once: AdamW, evictions, loads).
+                self._staging_made = True
+                self._free_staging += [StagingBuffer(self.block_size)
+                                       for _ in range(2 * self.workers - len(self._free_staging))]
             taken, self._free_staging = self._free_staging[:n], self._free_staging[n:]
         return taken + [StagingBuffer(self.block_size) for _ in range(n - len(taken))]
 

@@ -68,6 +68,7 @@ class _Record:
     placement: Placement = "auto"
     updating: threading.Event | None = field(default=None, repr=False)
     durable: bool = False  # committed to NVMe by its writer (not only by an eviction)
+    read_ahead: bool = False  # loaded by a prefetch hint, not used since: it stays
 
     def info(self) -> TensorInfo:
         return TensorInfo(self.key, self.dtype, self.shape, self.nbytes, self.version,
@@ -149,6 +150,17 @@ class TierRegistry:
                 entry.key, entry.dtype, entry.shape, entry.nbytes, entry.version,
                 nvme=entry.extent, checksums=entry.checksums, durable=True)
             self._count(entry.key, entry.nbytes, +1)
+        # Tensors placed "nvme" (DeepSpeed's max_in_cpu 0) leave the CPU pool as soon as
+        # nobody holds them, not only when the pool is full; a thread of its own writes
+        # them out, off the callers' paths (guarded by _lock).
+        self._leaving: set[str] = set()
+        self._leaving_ready = threading.Condition(self._lock)
+        self._closed = False
+        self._sending = False  # a send-out is writing (its tensor pinned meanwhile)
+        self._send_out_failed = False
+        self._sender = threading.Thread(target=self._send_out_loop, daemon=True,
+                                        name="tierstack-nvme-placed")
+        self._sender.start()
 
     # ---- writes -------------------------------------------------------------------
 
@@ -241,6 +253,7 @@ class TierRegistry:
             self._eviction.untrack(key)
             if cpu is not None:
                 self._eviction.track(key)
+                self._send_out_when_free(record)
             if old is not None:
                 self._retire(old)
             return record.info()
@@ -418,9 +431,18 @@ class TierRegistry:
                 self._leases[(key, version)] = (record, count - 1)
             self._unpin(record)
 
+    def read_ahead(self, key: str) -> None:
+        """Load `key` into the CPU pool ahead of its use (a prefetch hint); a tensor placed
+        "nvme" stays there until it is fetched and released."""
+        info, _ = self.fetch(key)
+        with self._lock:
+            self._leases[(key, info.version)][0].read_ahead = True
+        self.release(key, info.version)
+
     def _lease(self, record: _Record) -> None:
         """Pin `record` on behalf of a `fetch`; `release` finds it by (key, version)."""
         record.pins += 1
+        record.read_ahead = False  # used now: its release may send it out again
         _, count = self._leases.get((record.key, record.version), (record, 0))
         self._leases[(record.key, record.version)] = (record, count + 1)
 
@@ -663,7 +685,45 @@ class TierRegistry:
             assert record.pins >= 0, f"unbalanced unpin of {record.key!r}"
             if record.pins == 0 and record.retired:
                 self._free_resources(record)
+            self._send_out_when_free(record)
             self._unpinned.notify_all()
+
+    # ---- "nvme" placement: out of the CPU pool between uses -------------------------
+
+    def _send_out_when_free(self, record: _Record) -> None:
+        """Queue an unheld CPU copy of a tensor placed "nvme" for eviction (under _lock)."""
+        if (record.placement == "nvme" and record.pins == 0 and record.cpu is not None
+                and not record.retired and not record.read_ahead):
+            self._leaving.add(record.key)
+            self._leaving_ready.notify()
+
+    def _send_out_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._leaving and not self._closed:
+                    self._leaving_ready.wait()
+                if self._closed:
+                    return
+                key = self._leaving.pop()
+                self._sending = True
+            try:
+                self.evict(key)
+            except (KeyNotFoundError, InvalidArgumentError):
+                pass  # deleted meanwhile, or fetched again: its next release queues it
+            except Exception as e:  # noqa: BLE001 - e.g. NVMe full: the CPU copy stays, whole
+                if not self._send_out_failed:
+                    log.warning("a tensor placed 'nvme' stays in the CPU pool (%s: %s); later "
+                                "ones that cannot go out are not logged", type(e).__name__, e)
+                    self._send_out_failed = True
+            finally:
+                with self._lock:
+                    self._sending = False
+                    self._unpinned.notify_all()  # an allocation may be waiting for its room
+
+    def pending_send_outs(self) -> int:
+        """Tensors placed "nvme" still waiting to leave the CPU pool."""
+        with self._lock:
+            return len(self._leaving)
 
     def _retire(self, record: _Record) -> None:
         record.retired = True
@@ -679,8 +739,8 @@ class TierRegistry:
 
     def _allocate_cpu(self, nbytes: int) -> CpuBuffer | None:
         """A CPU-pool buffer. When the pool is full while tensors are being updated in
-        place (an optimizer step holds their blocks: that ends soon), wait for them rather
-        than fail. Pins held by clients (fetches) are not waited for: a client may hold one
+        place (an optimizer step holds their blocks: that ends soon) or sent out (placed
+        "nvme": their room comes back when written), wait for them rather than fail. Pins held by clients (fetches) are not waited for: a client may hold one
         as long as it likes, so the error comes at once. Gives up after
         FULL_POOL_WAIT_SECONDS."""
         if not nbytes:
@@ -692,11 +752,17 @@ class TierRegistry:
             except CpuPoolFullError:
                 with self._lock:
                     left = deadline - time.monotonic()
-                    if left <= 0 or not any(r.updating is not None for r in self._records.values()):
+                    busy = self._sending or self._leaving or any(
+                        r.updating is not None for r in self._records.values())
+                    if left <= 0 or not busy:
                         raise
                     self._unpinned.wait(min(left, 1.0))
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._leaving_ready.notify_all()
+        self._sender.join()
         self.cpu_pool.close()
         self.durable.close()
 

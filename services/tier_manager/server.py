@@ -129,8 +129,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     def _prefetch_one(self, key: str) -> None:
         try:
-            info, _ = self.registry.fetch(key)
-            self.registry.release(key, info.version)
+            self.registry.read_ahead(key)
         except TierstackError as e:
             log.warning("prefetch of %r failed: %s", key, e)
 

@@ -433,3 +433,48 @@ def test_a_full_nvme_pool_drops_nvme_copies_of_cpu_resident_tensors(tier_config)
         assert torch.equal(reg.get("a"), a) and torch.equal(reg.get("b"), b)
         durable = reg.put("c", a[:1 << 16], tier="nvme")  # durable copies are never dropped
         assert durable.on_nvme and torch.equal(reg.get("c"), a[:1 << 16])
+
+
+def _settled(reg: TierRegistry, key: str, in_cpu: bool, seconds: float = 10.0):
+    """The tensor's info once its CPU residency is `in_cpu` (the send-out is asynchronous)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        info = reg.info(key)
+        if info.in_cpu == in_cpu and reg.pending_send_outs() == 0:
+            return info
+        time.sleep(0.01)
+    raise AssertionError(f"{key}: in_cpu still {reg.info(key).in_cpu} after {seconds} s")
+
+
+def test_tensors_placed_nvme_leave_the_cpu_pool_between_uses_though_it_has_room(tier_config):
+    """DeepSpeed's max_in_cpu 0: a tensor placed "nvme" is written out and its CPU copy
+    dropped as soon as nobody holds it; a fetch brings it back for the use; a read-ahead
+    keeps it until it is used; "auto" tensors stay while the pool has room."""
+    with TierRegistry(tier_config) as reg:
+        x, y = random_tensor(11), random_tensor(12)
+        reg.put("job/placed", x, tier="cpu", placement="nvme")
+        reg.put("job/free", y, tier="cpu", placement="auto")
+        info = _settled(reg, "job/placed", in_cpu=False)
+        assert info.on_nvme and reg.info("job/free").in_cpu
+        assert bit_equal(reg.get("job/placed"), x)
+
+        fetched, buffer = reg.fetch("job/placed")  # a use: in the pool while held
+        assert reg.info("job/placed").in_cpu and bit_equal(tensor_view(reg, fetched, buffer), x)
+        time.sleep(0.2)
+        assert reg.info("job/placed").in_cpu  # never taken from under a reader
+        reg.release("job/placed", fetched.version)
+        _settled(reg, "job/placed", in_cpu=False)
+
+        reg.read_ahead("job/placed")  # a prefetch hint: stays until its use
+        time.sleep(0.2)
+        assert reg.info("job/placed").in_cpu and reg.pending_send_outs() == 0
+        fetched, _ = reg.fetch("job/placed")
+        reg.release("job/placed", fetched.version)
+        _settled(reg, "job/placed", in_cpu=False)
+
+        info, buffer = reg.begin_update("job/placed")  # a new version goes out too
+        reg.view(buffer)[:1] = b"\x07"
+        new = reg.end_update(info, changed=True)
+        assert new.version != info.version
+        assert _settled(reg, "job/placed", in_cpu=False).on_nvme
+        assert bytes(reg.get("job/placed").contiguous().view(torch.uint8).flatten().numpy()[:1]) == b"\x07"
