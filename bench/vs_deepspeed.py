@@ -34,6 +34,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from footprint import Sampler  # noqa: E402
@@ -106,7 +107,10 @@ def _batches(vocab: int, micro: int, seq: int, count: int):
     return [torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(count)]
 
 
-def run_deepspeed(args, config: dict) -> dict:
+def run_deepspeed(args, config: dict, prepare: Callable | None = None) -> dict:
+    """Train args.steps steps under DeepSpeed; `prepare(model)` runs before
+    deepspeed.initialize, once the process group exists (bench/activations.py turns
+    on checkpointing there)."""
     import deepspeed
     import torch
 
@@ -114,6 +118,8 @@ def run_deepspeed(args, config: dict) -> dict:
                       MASTER_PORT=str(args.port))
     deepspeed.init_distributed(dist_backend="nccl")
     model = _model(args.model, args.seq)
+    if prepare is not None:
+        prepare(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
     data = _batches(MODELS[args.model]["vocab_size"], args.micro, args.seq, args.steps)
@@ -132,7 +138,10 @@ def run_deepspeed(args, config: dict) -> dict:
     return {"step_s": times, "losses": losses, "gpu_peak": torch.cuda.max_memory_allocated()}
 
 
-def run_tierstack(args, config_dict: dict) -> dict:
+def run_tierstack(args, config_dict: dict, limits=None) -> dict:
+    """Train args.steps steps under tierstack; `limits` (a tierstack.budgets.MachineLimits)
+    replaces the machine's measured ceilings (bench/activations.py: an HBM budget on a
+    CPU-only machine)."""
     import torch
 
     from tierstack.budgets import default_budgets, measure
@@ -146,7 +155,7 @@ def run_tierstack(args, config_dict: dict) -> dict:
 
     device = torch.device(args.device)
     config = load_config(config_dict)
-    budgets = config.budgets.resolve(measure(args.nvme_dir, str(device)))
+    budgets = config.budgets.resolve(limits or measure(args.nvme_dir, str(device)))
     model = _model(args.model, args.seq)
     tm = config.tier_manager
     run_dir = Path(args.nvme_dir) / f"ts-{uuid.uuid4().hex[:8]}"
