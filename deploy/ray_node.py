@@ -1,11 +1,20 @@
 """The tierstack services of one Ray node, started by deploy/cluster.yaml's start commands.
 
-`tierstack ray-node --role head|worker --node-ip IP` runs this node's tier manager (and,
-on the head, the cluster's scheduler, which serves the cluster's dashboard) and stops
-them when this node's Ray stops: it watches the node's raylet, so
-`ray down`, which runs `ray stop`, stops them too. Per-node paths carry the node's IP,
-so several "nodes" can share one host (the end-to-end test runs two on loopback
-addresses), and a Ray actor finds its node's daemon from its own node IP alone.
+`tierstack ray-node --role head|worker --node-ip IP --ray-address HEAD:PORT` runs this
+node's tier manager (and, on the head, the cluster's scheduler, which serves the
+cluster's dashboard) and stops them when this node's Ray stops: it watches the node's
+raylet, so `ray down`, which runs `ray stop`, stops them too.
+
+Everything here is scoped to one cluster, named by its Ray (GCS) address, which no two
+running clusters share: the raylet watched is the one with this node's IP *and* this
+cluster's `--gcs-address` (another cluster's raylet on the same host, even with the
+same node IP, is not ours); per-node paths (sockets, configs, logs, the pid file, the
+NVMe directories) carry the cluster and the node's IP, so several nodes of one cluster
+or of several can share a host; the scheduler's port follows the cluster's Ray port.
+A Ray actor finds its node's daemon from its own node IP and its cluster's GCS address.
+Stopping touches only the children this supervisor started (never a process found by
+name). Ray's own `ray stop` is not scoped: it kills every Ray process on the host that
+the calling user may signal, whatever the cluster (deploy/cluster.yaml says more).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from tierstack.addresses import TIER_MANAGER_ENV, node_dir, node_tier_manager_address
+from tierstack.addresses import TIER_MANAGER_ENV, cluster_dir_name, node_dir, node_tier_manager_address
 from tierstack.config import config_dict, load_config
 from tierstack.errors import InvalidArgumentError
 from tierstack.service_process import ServiceProcess
@@ -26,8 +35,10 @@ from tierstack.service_process import ServiceProcess
 log = logging.getLogger(__name__)
 
 # The head's scheduler (which also serves the cluster's metrics and dashboard) listens on
-# this port of the head's address; every node's tier manager registers there.
-SCHEDULER_PORT = 6390
+# the head's address, this many ports above the cluster's Ray (GCS) port: 6390 next to
+# Ray's default 6379, and a second cluster on the same head host, which must give Ray
+# another port anyway, moves its scheduler with it. Every node's tier manager registers there.
+SCHEDULER_PORT_OFFSET = 11
 # The cluster's token and TLS certificate, in the checkout that `ray up` copies to every
 # node (git ignores it); start-node-services.sh points $TIERSTACK_SECURITY_DIR at it.
 DEFAULT_SECRETS = "deploy/secrets"
@@ -51,18 +62,37 @@ def ray_node_ip(address: str) -> str:
     return address
 
 
-def find_raylet(node_ip: str) -> int | None:
-    """Pid of the raylet of the Ray node with this IP on this host, if one runs."""
+def cluster_ray_address(ray_address: str) -> str:
+    """The cluster's Ray address as its raylets carry it (`--gcs-address`): a loopback
+    host becomes the machine's address, as `ray start --address` makes it."""
+    host, sep, port = ray_address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise InvalidArgumentError(f"Ray address {ray_address!r} is not host:port (e.g. 10.0.0.1:6379)")
+    return f"{ray_node_ip(host)}:{port}"
+
+
+def find_raylet(node_ip: str, ray_address: str) -> int | None:
+    """Pid of the raylet of the Ray node with this IP in the cluster at `ray_address`.
+
+    Both arguments match: two clusters on one host may each have a node with the same
+    IP (Ray registers any loopback node under the machine's address), but never the
+    same GCS address.
+    """
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"/raylet") and f"--node_ip_address={node_ip}".encode() in argv:
+        if entry.name.isdigit() and is_raylet_of(int(entry.name), node_ip, ray_address):
             return int(entry.name)
     return None
+
+
+def is_raylet_of(pid: int, node_ip: str, ray_address: str) -> bool:
+    """Whether process `pid` is (still) the raylet of this node and cluster: false once it
+    exited, is a zombie (its command line is empty) or the pid was reused."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    wanted = {f"--node_ip_address={node_ip}".encode(), f"--gcs-address={ray_address}".encode()}
+    return argv[0].endswith(b"/raylet") and wanted <= set(argv)
 
 
 def _alive(pid: int) -> bool:
@@ -79,12 +109,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def scheduler_address(head_ip: str) -> str:
-    return f"{head_ip}:{SCHEDULER_PORT}"
+def scheduler_address(ray_address: str) -> str:
+    """Where the cluster's scheduler listens: the head's address, next to Ray's port."""
+    head_ip, _, port = ray_address.rpartition(":")
+    return f"{head_ip}:{int(port) + SCHEDULER_PORT_OFFSET}"
 
 
-def node_tier_manager_config(config_path: str | None, node_ip: str, head_ip: str | None = None) -> dict:
-    """The node config's tier_manager section with per-node paths and this node's socket.
+def node_tier_manager_config(config_path: str | None, node_ip: str, ray_address: str) -> dict:
+    """The node config's tier_manager section with this cluster's per-node paths (NVMe
+    directories, manifest) and this node's socket.
 
     The daemon registers with the head's scheduler under the node's IP (unique even for
     nodes sharing a host). Its HTTP API stays where metrics.http_listen says (loopback by
@@ -92,13 +125,13 @@ def node_tier_manager_config(config_path: str | None, node_ip: str, head_ip: str
     cluster view can reach it when nodes are separate hosts.
     """
     tm = load_config(config_path).tier_manager
-    if head_ip:
-        tm.scheduler_address = tm.scheduler_address or scheduler_address(head_ip)
-        tm.node_id = tm.node_id or node_ip
-    tm.nvme_pool.paths = [str(Path(p) / f"node-{node_ip}") for p in tm.nvme_pool.paths]
+    tm.scheduler_address = tm.scheduler_address or scheduler_address(ray_address)
+    tm.node_id = tm.node_id or node_ip
+    cluster = cluster_dir_name(ray_address)
+    tm.nvme_pool.paths = [str(Path(p) / cluster / f"node-{node_ip}") for p in tm.nvme_pool.paths]
     if not tm.manifest_path:
         tm.manifest_path = str(Path(tm.nvme_pool.paths[0]) / "manifest.sqlite")
-    tm.listen = node_tier_manager_address(node_ip)
+    tm.listen = node_tier_manager_address(node_ip, ray_address)
     host, _, port = tm.metrics.http_listen.rpartition(":")
     if host == NODE_IP_HOST:  # beyond loopback, the daemon requires the token and TLS
         tm.metrics.http_listen = f"[{node_ip}]:{port}" if ":" in node_ip else f"{node_ip}:{port}"
@@ -110,23 +143,21 @@ class NodeServices:
     """The node's daemons as child processes (`ServiceProcess`), stopped together. Their
     configs and logs stay in the node's directory."""
 
-    def __init__(self, role: str, node_ip: str, config_path: str | None,
-                 head_ip: str | None = None) -> None:
-        self.role, self.node_ip = role, node_ip
-        self.head_ip = head_ip or (node_ip if role == "head" else None)
-        self.dir = node_dir(node_ip)
+    def __init__(self, role: str, node_ip: str, ray_address: str, config_path: str | None) -> None:
+        self.role, self.node_ip, self.ray_address = role, node_ip, ray_address
+        self.dir = node_dir(node_ip, ray_address)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config_path = config_path
         self.children: dict[str, ServiceProcess] = {}
 
     def start(self) -> None:
-        env = {TIER_MANAGER_ENV: node_tier_manager_address(self.node_ip)}
+        env = {TIER_MANAGER_ENV: node_tier_manager_address(self.node_ip, self.ray_address)}
         if self.role == "head":  # the scheduler first: the tier managers register with it
             scheduler = load_config(self.config_path).scheduler
             self._start(ServiceProcess("scheduler", "scheduler", config_dict(scheduler),
-                                       listen=scheduler_address(self.node_ip), workdir=self.dir,
-                                       env=env))
-        tm = node_tier_manager_config(self.config_path, self.node_ip, self.head_ip)
+                                       listen=scheduler_address(self.ray_address),
+                                       workdir=self.dir, env=env))
+        tm = node_tier_manager_config(self.config_path, self.node_ip, self.ray_address)
         for path in tm["nvme_pool"]["paths"]:
             Path(path).mkdir(parents=True, exist_ok=True)
         self._start(ServiceProcess("tier-manager", "tier_manager", tm, name="tier manager",
@@ -151,12 +182,12 @@ class NodeServices:
             service.stop(timeout=grace)
 
 
-def supervise(role: str, node_ip: str, config_path: str | None, head_ip: str | None = None,
+def supervise(role: str, node_ip: str, ray_address: str, config_path: str | None,
               raylet_timeout: float = 120.0) -> int:
     """Run the node's services until this node's raylet stops (or a service dies)."""
     node_ip = ray_node_ip(node_ip)
-    head_ip = ray_node_ip(head_ip) if head_ip else None
-    directory = node_dir(node_ip)
+    ray_address = cluster_ray_address(ray_address)
+    directory = node_dir(node_ip, ray_address)
     directory.mkdir(parents=True, exist_ok=True)
     pid_file = directory / "ray-node.pid"
     if pid_file.exists():
@@ -165,26 +196,29 @@ def supervise(role: str, node_ip: str, config_path: str | None, head_ip: str | N
         except ValueError:
             old = 0
         if old and _alive(old):
-            log.info("node %s's services already run (pid %d)", node_ip, old)
+            log.info("node %s's services of cluster %s already run (pid %d)", node_ip,
+                     ray_address, old)
             return 0
     deadline = time.monotonic() + raylet_timeout
-    while (raylet := find_raylet(node_ip)) is None:
+    while (raylet := find_raylet(node_ip, ray_address)) is None:
         if time.monotonic() > deadline:
-            log.error("no raylet with --node_ip_address=%s on this host after %.0f s: start Ray "
-                      "on this node first (`ray start ... --node-ip-address=%s`)",
-                      node_ip, raylet_timeout, node_ip)
+            log.error("no raylet with --node_ip_address=%s --gcs-address=%s on this host after "
+                      "%.0f s: start Ray on this node first (`ray start ... --node-ip-address=%s`, "
+                      "with --port or --address naming %s)",
+                      node_ip, ray_address, raylet_timeout, node_ip, ray_address)
             return 1
         time.sleep(POLL_SECONDS)
     pid_file.write_text(str(os.getpid()))
-    services = NodeServices(role, node_ip, config_path, head_ip)
+    services = NodeServices(role, node_ip, ray_address, config_path)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: stopping.append("SIGINT"))
     try:
         services.start()
-        log.info("node %s (%s): services up next to raylet %d", node_ip, role, raylet)
+        log.info("node %s (%s) of cluster %s: services up next to raylet %d", node_ip, role,
+                 ray_address, raylet)
         while not stopping:
-            if not _alive(raylet):
+            if not is_raylet_of(raylet, node_ip, ray_address):
                 log.info("raylet %d stopped: stopping the node's services", raylet)
                 break
             if (why := services.exited()) is not None:
@@ -197,21 +231,23 @@ def supervise(role: str, node_ip: str, config_path: str | None, head_ip: str | N
     return 0
 
 
-def wait_ready(node_ip: str, timeout: float) -> int:
+def wait_ready(node_ip: str, ray_address: str, timeout: float) -> int:
     """Wait until the node's tier manager answers; 0 when it does."""
     from tierstack.services.tier_manager.client import TierManagerClient
 
-    node_ip = ray_node_ip(node_ip)
-    client = TierManagerClient(node_tier_manager_address(node_ip), reconnect_timeout=timeout)
+    node_ip, ray_address = ray_node_ip(node_ip), cluster_ray_address(ray_address)
+    client = TierManagerClient(node_tier_manager_address(node_ip, ray_address),
+                               reconnect_timeout=timeout)
     try:
         node = client.node()
     except Exception as e:  # noqa: BLE001 - reported with the log to read
         print(f"tier manager of node {node_ip} did not answer within {timeout:.0f} s ({e}); "
-              f"see {node_dir(node_ip)}/ray-node.log and tier-manager.log", file=sys.stderr)
+              f"see {node_dir(node_ip, ray_address)}/tier-manager.log", file=sys.stderr)
         return 1
     finally:
         client.close()
-    print(f"tier manager of node {node_ip} ready (instance {node.instance_id})")
+    print(f"tier manager of node {node_ip} of cluster {ray_address} ready "
+          f"(instance {node.instance_id})")
     return 0
 
 
@@ -230,8 +266,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="head: also run the cluster scheduler; worker: the tier manager only")
     parser.add_argument("--node-ip", help="this node's Ray node IP")
     parser.add_argument("--config", help="node config JSON (its tier_manager section)")
-    parser.add_argument("--head-ip", help="the head node's IP (where the scheduler listens); "
-                                          "default: this node's on the head")
+    parser.add_argument("--ray-address", metavar="HEAD:PORT",
+                        help="the cluster's Ray (GCS) address, as `ray start --address` takes it "
+                             "(on the head: its IP and `--port`); names the cluster on this host, "
+                             "and the scheduler listens on the head next to it")
     parser.add_argument("--wait-ready", type=float, metavar="SECONDS",
                         help="only wait until the node's tier manager answers, then exit")
     parser.add_argument("--make-secrets", metavar="DIR",
@@ -242,8 +280,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.make_secrets:
         return make_secrets(args.make_secrets)
-    if not args.role or not args.node_ip:
-        raise InvalidArgumentError("ray-node needs --role and --node-ip (or --make-secrets DIR)")
+    if not args.role or not args.node_ip or not args.ray_address:
+        raise InvalidArgumentError(
+            "ray-node needs --role, --node-ip and --ray-address (or --make-secrets DIR)")
     if args.wait_ready is not None:
-        return wait_ready(args.node_ip, args.wait_ready)
-    return supervise(args.role, args.node_ip, args.config, args.head_ip)
+        return wait_ready(args.node_ip, args.ray_address, args.wait_ready)
+    return supervise(args.role, args.node_ip, args.ray_address, args.config)

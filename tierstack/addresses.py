@@ -3,7 +3,8 @@
 A service listens on a unix socket by default (one per user: only its owner can talk to
 it) or on host:port for a cluster. The defaults are per user under /tmp, or the
 address in the service's environment variable. A Ray node's services live in a
-directory named after the node's IP, so several "nodes" can share one host.
+directory named after its cluster (the cluster's Ray address) and the node's IP, so
+several "nodes", of one cluster or of several, can share one host.
 """
 
 from __future__ import annotations
@@ -57,13 +58,25 @@ def unix_socket_path(target: str) -> Path | None:
     return None
 
 
-def node_dir(node_ip: str) -> Path:
+def cluster_dir_name(ray_address: str) -> str:
+    """The name of a Ray cluster's directories on a host: its Ray (GCS) address host:port,
+    which no two running clusters share (a second cluster on the same head host must
+    take another port)."""
+    host, sep, port = ray_address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or "/" in host or host.startswith("."):
+        raise InvalidArgumentError(f"Ray address {ray_address!r} is not host:port (e.g. 10.0.0.1:6379)")
+    return f"cluster-{host}-{port}"
+
+
+def node_dir(node_ip: str, ray_address: str) -> Path:
     """A Ray node's state directory: its sockets, configs, logs, the supervisor's pid."""
     if not node_ip or "/" in node_ip or node_ip.startswith("."):
         raise InvalidArgumentError(f"node IP {node_ip!r} is not an address")
-    return user_dir() / f"node-{node_ip}"
+    return user_dir() / cluster_dir_name(ray_address) / f"node-{node_ip}"
 
 
-def node_tier_manager_address(node_ip: str) -> str:
-    """The tier manager of the Ray node with this IP (a unix socket in its node_dir)."""
-    return f"unix:{node_dir(node_ip) / 'tier-manager.sock'}"
+def node_tier_manager_address(node_ip: str, ray_address: str) -> str:
+    """The tier manager of the Ray node with this IP in the cluster at `ray_address` (a
+    unix socket in its node_dir)."""
+    return f"unix:{node_dir(node_ip, ray_address) / 'tier-manager.sock'}"

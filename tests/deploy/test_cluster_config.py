@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -65,6 +66,16 @@ def test_start_commands_are_safe_on_a_shared_host():
     assert "start-node-services.sh\" worker" in " ".join(config["worker_start_ray_commands"])
     script = (DEPLOY / "start-node-services.sh").read_text()
     assert "</dev/null >" in script and "setsid" in script
+
+
+def test_node_services_name_their_cluster_by_its_ray_port():
+    """The services' Ray address (which scopes them to this cluster) uses the head's port."""
+    config = load("cluster.yaml")
+    head, worker = config["head_start_ray_commands"], config["worker_start_ray_commands"]
+    port = re.search(r"--port=(\d+)", head[0]).group(1)
+    assert f"--address=$RAY_HEAD_IP:{port}" in worker[0]
+    assert head[1].removesuffix(" </dev/null").endswith(f"cut -d' ' -f3):{port}\"")
+    assert worker[1].removesuffix(" </dev/null").endswith(f"\"$RAY_HEAD_IP:{port}\"")
 
 
 def test_every_node_type_is_a_valid_aws_node():

@@ -30,7 +30,8 @@ def _node_config(tmp_path, shm_dir, scheduler: str = "", http_listen: str | None
 
 
 def test_a_nodes_http_api_stays_on_loopback_by_default(tmp_path, shm_dir):
-    config = node_tier_manager_config(_node_config(tmp_path, shm_dir), "10.1.2.3")
+    config = node_tier_manager_config(_node_config(tmp_path, shm_dir), "10.1.2.3",
+                                      "10.1.2.1:6379")
     assert config["metrics"]["http_listen"] == "127.0.0.1:8470"
 
 
@@ -43,7 +44,7 @@ def test_nodes_bound_to_their_ips_are_all_in_the_heads_cluster_view(tmp_path, sh
         nodes = []
         try:
             for ip in ("127.0.0.2", "127.0.0.3"):
-                section = node_tier_manager_config(shared, ip)
+                section = node_tier_manager_config(shared, ip, "127.0.0.2:6379")
                 section["node_id"] = ip
                 section["nvme_pool"]["paths"] = [str(tmp_path / f"nvme-{ip}")]
                 section["manifest_path"] = str(tmp_path / f"{ip}.sqlite")

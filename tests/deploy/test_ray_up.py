@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tierstack.addresses import SECURITY_DIR_ENV, node_dir, node_tier_manager_address as tier_manager_address
+from tierstack.addresses import SECURITY_DIR_ENV, cluster_dir_name, node_dir, node_tier_manager_address
 from tierstack.deploy.ray_node import ray_node_ip, scheduler_address
 from tierstack.rpc import security_from_dir
 from tierstack.services.tier_manager.client import TierManagerClient
@@ -71,9 +71,9 @@ def local_sshd(tmp_path_factory):
     proc.wait(timeout=30)
 
 
-def _answers(node_ip: str, timeout: float = 2.0) -> str | None:
-    """The instance id of the node's tier manager, or None if none answers."""
-    client = TierManagerClient(tier_manager_address(node_ip), reconnect_timeout=timeout)
+def _answers(node_ip: str, ray_address: str, timeout: float = 2.0) -> str | None:
+    """The instance id of the node's tier manager in that cluster, or None if none answers."""
+    client = TierManagerClient(node_tier_manager_address(node_ip, ray_address), reconnect_timeout=timeout)
     try:
         return client.node().instance_id
     except Exception:  # noqa: BLE001 - not (or no longer) running
@@ -114,18 +114,19 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
     bootstrap = [home / "ray_bootstrap_config.yaml", home / "ray_bootstrap_key.pem"]
     bootstrap_existed = [p.exists() for p in bootstrap]
     nodes = [ray_node_ip(h) for h in NODES]  # Ray names the head by the machine's address
+    cluster = f"{nodes[0]}:6379"  # the file's Ray (GCS) address, which names the cluster
     node_config = json.loads((REPO / "deploy" / "node.json").read_text())["tier_manager"]
-    drives = [Path(p) / f"node-{n}" for p in node_config["nvme_pool"]["paths"] for n in nodes]
+    drives = [Path(p) / cluster_dir_name(cluster) for p in node_config["nvme_pool"]["paths"]]
     drives = [d for d in drives if not d.exists()]  # the nodes' NVMe pools this test creates
     try:
         up = _run([RAY, "up", "-y", "--no-config-cache", cluster_yaml], env, 420, tmp_path / "up.log")
         assert up.returncode == 0, up.stdout[-4000:]
         deadline = time.monotonic() + 300  # the head's autoscaler launches the worker node
-        while not all(_answers(n) for n in nodes):
+        while not all(_answers(n, cluster) for n in nodes):
             assert time.monotonic() < deadline, (
-                f"tier managers up: {[n for n in nodes if _answers(n)]} of {nodes}")
+                f"tier managers up: {[n for n in nodes if _answers(n, cluster)]} of {nodes}")
             time.sleep(3)
-        _check_registered_with_the_scheduler(nodes)
+        _check_registered_with_the_scheduler(nodes, cluster)
 
         train = _run([TIERSTACK, "train", "--address", f"{nodes[0]}:6379", "--ranks", "2",
                       "--placement", "STRICT_SPREAD", "--steps", "3", "--layers", "2", "--dim", "32",
@@ -137,7 +138,7 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
         placed = {cell.strip() for row in rows for cell in row.split("│")[2:3]}
         assert placed == set(nodes), rows  # one rank per node
         for node in nodes:  # each rank kept its shards with its own node's tier manager
-            client = TierManagerClient(tier_manager_address(node), reconnect_timeout=10)
+            client = TierManagerClient(node_tier_manager_address(node, cluster), reconnect_timeout=10)
             try:
                 assert client.stats().tensors > 0, node
             finally:
@@ -153,18 +154,19 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
             Path(f"/tmp/ray/cluster-{name}.{suffix}").unlink(missing_ok=True)
     assert down.returncode == 0, down.stdout[-4000:]
     deadline = time.monotonic() + 90  # `ray stop` stopped the raylets; the services follow
-    while any(_answers(n, 1.0) or (node_dir(n) / "ray-node.pid").exists() for n in nodes):
-        assert time.monotonic() < deadline, [n for n in nodes if _answers(n, 1.0)]
+    while any(_answers(n, cluster, 1.0) or (node_dir(n, cluster) / "ray-node.pid").exists()
+              for n in nodes):
+        assert time.monotonic() < deadline, [n for n in nodes if _answers(n, cluster, 1.0)]
         time.sleep(2)
     for drive in drives:
         shutil.rmtree(drive, ignore_errors=True)
 
 
-def _check_registered_with_the_scheduler(nodes: list[str]) -> None:
+def _check_registered_with_the_scheduler(nodes: list[str], cluster: str) -> None:
     """Each node's tier manager registered with the head's scheduler, under its node IP."""
     from tierstack.services.scheduler.client import SchedulerClient
 
-    client = SchedulerClient(scheduler_address(nodes[0]),
+    client = SchedulerClient(scheduler_address(cluster),
                              security=security_from_dir(REPO / "deploy" / "secrets"))
     try:
         deadline = time.monotonic() + 60

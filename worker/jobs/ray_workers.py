@@ -6,7 +6,8 @@ each when the cluster has enough, else a CPU: the tests' CPU-only actors), start
 free port there as MASTER_ADDR/PORT), and runs `partitioned_job.run_rank` in all of
 them at once. Each actor talks to its own node's tier manager: the one `tierstack
 ray-node` runs next to the node's raylet (deploy/cluster.yaml), found from the actor's
-node IP, unless the caller passes one address for all (a single machine).
+node IP and its cluster's GCS address (another cluster may have a node on the same host),
+unless the caller passes one address for all (a single machine).
 
 Why actors with our own process group rather than Ray Train's TorchTrainer: the rank
 code must also run where there is no Ray (the GPU machine: torchrun or the plain
@@ -46,7 +47,8 @@ class RankActor:
 
     def run(self, env: RankEnv, spec: PartitionedSpec) -> RankResult:
         if spec.tier_manager is None and spec.embedded is None:
-            spec.tier_manager = node_tier_manager_address(ray.util.get_node_ip_address())
+            spec.tier_manager = node_tier_manager_address(ray.util.get_node_ip_address(),
+                                                          ray.get_runtime_context().gcs_address)
         result = run_rank(env, spec)
         result.node = ray.util.get_node_ip_address()
         return result
