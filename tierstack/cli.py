@@ -107,7 +107,7 @@ def _tier_manager(args: argparse.Namespace) -> int:
     if args.http_listen is not None:
         config.metrics.http_listen = args.http_listen
     config.validate()
-    serve(config, loaded.security, recover=args.recover)
+    serve(config, loaded.security, recover=args.recover, parent_pid=args.exit_with_parent)
     return 0
 
 
@@ -120,8 +120,15 @@ def _scheduler(args: argparse.Namespace) -> int:
     if args.listen:
         config.listen = args.listen
     config.validate()
-    serve(config, loaded.security)
+    serve(config, loaded.security, parent_pid=args.exit_with_parent)
     return 0
+
+
+def _exit_with_parent_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--exit-with-parent", metavar="PID", type=int,
+                        help="shut down once process PID (the one that started the daemon) "
+                             "is gone; tierstack's embedded daemons and Ray nodes' services "
+                             "are started so")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -200,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--recover", action="store_true",
                     help="rebuild a lost or corrupt manifest from the NVMe data (every extent "
                          "describes itself), keeping the old one aside, then serve")
+    _exit_with_parent_flag(tm)
     tm.set_defaults(func=_tier_manager)
 
     sched = sub.add_parser("scheduler", help="run the cluster scheduler (gRPC): plans from traces and bandwidth",
@@ -207,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--config", help="tierstack JSON config (its scheduler section)")
     sched.add_argument("--listen", help="unix:/path/to.sock (default: $TIERSTACK_SCHEDULER or a "
                                         "per-user socket under /tmp) or host:port")
+    _exit_with_parent_flag(sched)
     sched.set_defaults(func=_scheduler)
 
     jobs = sub.add_parser("jobs", help="list the jobs a tier manager keeps state for, or delete one's",

@@ -615,8 +615,14 @@ class RpcClient:
 
 # ---- the daemon's life ------------------------------------------------------------------------
 
-def serve_until_signalled(daemon, banner: Callable[[], list[str]], stop_timeout: float = 90.0) -> None:
-    """Start `daemon`, print `banner()`'s lines, and stop it on SIGTERM or SIGINT.
+PARENT_POLL_SECONDS = 1.0  # how soon a daemon notices that the process it serves is gone
+
+
+def serve_until_signalled(daemon, banner: Callable[[], list[str]], stop_timeout: float = 90.0,
+                          parent_pid: int | None = None) -> None:
+    """Start `daemon`, print `banner()`'s lines, and stop it on SIGTERM or SIGINT, or,
+    given `parent_pid`, once that process (the one that started it) is gone: a job
+    killed with SIGKILL leaves no embedded daemon behind.
 
     A stop that takes longer than `stop_timeout` seconds (a request stuck in a bug) ends
     the process anyway, with a log line: a SIGTERM must always end the daemon, and what
@@ -632,7 +638,11 @@ def serve_until_signalled(daemon, banner: Callable[[], list[str]], stop_timeout:
     daemon.start()
     for line in banner():
         print(line, flush=True)
-    stop_requested.wait()
+    while not stop_requested.wait(PARENT_POLL_SECONDS if parent_pid else None):
+        if os.getppid() != parent_pid:  # reparented: the starter exited without stopping us
+            log.warning("the process that started this daemon (pid %d) is gone: shutting down",
+                        parent_pid)
+            break
 
     def force_exit() -> None:
         log.error("the daemon did not stop within %.0f s of the signal; exiting without the "

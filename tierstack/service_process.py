@@ -66,8 +66,10 @@ class ServiceProcess:
         self.config_path.write_text(json.dumps(document))
         with open(self.log_path, "a") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
+                # It dies with us: a job or supervisor killed with SIGKILL leaves no daemon.
                 [sys.executable, "-m", "tierstack.cli", self.command, "--config",
-                 str(self.config_path), "--listen", self.address, *self.args],
+                 str(self.config_path), "--listen", self.address,
+                 "--exit-with-parent", str(os.getpid()), *self.args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir,
                 env=None if self.env is None else {**os.environ, **self.env})
         try:

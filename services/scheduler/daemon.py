@@ -61,8 +61,10 @@ class SchedulerDaemon:
         log.info("scheduler stopped")
 
 
-def serve(config: SchedulerConfig, security: SecurityConfig | None = None) -> None:
-    """Run the scheduler in the foreground until SIGTERM or SIGINT."""
+def serve(config: SchedulerConfig, security: SecurityConfig | None = None,
+          parent_pid: int | None = None) -> None:
+    """Run the scheduler in the foreground until SIGTERM or SIGINT (or until process
+    `parent_pid` is gone)."""
     os.umask(0o077)  # everything the daemon creates is its user's alone
     daemon = SchedulerDaemon(config, security=security)
 
@@ -71,4 +73,5 @@ def serve(config: SchedulerConfig, security: SecurityConfig | None = None) -> No
         return [f"scheduler listening on {daemon.target}"] + (
             [f"cluster metrics and dashboard on {url}/dashboard/"] if url else [])
 
-    serve_until_signalled(daemon, banner, stop_timeout=config.shutdown_grace_seconds + 60)
+    serve_until_signalled(daemon, banner, stop_timeout=config.shutdown_grace_seconds + 60,
+                          parent_pid=parent_pid)

@@ -94,9 +94,10 @@ class TierManagerDaemon:
 
 
 def serve(config: TierManagerConfig, security: SecurityConfig | None = None,
-          recover: bool = False) -> None:
-    """Run the daemon in the foreground until SIGTERM or SIGINT. With `recover`, first
-    rebuild the manifest from the NVMe data (durable.py: DurableCopies.rebuild)."""
+          recover: bool = False, parent_pid: int | None = None) -> None:
+    """Run the daemon in the foreground until SIGTERM or SIGINT (or until process
+    `parent_pid` is gone). With `recover`, first rebuild the manifest from the NVMe data
+    (durable.py: DurableCopies.rebuild)."""
     from tierstack.doctor import log_checks
 
     os.umask(0o077)  # everything the daemon creates is its user's alone
@@ -108,4 +109,5 @@ def serve(config: TierManagerConfig, security: SecurityConfig | None = None,
         return [f"tier manager listening on {daemon.target}"] + (
             [f"metrics and dashboard on {url}/dashboard/"] if url else [])
 
-    serve_until_signalled(daemon, banner, stop_timeout=config.shutdown_grace_seconds + 60)
+    serve_until_signalled(daemon, banner, stop_timeout=config.shutdown_grace_seconds + 60,
+                          parent_pid=parent_pid)

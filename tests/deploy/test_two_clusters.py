@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from tierstack.addresses import SECURITY_DIR_ENV, cluster_dir_name, node_dir, node_tier_manager_address
+from tests.deploy.test_ray_up import _answers
+from tierstack.addresses import SECURITY_DIR_ENV, cluster_dir_name, node_dir
 from tierstack.deploy.ray_node import scheduler_address
 from tierstack.rpc import security_from_dir, write_secrets
 from tierstack.services.scheduler.client import SchedulerClient
-from tierstack.services.tier_manager.client import TierManagerClient
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_IP = "127.0.0.2"
@@ -104,14 +104,7 @@ class Cluster:
         assert commands == ["scheduler", "tier-manager"], commands
 
     def tier_manager_id(self, timeout: float = 5.0) -> str | None:
-        client = TierManagerClient(node_tier_manager_address(NODE_IP, self.ray_address),
-                                   reconnect_timeout=timeout)
-        try:
-            return client.node().instance_id
-        except Exception:  # noqa: BLE001 - not (or no longer) running
-            return None
-        finally:
-            client.close()
+        return _answers(NODE_IP, self.ray_address, timeout)
 
     def scheduler_nodes(self, security) -> list[str]:
         client = SchedulerClient(scheduler_address(self.ray_address), timeout=10.0, security=security)

@@ -246,3 +246,49 @@ def test_a_lease_never_committed_is_freed_after_its_timeout(tmp_path, shm_dir):
             client.release("pinned", res.info.version)
     finally:
         daemon.kill()
+
+
+def test_embedded_daemons_die_with_the_job_that_started_them(daemon_config, tmp_path, shm_dir):
+    """A job killed with SIGKILL (no clean-up runs) leaves no tier manager or scheduler
+    behind: they notice their starter is gone and shut down, arenas and socket removed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    job = subprocess.Popen([sys.executable, "-c", f"""
+import json, sys, time
+from tierstack.config import load_config
+from tierstack.services.scheduler.embedded import EmbeddedScheduler
+from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+tm = load_config(json.load(open({str(daemon_config)!r}))).tier_manager
+with EmbeddedScheduler() as scheduler, EmbeddedTierManager(tm) as daemon:
+    print(json.dumps([scheduler.proc.pid, daemon.proc.pid, daemon.address]), flush=True)
+    time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        scheduler_pid, daemon_pid, address = json.loads(job.stdout.readline())
+        client = TierManagerClient(address)
+        arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
+        write(client, arenas, "job/x", torch.ones(1 << 20, dtype=torch.uint8), durable=False)
+        assert client.node().arenas  # serving, an arena made
+        arenas.close()
+        client.close()
+        job.kill()
+        job.wait()
+    finally:
+        job.kill()
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # A zombie of ours would still answer signal 0; these were reparented to init.
+        return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
+
+    deadline = time.monotonic() + 60
+    while not (gone(scheduler_pid) and gone(daemon_pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert gone(scheduler_pid) and gone(daemon_pid), "an embedded daemon outlived its job"
+    assert not any(p.name.startswith("tierstack-arena-") for p in shm_dir.iterdir())
