@@ -388,6 +388,35 @@ class ShardedLayerStore:
         self.all_reduce_mean_([t])
         return float(t.item())
 
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's `values` (the same count on each), in rank order (a collective)."""
+        def op() -> list[list[int]]:
+            mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+            every = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=self.device)
+            _all_gather(every, mine, group=self.group)
+            return every.view(self.world, -1).tolist()
+
+        return self._collective(op).result()
+
+    def all_to_all(self, data: torch.Tensor, sent: Sequence[int], received: Sequence[int]
+                   ) -> torch.Tensor:
+        """Send `data`'s consecutive pieces of `sent[s]` elements to each rank s; return the
+        pieces of `received[r]` elements every rank r sent here, one after the other in rank
+        order (a collective; 1-D tensors)."""
+        before = self._after_caller()
+
+        def op() -> torch.Tensor:
+            self._comm_wait(before)
+            if self.cuda:
+                data.record_stream(self._comm_stream)
+            out = torch.empty(sum(received), dtype=data.dtype, device=data.device)
+            dist.all_to_all_single(out, data, list(received), list(sent), group=self.group)
+            return out
+
+        out = self._collective(op).result()
+        self._comm_done()
+        return out
+
     def barrier(self) -> None:
         """Wait for every rank to get here (queued behind this rank's collectives)."""
         self._collective(lambda: dist.barrier(group=self.group)).result()

@@ -74,6 +74,12 @@ class PartitionedSpec:
     resume: bool = False          # continue from checkpoint_dir's state up to `steps`
     export: str = ""              # a directory for safetensors weights (from_pretrained)
     cpu_threads: int = 0          # torch intra-op threads per rank on the CPU; 0: torch's default
+    activation_policy: str = "auto"
+    """train.activations.policy of the ranks' engines ("auto" here, with no HBM budget given:
+    every block recomputed from its input on the device)."""
+    partition_activations: bool = False
+    """train.activations.partition: spread the inputs sent to the tier managers ("cpu",
+    "nvme") over the ranks' nodes (worker/partitioned_stash.py)."""
 
 
 @dataclass
@@ -205,7 +211,8 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
     try:
         engine = ShardedEngine(model, store, spec.optimizer, blocks_attr=blocks_attr,
                                prefetch_depth=spec.prefetch_depth, precision=spec.precision,
-                               initialize=initialize)
+                               initialize=initialize, activation_policy=spec.activation_policy,
+                               partition_activations=spec.partition_activations)
         start = _resume(spec, engine) if spec.resume else 0
 
         def save(step: int) -> None:
