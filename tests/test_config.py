@@ -121,7 +121,8 @@ def test_deepspeed_partition_activations_is_train_activations_partition():
     activations = load_config(data).train.activations
     assert (activations.policy, activations.partition) == ("cpu", True)
     data["activation_checkpointing"] = {"partition_activations": "yes"}
-    with pytest.raises(ConfigError, match="activation_checkpointing.partition_activations: expected true or false"):
+    with pytest.raises(ConfigError, match="^activation_checkpointing.partition_activations: "
+                                          "expected true or false"):
         load_config(data)
     assert load_config(DEEPSPEED_NVME).train.activations.partition is False
     with pytest.raises(ConfigError, match=r"^train.activations.partition .*policy 'recompute'"):

@@ -1,7 +1,8 @@
 """Partitioned activation checkpoints (train.activations.partition): 2 data-parallel ranks,
-each with its own tier-manager daemon, the second's CPU pool three times the first's.
+each with its own tier-manager daemon, the second's pool (CPU for policy "cpu", NVMe for
+"nvme") three times the first's.
 
-Each rank's stashed block inputs are spread over both daemons in proportion to their
+Each rank's stashed block inputs are spread over both daemons in proportion to those
 pools, so the small node holds half of what it held with each rank's inputs at home;
 training is bit for bit what it is without partitioning (only where the bytes wait
 changes), and nothing is left with either daemon after a step. Real processes joined by
@@ -20,7 +21,8 @@ from tierstack.worker.partitioned_stash import shares
 
 GPT = GPTConfig(vocab_size=256, seq_len=32, dim=64, heads=4, layers=4)
 ROWS, STEPS = 4, 3  # global batch: 2 rows per rank
-POOL_MIB = (2, 6)   # rank 0's and rank 1's CPU pools
+# Rank 0's and rank 1's pools in MiB, (CPU, NVMe), per policy: the policy's pool differs.
+POOLS_MIB = {"cpu": ((2, 256), (6, 256)), "nvme": ((2, 256), (2, 768))}
 
 
 def test_shares_cut_every_byte_once_in_proportion():
@@ -36,9 +38,10 @@ def test_partition_with_inputs_kept_on_the_device_is_refused_by_name():
     ActivationConfig(policy="nvme", partition=True).validate("train.activations")
 
 
-def _rank(env, out_dir: str) -> None:
-    """Train the same GPT twice on this rank, inputs to the CPU pool, without and with
-    partitioning; record losses, the peak bytes of inputs its daemon held, what was left."""
+def _rank(env, out_dir: str, policy: str) -> None:
+    """Train the same GPT twice on this rank, inputs to the tier manager by `policy`,
+    without and with partitioning; record losses, the peak bytes of inputs its daemon
+    held, what was left."""
     import tempfile
 
     from tierstack.config import load_config
@@ -46,13 +49,15 @@ def _rank(env, out_dir: str) -> None:
     from tierstack.worker.distributed import init_process_group
     from tierstack.worker.engine import materialize
     from tierstack.worker.jobs.gpt import build_gpt
-    from tierstack.worker.jobs.partitioned_job import global_batches, PartitionedSpec, rank_slice
+    from tierstack.worker.jobs.partitioned_job import PartitionedSpec, global_batches, rank_slice
     from tierstack.worker.sharded_engine import ShardedEngine
     from tierstack.worker.sharded_store import ShardedLayerStore
 
     torch.set_num_threads(1)
     init_process_group(env, torch.device("cpu"))
-    tm = load_config({"tier_manager": small_embedded_node(size_mib=POOL_MIB[env.rank])}).tier_manager
+    cpu_mib, nvme_mib = POOLS_MIB[policy][env.rank]
+    tm = load_config({"tier_manager": small_embedded_node(size_mib=cpu_mib)}).tier_manager
+    tm.nvme_pool.size = nvme_mib * MiB
     tm.nvme_pool.paths = [tempfile.mkdtemp(prefix=f"partact-rank{env.rank}-")]
     tm.manifest_path = ""
     out = {}
@@ -63,9 +68,10 @@ def _rank(env, out_dir: str) -> None:
             store = ShardedLayerStore(f"partact-{partition}", device="cpu", device_budget=64 << 20,
                                       address=daemon.address, durable=False)
             engine = ShardedEngine(model, store, OptimizerConfig(lr=1e-3), initialize=materialize,
-                                   activation_policy="cpu", partition_activations=partition)
+                                   activation_policy=policy, partition_activations=partition)
             stash = engine.blocks.stash
-            batches = global_batches(PartitionedSpec(gpt=GPT, global_batch=ROWS, seed=1, data="random"))
+            spec = PartitionedSpec(gpt=GPT, global_batch=ROWS, seed=1, data="random")
+            batches = global_batches(spec)
             losses, left = [], []
             for _ in range(STEPS):
                 x, y = next(batches)
@@ -81,16 +87,17 @@ def _rank(env, out_dir: str) -> None:
                         pass
             out[partition] = {"losses": losses, "peak": stash.peak_bytes_held, "left": left,
                               "live": stash.live(), "stash": type(stash).__name__,
-                              "cpu_capacity": store.client.node().cpu_capacity}
+                              "capacity": getattr(store.client.node(), f"{policy}_capacity")}
             engine.close()
             store.close()
     torch.distributed.destroy_process_group()
     torch.save(out, f"{out_dir}/rank{env.rank}.pt")
 
 
-def test_two_ranks_spread_their_inputs_by_pool_and_train_bit_for_bit_alike(tmp_path):
+@pytest.mark.parametrize("policy", ["cpu", "nvme"])
+def test_two_ranks_spread_their_inputs_by_pool_and_train_bit_for_bit_alike(tmp_path, policy):
     from tierstack.worker.distributed import launch_local
-    launch_local(_rank, 2, str(tmp_path))
+    launch_local(_rank, 2, str(tmp_path), policy)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     input_bytes = (ROWS // 2) * GPT.seq_len * GPT.dim * 4  # one block's fp32 input per rank
     for r in ranks:
@@ -102,7 +109,7 @@ def test_two_ranks_spread_their_inputs_by_pool_and_train_bit_for_bit_alike(tmp_p
         for run in (off, on):  # released as each block's backward ended, on both daemons
             assert run["left"] == [0] * STEPS and run["live"] == []
     assert ranks[0][True]["losses"] == ranks[1][True]["losses"]  # the global batch's mean
-    small, large = ranks[0][True]["cpu_capacity"], ranks[1][True]["cpu_capacity"]
+    small, large = ranks[0][True]["capacity"], ranks[1][True]["capacity"]
     assert large == 3 * small
     # The small node holds a quarter of each rank's inputs (half of its own before), the
     # large one three quarters; no byte is lost or doubled.
