@@ -97,6 +97,7 @@ class ShardedLayerStore:
         self._early_writes: list[tuple] = []  # writes for a layer not laid out yet
         self.bytes_gathered = 0  # bytes received from the other ranks by all-gathers
         self.bytes_reduced = 0   # gradient bytes this rank sent into reduce-scatters
+        self.bytes_exchanged = 0  # bytes this rank sent to the others by all-to-alls
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -411,6 +412,7 @@ class ShardedLayerStore:
                 data.record_stream(self._comm_stream)
             out = torch.empty(sum(received), dtype=data.dtype, device=data.device)
             dist.all_to_all_single(out, data, list(received), list(sent), group=self.group)
+            self.bytes_exchanged += (sum(sent) - sent[self.rank]) * data.element_size()
             return out
 
         out = self._collective(op).result()

@@ -115,3 +115,16 @@ def test_two_ranks_spread_their_inputs_by_pool_and_train_bit_for_bit_alike(tmp_p
     # large one three quarters; no byte is lost or doubled.
     assert ranks[0][True]["peak"] == ranks[0][False]["peak"] // 2
     assert ranks[1][True]["peak"] == 3 * ranks[1][False]["peak"] // 2
+
+
+def test_a_spec_turns_it_on():
+    """PartitionedSpec (what `tierstack train --ranks` and torchrun run) passes the policy and
+    partition to the ranks' engines: with equal daemons, half of each block's input goes to
+    the other rank at its forward and comes back before its backward."""
+    from tierstack.worker.jobs.partitioned_job import PartitionedSpec, launch_partitioned
+    spec = PartitionedSpec(gpt=GPT, steps=2, global_batch=ROWS, seed=1, data="random", device="cpu",
+                           cpu_threads=1, embedded=small_embedded_node(size_mib=2),
+                           activation_policy="cpu", partition_activations=True)
+    input_bytes = (ROWS // 2) * GPT.seq_len * GPT.dim * 4
+    for rank in launch_partitioned(spec, 2):
+        assert [s.exchanged for s in rank.steps] == [GPT.layers * input_bytes] * spec.steps

@@ -91,6 +91,7 @@ class StepFigures:
     nvme_read: int       # bytes its tier manager read from NVMe (its own daemon only)
     nvme_written: int    # bytes its tier manager wrote to NVMe
     gathered: int        # bytes received from the other ranks by all-gathers
+    exchanged: int = 0   # stashed-input bytes sent to the other ranks (partitioned activations)
 
 
 @dataclass
@@ -232,7 +233,7 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
             node = store.client.stats()
             return {"cpu_pool_read": store.local.bytes_read, "cpu_pool_written": store.local.bytes_written,
                     "nvme_read": node.nvme_bytes_read, "nvme_written": node.nvme_bytes_written,
-                    "gathered": store.bytes_gathered}
+                    "gathered": store.bytes_gathered, "exchanged": store.bytes_exchanged}
 
         steps = [StepFigures(r.loss, r.seconds, **{k: int(v) for k, v in r.moved.items()})
                  for r in run_steps(engine.train_step, batches, device, spec.steps - start,
