@@ -114,6 +114,21 @@ def test_bad_or_contradictory_deepspeed_keys_are_named(change, message):
         load_config(data)
 
 
+def test_deepspeed_partition_activations_is_train_activations_partition():
+    import copy
+    data = copy.deepcopy(DEEPSPEED_NVME)
+    data["activation_checkpointing"] = {"partition_activations": True, "cpu_checkpointing": True}
+    activations = load_config(data).train.activations
+    assert (activations.policy, activations.partition) == ("cpu", True)
+    data["activation_checkpointing"] = {"partition_activations": "yes"}
+    with pytest.raises(ConfigError, match="^activation_checkpointing.partition_activations: "
+                                          "expected true or false"):
+        load_config(data)
+    assert load_config(DEEPSPEED_NVME).train.activations.partition is False
+    with pytest.raises(ConfigError, match=r"^train.activations.partition .*policy 'recompute'"):
+        load_config({"train": {"activations": {"policy": "recompute", "partition": True}}})
+
+
 def test_amsgrad_and_maximize_false_are_plain_adamw():
     import copy
     data = copy.deepcopy(DEEPSPEED_NVME)

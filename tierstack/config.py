@@ -424,11 +424,26 @@ class ActivationConfig:
     block's input goes to the tier manager's CPU pool or NVMe during the forward, comes
     back in reverse order for the backward, and is deleted once that block's backward is
     done; never durable)."""
+    partition: bool = False
+    """Partitioned (data-parallel) jobs: spread the block inputs that go to the tier
+    manager (policy 'cpu', 'nvme', or 'auto' where the placement sends them there) over
+    the ranks' tier managers, each node holding a share proportional to its pool, instead
+    of each rank's inputs all on its own node (DeepSpeed's partition_activations; see
+    worker/partitioned_stash.py). One rank keeps them whole."""
 
     def validate(self, prefix: str) -> None:
         if self.policy not in ACTIVATION_POLICIES:
             raise ConfigError(f"{prefix}.policy: {self.policy!r} is not one of "
                               f"{', '.join(ACTIVATION_POLICIES)}")
+        if not isinstance(self.partition, bool):
+            raise ConfigError(f"{prefix}.partition: expected true or false, got {self.partition!r}")
+        if self.partition and self.policy in ("keep", "recompute"):
+            raise ConfigError(
+                f"{prefix}.partition spreads the block inputs kept by the tier managers over "
+                f"the ranks' nodes, and {prefix}.policy {self.policy!r} keeps them on each "
+                f"rank's device, where data-parallel ranks hold different inputs (each device "
+                f"keeping 1/N of every rank's would hold as many bytes); set policy to 'cpu', "
+                f"'nvme' or 'auto', or partition to false")
 
 
 DEVICE_BUDGET_LAYERS = 3

@@ -8,8 +8,13 @@ Anything else is an unknown key.
 
 `activation_checkpointing` becomes train.activations: `cpu_checkpointing` true sends every
 recomputed block's input to the CPU pool; `number_checkpoints` and the buffer knobs size
-DeepSpeed's own buffer (decided here); `partition_activations` is accepted, each rank
-keeping its own inputs whole (logged).
+DeepSpeed's own buffer (decided here); `partition_activations` is train.activations.partition.
+DeepSpeed splits a checkpoint over model-parallel ranks, which hold the same activation
+(and without a model-parallel group keeps it whole); tierstack's ranks are data-parallel,
+each with its own micro-batch's inputs, so there it spreads the inputs sent to the tier
+manager over the ranks' nodes in proportion to their pools (worker/partitioned_stash.py).
+Inputs kept on the device (no cpu_checkpointing, and an HBM budget that holds them) stay
+whole, as DeepSpeed's do without model parallelism; one rank keeps everything whole.
 
 Offload sections: `device` (none, cpu, nvme) and `nvme_path` in both; `buffer_count`,
 `buffer_size` and `max_in_cpu` of offload_param mean what they mean in DeepSpeed (see
@@ -246,10 +251,11 @@ def translate_deepspeed(ds: dict) -> dict:
 def _activation_checkpointing(section: Any, decided: list[str]) -> dict:
     """train.activations from DeepSpeed's activation_checkpointing: cpu_checkpointing true
     puts every recomputed block's input in the CPU pool (policy "cpu"); false leaves the
-    choice to the HBM budget ("auto": keep, recompute, or inputs to the tier manager)."""
+    choice to the HBM budget ("auto": keep, recompute, or inputs to the tier manager).
+    partition_activations is train.activations.partition (see the module docstring)."""
     key = "activation_checkpointing"
     section = _section(section, key, '{"cpu_checkpointing": true}')
-    policy = "auto"
+    policy, partition = "auto", False
     for name, value in section.items():
         full = f"{key}.{name}"
         if _screened(full, decided):
@@ -267,14 +273,11 @@ def _activation_checkpointing(section: Any, decided: list[str]) -> dict:
         elif name == "partition_activations":
             if not isinstance(value, bool):
                 raise ConfigError(f"{full}: expected true or false, got {value!r}")
-            if value:
-                log.warning("%s: each rank keeps its own micro-batch's block inputs whole (they "
-                            "are not split across data-parallel ranks); with cpu_checkpointing "
-                            "they leave the device all the same", full)
+            partition = value
         else:
             raise ConfigError(f"unknown DeepSpeed key {full}; "
                               f"{suggest(name, _CHECKPOINTING_KEYS, key + '.')}")
-    return {"policy": policy}
+    return {"policy": policy, "partition": partition}
 
 
 def _optimizer(section: Any) -> dict:

@@ -34,6 +34,8 @@ class StashedInput:
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
+    stored_nbytes: int
+    """Bytes this rank's tier manager holds for it (all of it, unless partitioned)."""
 
     @property
     def nbytes(self) -> int:
@@ -51,18 +53,30 @@ class ActivationStash:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-activations")
         self._count = 0
         self.bytes_written = 0
+        self.bytes_held = 0  # bytes of live inputs with this rank's tier manager now
+        self.peak_bytes_held = 0
 
     def put(self, index: int, x: torch.Tensor, placement: str) -> StashedInput:
         """Store block `index`'s input `x` in the tier manager (`placement`: cpu, nvme, auto)."""
-        entry = StashedInput(self.store.key(index, f"activation.{self._count}"), tuple(x.shape),
-                             x.dtype, x.device, x.requires_grad)
-        self._count += 1
         flat = x.detach().contiguous().view(-1).view(torch.uint8)
-        self.store.session.write(entry.key, flat.numel(), lambda block: block.copy_(flat),
-                                 durable=False, placement=placement)
-        self.bytes_written += flat.numel()
-        self._live.append(entry)
+        entry = StashedInput(self._next_key(index), tuple(x.shape), x.dtype, x.device,
+                             x.requires_grad, flat.numel())
+        self._keep(entry, flat, placement)
         return entry
+
+    def _next_key(self, index: int) -> str:
+        key = self.store.key(index, f"activation.{self._count}")
+        self._count += 1
+        return key
+
+    def _keep(self, entry: StashedInput, data: torch.Tensor, placement: str) -> None:
+        """Write `data` (this tier manager's bytes of `entry`) and count `entry` live."""
+        self.store.session.write(entry.key, data.numel(), lambda block: block.copy_(data),
+                                 durable=False, placement=placement)
+        self.bytes_written += data.numel()
+        self.bytes_held += data.numel()
+        self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
+        self._live.append(entry)
 
     def take(self, entry: StashedInput) -> torch.Tensor:
         """`entry`'s tensor back on its device; starts reading the input stored before it."""
@@ -76,6 +90,7 @@ class ActivationStash:
     def release(self, entry: StashedInput) -> None:
         """Delete `entry` from the tier manager: its block's backward is done."""
         self._live.remove(entry)
+        self.bytes_held -= entry.stored_nbytes
         future = self._reads.pop(entry.key, None)
         if future is not None:
             future.exception()  # the read ends before its key goes

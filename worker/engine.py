@@ -19,7 +19,9 @@ fp16 would also need loss scaling and is refused.
 
 Activations: `activation_policy` (train.activations.policy) says what each offloaded block
 keeps for its backward: everything ("keep"), its input on the device ("recompute"), its
-input with the tier manager ("cpu", "nvme"), or whatever the placement decides ("auto").
+input with the tier manager ("cpu", "nvme"), or whatever the placement decides ("auto");
+with `partition_activations` a partitioned engine spreads the inputs it sends to the tier
+manager over the ranks' tier managers (ShardedEngine, worker/partitioned_stash.py).
 
 `train_step` overlaps the optimizer with the backward: each block's AdamW step starts
 in the tier manager as soon as its gradients are stored. With gradient clipping the
@@ -39,12 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from tierstack.budgets import Budgets, default_budgets, measure
-from tierstack.config import OptimizerConfig, TrainConfig
+from tierstack.config import ActivationConfig, OptimizerConfig, TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
 from tierstack.services.tier_manager.types import NodeInfo
-from tierstack.tiers import (ACTIVATION_POLICIES, AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS, NVME,
-                             BlockTier)
+from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS, NVME, BlockTier
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.placement import BlockPlacement, DeviceFootprint, SavedBytes, place_blocks
@@ -164,7 +165,7 @@ class OffloadEngine:
                  gradient_accumulation_steps: int = 1, buffer_size: int = 0,
                  budgets: Budgets | None = None, may_be_resident: list[bool] | None = None,
                  initialize: Callable[[torch.nn.Module, torch.device], None] = materialize,
-                 activation_policy: str = AUTO) -> None:
+                 activation_policy: str = AUTO, partition_activations: bool = False) -> None:
         """`tiers`: each block's tier (default "auto"); `state_tiers`: the tier of each
         offloaded block's gradients and optimizer state (default: its `tiers` entry).
         `buffer_size`: the most elements a tensor of an offloaded block may have (0: any).
@@ -175,7 +176,10 @@ class OffloadEngine:
         device, one block at a time, then the rest of the model (default: `materialize`;
         a Hugging Face model brings its own init or its weights).
         `activation_policy`: what each offloaded block keeps for its backward
-        (tierstack.tiers.ACTIVATION_POLICIES; "auto": the placement decides)."""
+        (tierstack.tiers.ACTIVATION_POLICIES; "auto": the placement decides).
+        `partition_activations` (train.activations.partition): spread the inputs that go to
+        the tier manager over the ranks' tier managers (worker/partitioned_stash.py); one
+        rank has nothing to spread them over and keeps them whole."""
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision {precision!r} is not supported by the engine; "
                               f"use one of {', '.join(PRECISIONS)} (fp16 needs loss scaling)")
@@ -198,9 +202,7 @@ class OffloadEngine:
             if len(given) != len(block_list) or any(t not in BLOCK_TIERS for t in given):
                 raise ConfigError(f"{name} must name one of {BLOCK_TIERS} for each of the "
                                   f"{len(block_list)} blocks, got {given}")
-        if activation_policy not in ACTIVATION_POLICIES:
-            raise ConfigError(f"train.activations.policy {activation_policy!r} is not one of "
-                              f"{', '.join(ACTIVATION_POLICIES)}")
+        ActivationConfig(activation_policy, partition_activations).validate("train.activations")
         self.tiers, self.state_tiers = tiers, state_tiers
         self.activation_policy = activation_policy
         positions = [i for i, t in enumerate(tiers) if t != GPU]
@@ -234,6 +236,8 @@ class OffloadEngine:
 
         self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions, prepare)
         self._apply_activation_policy()
+        if partition_activations:
+            self._partition_activations()
         # What is left in the model stays on the device (persistent): created there.
         initialize(model, store.device)
         persistent_fp32 = None
@@ -278,6 +282,11 @@ class OffloadEngine:
                          self.store.budget.capacity, need)
                 self.store.budget.resize(need)
 
+    def _partition_activations(self) -> None:
+        """train.activations.partition on one rank: no other tier manager to spread over."""
+        log.info("train.activations.partition: one rank, one tier manager: each block input "
+                 "stays whole with it")
+
     def _pool_fits_overlap(self, store: LayerStore) -> bool:
         """Whether the blocks' updates may run behind the next forward: where the CPU pool
         holds, twice over, what that overlap holds at once (two blocks' whole state being
@@ -318,7 +327,8 @@ class OffloadEngine:
                    gradient_clipping=train.gradient_clipping,
                    gradient_accumulation_steps=train.gradient_accumulation_steps,
                    buffer_size=train.params.buffer_size if train.params.tier() != GPU else 0,
-                   initialize=initialize, activation_policy=train.activations.policy)
+                   initialize=initialize, activation_policy=train.activations.policy,
+                   partition_activations=train.activations.partition)
 
     def zero_grad(self) -> None:
         """Clear gradients: the next backward starts a new accumulation window."""

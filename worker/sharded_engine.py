@@ -1,6 +1,8 @@
 """Partitioned data-parallel training: the offload engine over a `ShardedLayerStore`.
 
-`ShardedEngine` is `OffloadEngine` with two changes. The blocks' optimizer is
+`ShardedEngine` is `OffloadEngine` with two changes (and a third on request:
+train.activations.partition spreads the block inputs sent to the tier manager over the
+ranks' tier managers, worker/partitioned_stash.py). The blocks' optimizer is
 `ShardedAdamW`, which updates only this rank's shard of each block (the reduce-scatter
 in backward already left the averaged gradient's shard there), so optimizer state and
 optimizer work are split N ways and the step needs no communication. The persistent
@@ -16,6 +18,8 @@ summation order differs (see tests/worker/test_sharded.py for the tolerance).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tierstack.config import OptimizerConfig
@@ -24,8 +28,11 @@ from tierstack.services.tier_manager.types import AdamWBlock, AdamWSegment
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.offload import OffloadedBlocks
+from tierstack.worker.partitioned_stash import PartitionedActivationStash, daemon_rooms
 from tierstack.worker.sharded_store import ShardedLayerStore
 from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
+
+log = logging.getLogger(__name__)
 
 
 class ShardedAdamW(TieredAdamW):
@@ -79,6 +86,22 @@ class ShardedEngine(OffloadEngine):
             raise InvalidArgumentError("ShardedEngine needs a ShardedLayerStore (use OffloadEngine "
                                        "with a LayerStore for one rank)")
         super().__init__(model, store, optimizer, *args, **kwargs)
+
+    def _partition_activations(self) -> None:
+        """Spread the block inputs sent to the tier manager over the ranks' tier managers
+        (worker/partitioned_stash.py), unless every rank uses the same one."""
+        store: ShardedLayerStore = self.store
+        rooms = daemon_rooms(store) if store.world > 1 else []
+        if len({room.daemon for room in rooms}) <= 1:
+            log.info("train.activations.partition: every rank uses one tier manager; each "
+                     "rank's block inputs stay whole with it (spreading them would only move "
+                     "bytes between ranks)")
+            return
+        self.blocks.stash.close()
+        self.blocks.stash = PartitionedActivationStash(store, rooms)
+        log.info("train.activations.partition: block inputs kept by the tier managers are "
+                 "spread over %d ranks' nodes in proportion to their pools (policy %r)",
+                 store.world, self.activation_policy)
 
     def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool) -> ShardedAdamW:
         return ShardedAdamW(self.blocks, optimizer, masters=masters)

@@ -97,6 +97,7 @@ class ShardedLayerStore:
         self._early_writes: list[tuple] = []  # writes for a layer not laid out yet
         self.bytes_gathered = 0  # bytes received from the other ranks by all-gathers
         self.bytes_reduced = 0   # gradient bytes this rank sent into reduce-scatters
+        self.bytes_exchanged = 0  # bytes this rank sent to the others by all-to-alls
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -387,6 +388,36 @@ class ShardedLayerStore:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         self.all_reduce_mean_([t])
         return float(t.item())
+
+    def all_gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's `values` (the same count on each), in rank order (a collective)."""
+        def op() -> list[list[int]]:
+            mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+            every = torch.empty(self.world * mine.numel(), dtype=torch.int64, device=self.device)
+            _all_gather(every, mine, group=self.group)
+            return every.view(self.world, -1).tolist()
+
+        return self._collective(op).result()
+
+    def all_to_all(self, data: torch.Tensor, sent: Sequence[int], received: Sequence[int]
+                   ) -> torch.Tensor:
+        """Send `data`'s consecutive pieces of `sent[s]` elements to each rank s; return the
+        pieces of `received[r]` elements every rank r sent here, one after the other in rank
+        order (a collective; 1-D tensors)."""
+        before = self._after_caller()
+
+        def op() -> torch.Tensor:
+            self._comm_wait(before)
+            if self.cuda:
+                data.record_stream(self._comm_stream)
+            out = torch.empty(sum(received), dtype=data.dtype, device=data.device)
+            dist.all_to_all_single(out, data, list(received), list(sent), group=self.group)
+            self.bytes_exchanged += (sum(sent) - sent[self.rank]) * data.element_size()
+            return out
+
+        out = self._collective(op).result()
+        self._comm_done()
+        return out
 
     def barrier(self) -> None:
         """Wait for every rank to get here (queued behind this rank's collectives)."""

@@ -17,6 +17,7 @@ from tests.worker.test_offload import TinyGPT
 from tierstack.budgets import Budgets
 from tierstack.config import load_config
 from tierstack.errors import KeyNotFoundError
+from tierstack.worker.activation_stash import ActivationStash
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.layers import LayerStore
 from tierstack.errors import ConfigError
@@ -185,16 +186,19 @@ def test_a_deepspeed_json_with_activation_checkpointing_trains(daemon, tmp_path)
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
     train = load_config(str(path)).train
-    assert train.activations.policy == "cpu"
+    assert train.activations.policy == "cpu" and train.activations.partition
     batches = _data(4, 2)
     expected = _plain_losses(_model(), batches)
     store = LayerStore("act-ds", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
         engine = OffloadEngine.from_config(_model(), store, train)
+        # One rank: partition_activations has no other tier manager; inputs stay whole here.
+        assert type(engine.blocks.stash) is ActivationStash
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
         assert engine.blocks.stash.bytes_written == len(batches) * LAYERS * INPUT_BYTES
+        assert engine.blocks.stash.peak_bytes_held == LAYERS * INPUT_BYTES
         assert _activation_keys(store, engine) == []
         engine.close()
     finally:

@@ -74,6 +74,12 @@ class PartitionedSpec:
     resume: bool = False          # continue from checkpoint_dir's state up to `steps`
     export: str = ""              # a directory for safetensors weights (from_pretrained)
     cpu_threads: int = 0          # torch intra-op threads per rank on the CPU; 0: torch's default
+    activation_policy: str = "auto"
+    """train.activations.policy of the ranks' engines ("auto" here, with no HBM budget given:
+    every block recomputed from its input on the device)."""
+    partition_activations: bool = False
+    """train.activations.partition: spread the inputs sent to the tier managers ("cpu",
+    "nvme") over the ranks' nodes (worker/partitioned_stash.py)."""
 
 
 @dataclass
@@ -85,6 +91,7 @@ class StepFigures:
     nvme_read: int       # bytes its tier manager read from NVMe (its own daemon only)
     nvme_written: int    # bytes its tier manager wrote to NVMe
     gathered: int        # bytes received from the other ranks by all-gathers
+    exchanged: int = 0   # stashed-input bytes sent to the other ranks (partitioned activations)
 
 
 @dataclass
@@ -205,7 +212,8 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
     try:
         engine = ShardedEngine(model, store, spec.optimizer, blocks_attr=blocks_attr,
                                prefetch_depth=spec.prefetch_depth, precision=spec.precision,
-                               initialize=initialize)
+                               initialize=initialize, activation_policy=spec.activation_policy,
+                               partition_activations=spec.partition_activations)
         start = _resume(spec, engine) if spec.resume else 0
 
         def save(step: int) -> None:
@@ -225,7 +233,7 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
             node = store.client.stats()
             return {"cpu_pool_read": store.local.bytes_read, "cpu_pool_written": store.local.bytes_written,
                     "nvme_read": node.nvme_bytes_read, "nvme_written": node.nvme_bytes_written,
-                    "gathered": store.bytes_gathered}
+                    "gathered": store.bytes_gathered, "exchanged": store.bytes_exchanged}
 
         steps = [StepFigures(r.loss, r.seconds, **{k: int(v) for k, v in r.moved.items()})
                  for r in run_steps(engine.train_step, batches, device, spec.steps - start,

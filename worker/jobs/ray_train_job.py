@@ -66,6 +66,8 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
         gpt=GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads),
         steps=args.steps, global_batch=args.batch_size, seed=args.seed,
         optimizer=config.train.optimizer, precision=config.train.precision,
+        activation_policy=config.train.activations.policy,
+        partition_activations=config.train.activations.partition,
         device=args.device, job=f"train-{uuid.uuid4().hex[:8]}",
         device_budget=(parse_size(args.device_budget, "--device-budget") if args.device_budget
                        else config.train.device_budget))  # 0: the spec's layers' worth
