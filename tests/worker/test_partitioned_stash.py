@@ -58,7 +58,8 @@ def _rank(env, out_dir: str, policy: str) -> None:
     cpu_mib, nvme_mib = POOLS_MIB[policy][env.rank]
     tm = load_config({"tier_manager": small_embedded_node(size_mib=cpu_mib)}).tier_manager
     tm.nvme_pool.size = nvme_mib * MiB
-    tm.nvme_pool.paths = [tempfile.mkdtemp(prefix=f"partact-rank{env.rank}-")]
+    nvme = tempfile.TemporaryDirectory(prefix=f"partact-rank{env.rank}-")  # removed when the rank ends
+    tm.nvme_pool.paths = [nvme.name]
     tm.manifest_path = ""
     out = {}
     with EmbeddedTierManager(tm) as daemon:

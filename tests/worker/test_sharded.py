@@ -168,7 +168,8 @@ def _llama_rank(env, out_dir: str, steps: int) -> None:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_llama_config())
     tm = load_config({"tier_manager": small_embedded_node(size_mib=1)}).tier_manager
-    tm.nvme_pool.paths = [tempfile.mkdtemp(prefix=f"llama-rank{env.rank}-")]
+    nvme = tempfile.TemporaryDirectory(prefix=f"llama-rank{env.rank}-")  # removed when the rank ends
+    tm.nvme_pool.paths = [nvme.name]
     tm.manifest_path = ""
     with EmbeddedTierManager(tm) as daemon:
         store = ShardedLayerStore("llama", device="cpu", device_budget=64 << 20,

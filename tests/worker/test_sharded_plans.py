@@ -36,7 +36,8 @@ def _following_rank(env, scheduler: str, out_dir: str) -> None:
     config = GPTConfig(vocab_size=128, seq_len=16, dim=32, heads=2, layers=4)
     model = build_gpt(config, torch.device("cpu"))
     tm = load_config({"tier_manager": small_embedded_node(size_mib=1)}).tier_manager
-    tm.nvme_pool.paths = [tempfile.mkdtemp(prefix=f"plans-rank{env.rank}-")]
+    nvme = tempfile.TemporaryDirectory(prefix=f"plans-rank{env.rank}-")  # removed when the rank ends
+    tm.nvme_pool.paths = [nvme.name]
     tm.manifest_path = ""
     data = torch.Generator().manual_seed(1)
     with EmbeddedTierManager(tm) as daemon:
