@@ -65,7 +65,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from footprint import Sampler  # noqa: E402
-from vs_deepspeed import MODELS, deepspeed_json, run_deepspeed, run_tierstack  # noqa: E402
+from vs_deepspeed import MODELS, deepspeed_json, emit, run_deepspeed, run_tierstack  # noqa: E402
 
 POLICIES = ("keep", "recompute", "cpu", "nvme", "auto")
 GiB = 1 << 30
@@ -509,10 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         if made_nvme_dir and not any(Path(args.nvme_dir).iterdir()):
             Path(args.nvme_dir).rmdir()
         _reclaim_shm()
-    line = json.dumps(summary(args, todo, trials, time.monotonic() - start))
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    emit(summary(args, todo, trials, time.monotonic() - start), args.out)
     return 0
 
 

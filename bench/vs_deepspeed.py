@@ -406,11 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     summary["planner_vs_measured"] = round(statistics.median(predicted), 3) if predicted else None
     summary["failures"] = failures
     summary["deepspeed_peaks_used_as_budgets"] = summary_peaks
-    line = json.dumps(summary)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
+    emit(summary, args.out)
     return 0
+
+
+def emit(summary: dict, out: str | None) -> None:
+    """Print a bench's last line, one JSON object, and also write it to `out` if given."""
+    line = json.dumps(summary)
+    if out:
+        Path(out).write_text(line + "\n")
+    print(line)
 
 
 if __name__ == "__main__":

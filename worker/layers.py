@@ -107,6 +107,11 @@ class LayerStore:
         self.placements[index] = (params, state)
 
     def placement(self, index: int, kind: str = "params") -> str:
+        """Where layer `index`'s state of `kind` is placed. Gradients live from the backward
+        to the optimizer step: whatever the state's placement, they are used from the CPU
+        pool and never sent to NVMe for it ("auto")."""
+        if kind == "grad":
+            return AUTO
         params, state = self.placements.get(index, (AUTO, AUTO))
         return params if kind == "params" else state
 
@@ -224,10 +229,8 @@ class LayerStore:
             self.release_layer(index)  # a device copy of the old version must not be reused
         if kind != "params":
             self.declare_layout(index, kind, layout)
-        # Gradients live from the backward to the optimizer step: whatever the state's
-        # placement, they are used from the CPU pool and never sent to NVMe for it.
-        placement = AUTO if kind == "grad" else self.placement(index, kind)
-        self._write_layer(self.key(index, kind), layout, tensors, durable, placement)
+        self._write_layer(self.key(index, kind), layout, tensors, durable,
+                          self.placement(index, kind))
 
     def declare_layout(self, index: int, kind: str, layout: LayerLayout) -> None:
         """Record how layer `index`'s state of `kind` is laid out (when the daemon, not

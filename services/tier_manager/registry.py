@@ -740,9 +740,9 @@ class TierRegistry:
     def _allocate_cpu(self, nbytes: int) -> CpuBuffer | None:
         """A CPU-pool buffer. When the pool is full while tensors are being updated in
         place (an optimizer step holds their blocks: that ends soon) or sent out (placed
-        "nvme": their room comes back when written), wait for them rather than fail. Pins held by clients (fetches) are not waited for: a client may hold one
-        as long as it likes, so the error comes at once. Gives up after
-        FULL_POOL_WAIT_SECONDS."""
+        "nvme": their room comes back when written), wait for them rather than fail. Pins
+        held by clients (fetches) are not waited for: a client may hold one as long as it
+        likes, so the error comes at once. Gives up after FULL_POOL_WAIT_SECONDS."""
         if not nbytes:
             return None
         deadline = time.monotonic() + FULL_POOL_WAIT_SECONDS
