@@ -30,6 +30,7 @@ from tierstack.services.tier_manager.types import JobInfo
 log = logging.getLogger(__name__)
 
 MAX_JOB_BYTES = 256
+MAX_QUOTA = (1 << 63) - 1  # bytes: the largest the manifest (SQLite INTEGER) holds
 
 
 def validate_job(job: str) -> str:
@@ -71,6 +72,10 @@ class JobTable:
         """`session` holds `job` (created if new); `keep` sticks once asked for; a quota of
         0 keeps the job's (or the node's default)."""
         validate_job(job)
+        if quota > MAX_QUOTA:  # checked before anything changes: the manifest stores int64
+            raise InvalidArgumentError(
+                f"job {job!r}: quota_bytes {quota} is above the largest quota ({MAX_QUOTA} "
+                f"bytes); give at most that, or 0 for the job's current quota or the node's default")
         if not session:
             raise InvalidArgumentError(
                 "OpenJob needs the caller's client session (metadata x-tierstack-session, which "

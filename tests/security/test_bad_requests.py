@@ -152,3 +152,16 @@ def test_bytes_that_are_no_message_are_invalid_argument_and_health_watch_is_refu
             next(watch(b"", timeout=10))
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "Traceback" not in daemon.log_text()
+
+
+def test_a_quota_beyond_int64_is_invalid_argument_and_changes_nothing(daemon):
+    """The fuzzer's find: OpenJob with quota_bytes near 2**64 answered INTERNAL (SQLite
+    holds int64) after the job was already half-opened. Now it is refused first."""
+    client = TierManagerClient(daemon.address)
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"quota_bytes 18446744073709551361 is above"):
+            client.open_job("huge-quota", quota_bytes=(1 << 64) - 255)
+        assert "huge-quota" not in [j.job for j in client.jobs()]
+        assert client.open_job("huge-quota", quota_bytes=(1 << 63) - 1).quota_bytes == (1 << 63) - 1
+    finally:
+        client.close()
