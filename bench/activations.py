@@ -196,6 +196,8 @@ class Trial:
     host_peak: int = 0
     wall_s: float = 0.0
     placement: dict | None = None
+    phases: list = field(default_factory=list)
+    """tierstack's per-step split of the step's time (bench/vs_deepspeed.py's `phases`)."""
 
 
 @dataclass
@@ -287,7 +289,8 @@ class TrialRunner:
             outcome["reason"] = "child died: " + self._log_tail(label)
         trial = Trial(key, dim, micro, seq, outcome["fits"], outcome.get("reason", ""),
                       wall_s=round(wall, 1), host_peak=host_peak,
-                      gpu_peak=outcome.get("gpu_peak", 0), placement=outcome.get("placement"))
+                      gpu_peak=outcome.get("gpu_peak", 0), placement=outcome.get("placement"),
+                      phases=outcome.get("phases", []))
         if trial.fits:
             trial.step_s = [round(s, 4) for s in outcome["step_s"]]
             later = sorted(outcome["step_s"][self.args.warmup:] or outcome["step_s"])
@@ -353,7 +356,7 @@ def searches(args) -> list[Search]:
     for key in keys:
         out.append(Search(key, "seq", args.seq_start, args.seq_step,
                           args.max_seq // args.seq_step * args.seq_step))
-        out.append(Search(key, "batch", 1, 1, args.max_batch))
+        out.append(Search(key, "batch", args.batch_start, 1, args.max_batch))
     return out
 
 
@@ -453,8 +456,12 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--seq-step", type=int, default=256, help="sequence lengths are multiples of this")
     parser.add_argument("--seq-start", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=2, help="steps per trial (the first is warm-up)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batch-start", type=int, default=1,
+                        help="first micro-batch of the batch search (then doubling, bisection)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per trial")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="steps left out of tokens/s: tierstack's first optimizer step (it "
+                             "makes the moments) runs behind its second step")
     parser.add_argument("--budget-s", type=float, default=540, help="total seconds for every trial")
     parser.add_argument("--trial-timeout", type=float, default=300)
     parser.add_argument("--min-trial-s", type=float, default=15,

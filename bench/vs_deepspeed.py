@@ -220,6 +220,7 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
                         "placement": None if placement is None else {
                             "resident": len(placement.resident),
                             "keep_activations": len(placement.keep_activations),
+                            "offload_inputs": len(placement.offload_inputs),
                             "blocks": len(engine.blocks.blocks)},
                     }
                     follower.close()

@@ -46,6 +46,8 @@ from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
 from tierstack.services.tier_manager.types import NodeInfo
 from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS, NVME, BlockTier
+from tierstack.worker.chunked_loss import (chunked_cross_entropy, output_head, stopped_at_head,
+                                           wants_chunks)
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.placement import BlockPlacement, DeviceFootprint, SavedBytes, place_blocks
@@ -122,6 +124,12 @@ def training_state_bytes(model: torch.nn.Module, precision: str) -> int:
     itemsize = PRECISIONS[precision].itemsize
     masters = 4 if itemsize != 4 else 0
     return sum(p.numel() * (2 * itemsize + masters + 8) for p in model.parameters())
+
+
+def pending_moment_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
+    """Device bytes AdamW's two moments will add for `params` that have none yet (made
+    lazily by the optimizer's first step, in the dtype of the parameters it updates)."""
+    return sum(2 * p.numel() * p.element_size() for p in params if p not in optimizer.state)
 
 
 def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeInfo) -> None:
@@ -363,15 +371,32 @@ class OffloadEngine:
             for p in self.persistent:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        if self.persistent_masters is not self.persistent:
-            for p, m in zip(self.persistent, self.persistent_masters):
-                m.grad = None if p.grad is None else p.grad.float()
-        self.persistent_optimizer.step()
-        if self.persistent_masters is not self.persistent:
-            with torch.no_grad():
-                for p, m in zip(self.persistent, self.persistent_masters):
-                    p.copy_(m)
+        self._step_persistent()
         self.block_optimizer.step(scale)
+
+    def _step_persistent(self) -> None:
+        """AdamW for the parameters on the device. With fp32 masters, one param group at a
+        time (the persistent parameters, then each resident block): a group's gradients
+        are widened to fp32 just before its step and dropped after, so the device holds
+        one group's fp32 gradients at a time, not every resident block's (the placement
+        counts a resident block at 16 bytes per parameter, with no room for a 4-byte copy
+        of every gradient). AdamW skips parameters without a gradient, so each call
+        steps exactly that group."""
+        optimizer = self.persistent_optimizer
+        if self.persistent_masters is self.persistent:
+            optimizer.step()
+            return
+        param_of = {id(m): p for p, m in zip(self.persistent, self.persistent_masters)}
+        for group in optimizer.param_groups:
+            pairs = [(param_of[id(m)], m) for m in group["params"]]
+            for p, m in pairs:
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+            optimizer.step()
+            with torch.no_grad():
+                for p, m in pairs:
+                    p.copy_(m)
+                    m.grad = None
 
     def micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -395,8 +420,7 @@ class OffloadEngine:
         losses = []
         try:
             for i, (x, y) in enumerate(micro):
-                logits = self._logits(x)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+                loss = self._loss(x, y)
                 losses.append(loss.detach())
                 # A block's step may start inside the backward only once its gradients
                 # are complete (the last micro-batch), and unscaled (no clipping).
@@ -459,7 +483,7 @@ class OffloadEngine:
         self.blocks.measure_activations = True
         try:
             with SavedBytes() as outside:
-                loss = F.cross_entropy(self._logits(inputs).flatten(0, 1).float(), targets.flatten())
+                loss = self._loss(inputs, targets)
             loss.backward()
         finally:
             self.blocks.measure_activations = False
@@ -468,13 +492,16 @@ class OffloadEngine:
         layers = tuple(store.layouts[i].nbytes for i in range(len(self.blocks.blocks)))
         activations = tuple(self.blocks.activation_bytes)
         inputs = tuple(self.blocks.input_bytes)
+        # The persistent parameters' AdamW moments are made by their first step, after
+        # the probe: every later step holds them on top of what the probe saw.
+        moments = pending_moment_bytes(self.persistent_optimizer, self.persistent_masters)
         if cuda:
             torch.cuda.synchronize(store.device)
-            peak = torch.cuda.max_memory_allocated(store.device)
+            peak = torch.cuda.max_memory_allocated(store.device) + moments
         else:  # no allocator to ask: what the step holds at its fullest, added up
-            persistent = sum(p.numel() * (2 * p.element_size() + 8 + (0 if m is p else 4))
+            persistent = sum(p.numel() * (2 * p.element_size() + (0 if m is p else 4))
                              for p, m in zip(self.persistent, self.persistent_masters))
-            peak = (persistent + outside.bytes + (store.prefetch_depth + 1) * max(layers)
+            peak = (persistent + moments + outside.bytes + (store.prefetch_depth + 1) * max(layers)
                     + max(activations, default=0))
         states = []
         for i in range(len(self.blocks.blocks)):
@@ -484,6 +511,16 @@ class OffloadEngine:
             masters = 4 * numel if self.block_optimizer.masters else 0
             states.append(layers[i] + grads + masters + 2 * 4 * numel)
         return DeviceFootprint(int(peak), tuple(states), layers, activations, inputs)
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of the model's logits; with large logits, a chunk of tokens at
+        a time from the head's input (worker/chunked_loss.py), never the whole logits."""
+        head = output_head(self.model)
+        if head is None or not wants_chunks(targets.numel(), head[1].out_features):
+            return F.cross_entropy(self._logits(inputs).flatten(0, 1).float(), targets.flatten())
+        with stopped_at_head(self.model, head[0]):
+            hidden = self._logits(inputs)
+        return chunked_cross_entropy(head[1], hidden, targets)
 
     def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's logits: a plain module's output, or a Hugging Face model's `.logits`

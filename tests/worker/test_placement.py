@@ -222,3 +222,61 @@ def test_a_bf16_model_s_masters_wait_for_the_placement(daemon):
     assert placement.resident == (0, 1, 2) and resident_bytes == deferred_bytes
     # The device's AdamW against the daemon's: equal to within a few bf16 roundings.
     torch.testing.assert_close(torch.tensor(resident), torch.tensor(stored), rtol=2e-3, atol=0)
+
+
+def test_the_probe_counts_the_persistent_moments_its_first_step_has_not_made_yet():
+    """The probe runs before any optimizer step: the moments of the parameters that stay on
+    the device appear only after it, and every later step holds them (8 bytes/param)."""
+    from tierstack.worker.engine import pending_moment_bytes
+
+    params = [torch.nn.Parameter(torch.zeros(10, 3)), torch.nn.Parameter(torch.zeros(5))]
+    opt = torch.optim.AdamW(params)
+    assert pending_moment_bytes(opt, params) == 2 * 4 * 35
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert pending_moment_bytes(opt, params) == 0
+    late = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))  # a block made resident later
+    opt.add_param_group({"params": [late]})
+    assert pending_moment_bytes(opt, params + [late]) == 2 * 2 * 4
+
+
+def test_resident_bf16_blocks_step_one_group_at_a_time_as_plain_masters_would(daemon):
+    """Every block resident in bf16: the device's AdamW widens one param group's gradients
+    at a time (the placement has no room for an fp32 copy of every resident gradient), and
+    trains as plain PyTorch does with fp32 masters of a bf16 model."""
+    batches = _data(4, 3)
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, layers=3).to(torch.bfloat16)
+    model = copy.deepcopy(reference)
+    masters = [p.detach().float().requires_grad_() for p in reference.parameters()]
+    plain = torch.optim.AdamW(masters, fused=True, **HYPER)
+    expected = []
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(reference(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        for p, m in zip(reference.parameters(), masters):
+            m.grad, p.grad = p.grad.float(), None
+        plain.step()
+        with torch.no_grad():
+            for p, m in zip(reference.parameters(), masters):
+                p.copy_(m)
+        expected.append(loss.item())
+    store = LayerStore("resident-groups", device="cpu", device_budget=64 << 20,
+                       address=daemon.address, durable=False)
+    try:
+        engine = OffloadEngine.from_config(model, store, _train_config(precision="bf16"),
+                                           budgets=_budgets(1 << 40))
+        widened = []  # per optimizer call: how many masters hold an fp32 gradient
+        real_step = engine.persistent_optimizer.step
+        engine.persistent_optimizer.step = lambda: (widened.append(
+            sum(m.grad is not None for m in engine.persistent_masters)), real_step())[1]
+        losses = [engine.train_step(x, y) for x, y in batches]
+        groups = engine.persistent_optimizer.param_groups
+        engine.close()
+    finally:
+        store.close()
+    assert engine.placement.resident == (0, 1, 2) and len(groups) == 4
+    sizes = [len(g["params"]) for g in groups]
+    assert widened == sizes * 3  # each call: exactly one group's gradients, in fp32
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-6, atol=0)
