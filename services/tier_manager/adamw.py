@@ -24,7 +24,10 @@ on NVMe is brought into the pool when the pool has room for the block's missing 
 otherwise it is streamed: read tile by tile (whole NVMe blocks, checksums verified) into
 a bounded, reused scratch, updated there, and written block by block to a fresh extent
 that becomes its new version once synced. So a CPU pool of a few MiB trains any block
-size, only slower, and a crash mid-step leaves the old version intact.
+size, only slower, and a crash mid-step leaves the old version intact. With masters the
+new parameters are the updated masters rounded, so a streamed step does not read the old
+parameters: only the NVMe blocks that also hold bytes no segment covers (a buffer, slot
+padding), which it copies through.
 
 Threads. All kernel calls are made from one thread (`tierstack-adamw`): the native
 kernel's pool works for it, and PyTorch's intra-op pool (an OpenMP team per calling
@@ -36,6 +39,7 @@ request changes nothing.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
@@ -90,14 +94,19 @@ class _Streamed:
     [base, loaded) that only moves forward; with `out`, every block is written to the
     fresh extent `out` once the window has moved past it, and blocks no tile touches are
     copied through, so the new version is whole. `source` None reads zeros (new moments).
+    `overwritten`: sorted, disjoint byte ranges that the step writes whole before the
+    window moves past them (parameters rounded from their masters); a block lying inside
+    one is not read, so only blocks holding some byte the step keeps cost a read.
     Bulk copies here use numpy, not torch: `finish` runs on the writer thread, which
     must not start an OpenMP team of its own."""
 
     def __init__(self, durable: DurableCopies, nbytes: int, source: NvmeExtent | None,
                  checksums: tuple[int, ...], out: NvmeExtent | None, scratch: torch.Tensor,
-                 meta: ExtentMeta) -> None:
+                 meta: ExtentMeta, overwritten: tuple[tuple[int, int], ...] = ()) -> None:
+        assert not overwritten or out is not None, "bytes overwritten in a stream nobody writes"
         self.durable, self.nbytes, self.source, self.checksums = durable, nbytes, source, checksums
-        self.out, self.scratch, self.meta = out, scratch, meta
+        self.out, self.scratch, self.meta, self.overwritten = out, scratch, meta, overwritten
+        self._overwritten_starts = [lo for lo, _ in overwritten]
         self.label = f"AdamW state {meta.key!r}"
         self.array = scratch.numpy()
         self.block = durable.pool.block_size
@@ -127,13 +136,30 @@ class _Streamed:
             return
         assert end - self.base <= len(self.array), "a tile spans more than the scratch window"
         first, last = self.loaded // self.block, -(-end // self.block)
-        dst = self.array[self.loaded - self.base:end - self.base]
         if self.source is None:
-            dst.fill(0)
+            self.array[self.loaded - self.base:end - self.base].fill(0)
         else:
-            self.durable.pool.read(self.source, memoryview(dst), list(self.checksums[first:last]),
-                                   label=self.label, blocks=(first, last))
+            for a, b in self._blocks_to_read(first, last):
+                lo, hi = a * self.block - self.base, min(self.nbytes, b * self.block) - self.base
+                self.durable.pool.read(self.source, memoryview(self.array[lo:hi]),
+                                       list(self.checksums[a:b]), label=self.label, blocks=(a, b))
         self.loaded = end
+
+    def _blocks_to_read(self, first: int, last: int) -> list[tuple[int, int]]:
+        """Runs [a, b) of the blocks in [first, last) that hold a byte not `overwritten`.
+        The blocks left out keep stale scratch bytes until the step writes them, which it
+        does before they are flushed."""
+        runs: list[tuple[int, int]] = []
+        for j in range(first, last):
+            lo, hi = j * self.block, min(self.nbytes, (j + 1) * self.block)
+            at = bisect.bisect_right(self._overwritten_starts, lo) - 1
+            if at >= 0 and self.overwritten[at][1] >= hi:
+                continue
+            if runs and runs[-1][1] == j:
+                runs[-1] = (runs[-1][0], j + 1)
+            else:
+                runs.append((j, j + 1))
+        return runs
 
     def _flush(self, upto: int) -> None:
         """Write (with `out`) and drop the window's bytes below `upto` (block-aligned, or the
@@ -317,6 +343,9 @@ class AdamWStepper:
                         held.new[name] = key  # created streamed, straight to NVMe
             targets = [("params", block.params)] + ([("master", block.master)] if block.master else [])
             targets += [(n, getattr(block, n)) for n in ("exp_avg", "exp_avg_sq") if n not in held.new]
+            # With masters, the new parameters are the masters rounded: a streamed step reads
+            # only the parameters' blocks that hold other bytes (buffers, padding).
+            overwritten = {"params": _param_spans(block)} if block.master else {}
             for name, key in targets:
                 try:
                     info, buffer = registry.begin_update(key, load=load)
@@ -324,7 +353,8 @@ class AdamWStepper:
                     info, buffer = registry.begin_update(key, load=False)
                 held.exclusive.append(info)
                 held.infos[name] = info
-                held.sources[name] = self._source(info, buffer, writable=True)
+                held.sources[name] = self._source(info, buffer, writable=True,
+                                                  overwritten=overwritten.get(name, ()))
             info, buffer = registry.fetch(block.grads, load=load)
             held.grads = info
             held.sources["grads"] = self._source(info, buffer, writable=False)
@@ -340,20 +370,22 @@ class AdamWStepper:
             raise
         return held
 
-    def _source(self, info: TensorInfo, buffer, writable: bool) -> _Resident | _Streamed:
+    def _source(self, info: TensorInfo, buffer, writable: bool,
+                overwritten: tuple[tuple[int, int], ...] = ()) -> _Resident | _Streamed:
         if buffer is not None or info.nbytes == 0:
             return _Resident(tensor_view(self.registry, info, buffer).view(-1).view(torch.uint8))
         extent, checksums = self.registry.location(info)
         return self._stream(ExtentMeta(info.key, info.dtype, info.shape), info.nbytes, extent,
-                            checksums, writable)
+                            checksums, writable, overwritten)
 
     def _stream(self, meta: ExtentMeta, nbytes: int, source: NvmeExtent | None,
-                checksums: tuple[int, ...], writable: bool) -> _Streamed:
+                checksums: tuple[int, ...], writable: bool,
+                overwritten: tuple[tuple[int, int], ...] = ()) -> _Streamed:
         durable = self.registry.durable
         out = durable.allocate(nbytes, meta) if writable else None
         scratch = self._scratch.take(_STREAMED_SPAN + 2 * durable.pool.block_size)
         try:
-            return _Streamed(durable, nbytes, source, checksums, out, scratch, meta)
+            return _Streamed(durable, nbytes, source, checksums, out, scratch, meta, overwritten)
         except BaseException:
             self._scratch.give([scratch])
             if out is not None:
@@ -517,6 +549,20 @@ def _piece(window: torch.Tensor, window_lo: int, offset: int, first: int, n: int
            dtype: torch.dtype) -> torch.Tensor:
     at = offset + first * dtype.itemsize - window_lo
     return window[at:at + n * dtype.itemsize].view(dtype)
+
+
+def _param_spans(block: AdamWBlock) -> tuple[tuple[int, int], ...]:
+    """The bytes [lo, hi) of the parameters that the block's segments cover, sorted and
+    merged where they touch: what a step with masters writes without reading."""
+    size = dtype_from_name(block.param_dtype).itemsize
+    spans: list[tuple[int, int]] = []
+    for lo, hi in sorted((s.param_offset, s.param_offset + s.numel * size)
+                         for s in block.segments if s.numel):
+        if spans and lo <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
+        else:
+            spans.append((lo, hi))
+    return tuple(spans)
 
 
 def _nbytes(source: _Resident | _Streamed) -> int:

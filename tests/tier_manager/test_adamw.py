@@ -1,4 +1,5 @@
-"""The daemon-side AdamW step against torch.optim.AdamW, on a real registry (CPU pool + NVMe)."""
+"""The daemon-side AdamW step against torch.optim.AdamW, on a real registry (CPU pool + NVMe)
+and through a real daemon."""
 
 import threading
 
@@ -262,3 +263,58 @@ def test_the_stepper_runs_every_kernel_on_one_thread_whatever_thread_calls_it(ti
 
 def _pack_numel(block):
     return max(s.grad_offset // 4 + s.numel for s in block.segments) + 64
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_a_step_streamed_from_nvme_reads_parameters_only_without_masters(daemon, param_dtype):
+    """Through a real daemon, every tensor only on NVMe. With fp32 masters the new bf16
+    parameters are the updated masters rounded, so the step reads the gradients and the
+    masters and, of the parameters, only the NVMe block holding a buffer that lies between
+    two of them (copied through unchanged). fp32 parameters without masters are read whole
+    and updated."""
+    from tests.tier_manager.test_daemon import write
+    from tierstack.services.tier_manager.client import TierManagerClient
+    from tierstack.worker.arenas import ArenaMap
+
+    client = TierManagerClient(daemon.address)
+    arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
+    block_size, masters = 256 << 10, param_dtype != torch.float32
+    size = param_dtype.itemsize
+    # Two parameters around a 512-element buffer: [a: 2 NVMe blocks][buffer, b: 2 blocks].
+    a, gap = 2 * block_size // size, 512
+    b = 4 * block_size // size - a - gap
+    g = torch.Generator().manual_seed(7)
+    params = torch.randn(a + gap + b, generator=g).to(param_dtype)
+    master = params.float() + torch.randn(a + gap + b, generator=g) * 1e-3  # not the params widened
+    segments = (AdamWSegment(a, 0, 0, 0), AdamWSegment(b, (a + gap) * size, (a + gap) * size, (a + gap) * 4))
+    tensors = {"j/params": params, "j/grad": torch.randn(a + gap + b, generator=g).to(param_dtype)}
+    if masters:
+        tensors["j/master"] = master
+    for key, t in tensors.items():
+        write(client, arenas, key, t)
+    client.evict(list(tensors))
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[param_dtype]
+    block = AdamWBlock("j/params", "j/grad", "j/master" if masters else "", "j/exp_avg", "j/exp_avg_sq",
+                       name, name, master.numel() * 4, segments, state_placement="nvme")
+
+    before = client.stats().nvme_bytes_read
+    client.adamw_step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.1))
+    read = client.stats().nvme_bytes_read - before
+
+    grads_and_masters = tensors["j/grad"].numel() * size + (master.numel() * 4 if masters else 0)
+    params_read = block_size if masters else params.numel() * size  # the block with the buffer
+    assert read == grads_and_masters + params_read
+
+    def stored(key, dtype):
+        (res,) = client.fetch([key]).tensors
+        try:
+            return arenas.view(res.arena, res.offset, res.info.nbytes).view(dtype).clone()
+        finally:
+            client.release(key, res.info.version)
+
+    new = stored("j/params", param_dtype)
+    assert torch.equal(new[a:a + gap].view(torch.uint8), params[a:a + gap].view(torch.uint8))
+    assert not torch.equal(new[:a], params[:a]) and not torch.equal(new[a + gap:], params[a + gap:])
+    if masters:  # the parameters are the new masters rounded, buffer bytes aside
+        rounded = stored("j/master", torch.float32).to(param_dtype)
+        assert torch.equal(new[:a], rounded[:a]) and torch.equal(new[a + gap:], rounded[a + gap:])
