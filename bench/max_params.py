@@ -8,6 +8,13 @@ lives and the device's peak memory; the last line is one JSON object.
 
 Run (GPU machine): python bench/max_params.py --dim 6144 --layers 34 --gpu-blocks 12 \
     --cpu-pool 100GiB --nvme-size 48GiB --nvme-dir /var/tmp/tsmax
+
+With --auto nothing is sized by hand: the job gets the machine's budgets (HBM: the device
+less a margin; host: a share of MemAvailable; NVMe: the free space at --nvme-dir less a
+margin), the pools' caps are 'auto', and the engine's placement decides which blocks
+live on the device (with their whole state and the device's AdamW) and which stream
+through the CPU pool and NVMe, as `tierstack train` and `OffloadEngine.from_config` do:
+  python bench/max_params.py --auto --dim 6144 --layers 43 --nvme-dir /var/tmp/tsmax
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tierstack.config import GiB, OptimizerConfig, TierManagerConfig, parse_size
+from tierstack.config import GiB, OptimizerConfig, TierManagerConfig, TrainConfig, parse_size
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
@@ -54,6 +61,9 @@ def main() -> None:
     parser.add_argument("--nvme-size", default="8GiB")
     parser.add_argument("--device-budget", default="", help="default: 4 offloaded layers")
     parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-max-params")
+    parser.add_argument("--auto", action="store_true",
+                        help="the machine's budgets and the engine's placement: --gpu-blocks, "
+                             "--cpu-pool, --nvme-size and --device-budget are not used")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads or max(1, args.dim // 128),
@@ -66,15 +76,22 @@ def main() -> None:
     nvme_dir = Path(args.nvme_dir)
     shutil.rmtree(nvme_dir, ignore_errors=True)
     tm = TierManagerConfig()
-    tm.cpu_pool.size = parse_size(args.cpu_pool, "--cpu-pool")
     tm.nvme_pool.paths = [str(nvme_dir)]
-    tm.nvme_pool.size = parse_size(args.nvme_size, "--nvme-size")
     tm.manifest_path = str(nvme_dir / "manifest.sqlite")
+    tm.metrics.http_listen = ""
+    if args.auto:  # the pools' caps come from the machine's budgets ('auto')
+        budget = 3 * layer_bytes  # the probe's window; the placement sizes it after
+        print(f"GPT {args.layers} x {args.dim}: {params / 1e9:.2f}B parameters; budgets and "
+              f"placement from the machine", flush=True)
+    else:
+        tm.cpu_pool.size = parse_size(args.cpu_pool, "--cpu-pool")
+        tm.nvme_pool.size = parse_size(args.nvme_size, "--nvme-size")
+        print(f"GPT {args.layers} x {args.dim}: {params / 1e9:.2f}B parameters, {args.gpu_blocks} "
+              f"blocks on the device, CPU pool {tm.cpu_pool.size / GiB:.0f} GiB, NVMe "
+              f"{tm.nvme_pool.size / GiB:.0f} GiB, device budget {budget / GiB:.2f} GiB", flush=True)
     tiers = ["gpu"] * args.gpu_blocks + ["auto"] * (args.layers - args.gpu_blocks)
-    print(f"GPT {args.layers} x {args.dim}: {params / 1e9:.2f}B parameters, {args.gpu_blocks} blocks on "
-          f"the device, CPU pool {tm.cpu_pool.size / GiB:.0f} GiB, NVMe {tm.nvme_pool.size / GiB:.0f} GiB, "
-          f"device budget {budget / GiB:.2f} GiB", flush=True)
-    result = {"params": params, "layers": args.layers, "dim": args.dim, "gpu_blocks": args.gpu_blocks,
+    result = {"params": params, "layers": args.layers, "dim": args.dim,
+              "gpu_blocks": None if args.auto else args.gpu_blocks, "auto": args.auto,
               "tokens_per_step": args.batch_size * args.seq_len, "device_budget": budget,
               "cpu_pool_bytes": tm.cpu_pool.size, "nvme_pool_bytes": tm.nvme_pool.size,
               "device": str(device), "precision": "bf16", "optimizer": "adamw"}
@@ -85,8 +102,15 @@ def main() -> None:
                                address=daemon.address, durable=False)
             engine = None
             try:
-                engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-4), precision="bf16",
-                                       tiers=tiers)
+                if args.auto:
+                    node = store.client.node()
+                    result.update(cpu_pool_bytes=node.cpu_capacity, nvme_pool_bytes=node.nvme_capacity)
+                    train = TrainConfig(precision="bf16", optimizer=OptimizerConfig(lr=1e-4))
+                    engine = OffloadEngine.from_config(model, store, train)
+                    result["budgets"] = vars(engine.budgets)
+                else:
+                    engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-4), precision="bf16",
+                                           tiers=tiers)
                 result["init_seconds"] = round(time.perf_counter() - start, 1)
                 print(f"built and stored in {result['init_seconds']} s", flush=True)
                 steps = run_steps(engine.train_step, random_batches(args.batch_size, args.seq_len),
@@ -95,6 +119,9 @@ def main() -> None:
                                       f"{pool_line(store.client.stats())}", flush=True))
                 stats = store.client.stats()
                 losses = [step.loss for step in steps]
+                if engine.placement is not None:
+                    result["placement"] = engine.placement.describe(len(engine.blocks.blocks))
+                    result["gpu_blocks"] = len(engine.placement.resident)
                 result.update(losses=losses, step_seconds=[round(step.seconds, 2) for step in steps],
                               cpu_pool_used=stats.cpu_used, nvme_used=stats.nvme_used,
                               nvme_bytes_read=stats.nvme_bytes_read,

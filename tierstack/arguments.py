@@ -74,3 +74,13 @@ def positive_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
     return value
+
+
+def positive_size_or_auto(text: str) -> int | str:
+    """A pool cap: "auto" (the machine's budget decides) or bytes, more than zero."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return positive_size(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}; or 'auto' for the machine's budget") from None

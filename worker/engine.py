@@ -492,24 +492,29 @@ class OffloadEngine:
         layers = tuple(store.layouts[i].nbytes for i in range(len(self.blocks.blocks)))
         activations = tuple(self.blocks.activation_bytes)
         inputs = tuple(self.blocks.input_bytes)
-        # The persistent parameters' AdamW moments are made by their first step, after
-        # the probe: every later step holds them on top of what the probe saw.
-        moments = pending_moment_bytes(self.persistent_optimizer, self.persistent_masters)
-        if cuda:
-            torch.cuda.synchronize(store.device)
-            peak = torch.cuda.max_memory_allocated(store.device) + moments
-        else:  # no allocator to ask: what the step holds at its fullest, added up
-            persistent = sum(p.numel() * (2 * p.element_size() + (0 if m is p else 4))
-                             for p, m in zip(self.persistent, self.persistent_masters))
-            peak = (persistent + moments + outside.bytes + (store.prefetch_depth + 1) * max(layers)
-                    + max(activations, default=0))
-        states = []
+        states, numels = [], []
         for i in range(len(self.blocks.blocks)):
             trainable = self.blocks.trainable(i)
             numel = sum(math.prod(shape) for _, shape, _ in trainable)
             grads = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in trainable)
             masters = 4 * numel if self.block_optimizer.masters else 0
             states.append(layers[i] + grads + masters + 2 * 4 * numel)
+            numels.append(numel)
+        # What the device's optimizer step adds to every later step, which the probe (no
+        # step) did not see: the persistent parameters' AdamW moments, made by their first
+        # step, and with fp32 masters one param group's gradients widened to fp32 at a
+        # time (_step_persistent): the persistent parameters' or a resident block's.
+        extra = pending_moment_bytes(self.persistent_optimizer, self.persistent_masters)
+        if self.persistent_masters is not self.persistent:
+            extra += 4 * max([sum(p.numel() for p in self.persistent)] + numels)
+        if cuda:
+            torch.cuda.synchronize(store.device)
+            peak = torch.cuda.max_memory_allocated(store.device) + extra
+        else:  # no allocator to ask: what the step holds at its fullest, added up
+            persistent = sum(p.numel() * (2 * p.element_size() + (0 if m is p else 4))
+                             for p, m in zip(self.persistent, self.persistent_masters))
+            peak = (persistent + extra + outside.bytes + (store.prefetch_depth + 1) * max(layers)
+                    + max(activations, default=0))
         return DeviceFootprint(int(peak), tuple(states), layers, activations, inputs)
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

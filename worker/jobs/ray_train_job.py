@@ -81,7 +81,8 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
         finally:
             ray.shutdown()
     tm = config.tier_manager
-    tm.cpu_pool.size = parse_size(args.cpu_pool_size, "--cpu-pool-size")
+    if args.cpu_pool_size is not None:
+        tm.cpu_pool.size = args.cpu_pool_size
     run_dir = os.path.join(args.nvme_path, uuid.uuid4().hex[:8])
     tm.nvme_pool.paths = [run_dir]
     if tm.nvme_pool.size != "auto":  # a stated cap: at least 1 GiB ('auto': the disk's room)

@@ -57,8 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument("--device-budget", type=types.size, default=None,
                        help="device bytes for layers, e.g. 2GiB; default: the config's "
                             "train.device_budget (0: 3 layers' worth)")
-    tiers.add_argument("--cpu-pool-size", type=types.positive_size, default="64MiB",
-                       help="the embedded tier manager's CPU pool (default 64MiB)")
+    tiers.add_argument("--cpu-pool-size", type=types.positive_size_or_auto, default=None,
+                       help="cap on the embedded tier manager's CPU pool, or 'auto' (default: "
+                            "the config's tier_manager.cpu_pool.size, 'auto': the host budget's "
+                            "share; the pool grows to what is stored, never past the cap)")
     tiers.add_argument("--nvme-path", default="/var/tmp/tierstack/train-nvme",
                        help="directory for the embedded tier manager's NVMe pool; a fresh "
                             "subdirectory is used and removed (default /var/tmp/tierstack/train-nvme)")

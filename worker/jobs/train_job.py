@@ -133,8 +133,10 @@ def make_run_dir(nvme_path: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Train as the flags say (checked by train_flags.run first)."""
     config = load_config(args.config)
-    if not args.config:  # the main job's point: the blocks' state streams through NVMe
+    if not args.config:  # the main job's point: the blocks' state streams through NVMe,
+        # out of the CPU pool between uses however large the pool (max_in_cpu 0)
         config.train.params.device = config.train.optimizer_state.device = "nvme"
+        config.train.params.max_in_cpu = config.train.optimizer_state.max_in_cpu = 0
     if args.precision:
         config.train.precision = args.precision
     accumulation = config.train.gradient_accumulation_steps
@@ -171,15 +173,17 @@ def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.dev
     tokens = corpus.tokens(args.data, job.tokenizer, job.vocab_size)
     data = corpus.ByteBatches(tokens, args.seq_len, args.batch_size, seed=args.seed)
     tm: TierManagerConfig = config.tier_manager
-    tm.cpu_pool.size = args.cpu_pool_size
+    if args.cpu_pool_size is not None:
+        tm.cpu_pool.size = args.cpu_pool_size
     if run_dir:
+        # The pools' caps are the config's ('auto' by default: the machine's host and
+        # NVMe budgets); they grow to what is stored, so nothing is sized by hand here.
         tm.nvme_pool.paths = [run_dir]
-        tm.nvme_pool.size = max(tm.nvme_pool.aio.block_size, 2 * state_bytes + 64 * MiB)
         tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
     progress = TrainProgress(args.steps, args.batch_size * args.seq_len, interval=args.log_every)
     micro = f" in {accumulation} micro-batches" if accumulation > 1 else ""
     where = (f"tier manager at {args.tier_manager}" if args.tier_manager else
-             f"CPU pool {_mib(tm.cpu_pool.size)} -> NVMe at {run_dir}")
+             f"CPU pool {_cap(tm.cpu_pool.size)} -> NVMe {_cap(tm.nvme_pool.size)} at {run_dir}")
     progress.say(f"tierstack train: {job.description} on {device}, batch {args.batch_size}{micro}, "
                  f"{'data ' + args.data if args.data else 'the standard library sources'} as "
                  f"{'tokens' if job.tokenizer else 'bytes'}; block state {_mib(state_bytes)} vs "
@@ -200,6 +204,16 @@ def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.dev
                               scheduler.address)
     finally:
         progress.close()
+
+
+def _volume(nbytes: int) -> str:
+    """Bytes moved: GB, or MB below one GB (a short run's traffic is not '0.00 GB')."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _cap(size: int | str) -> str:
+    """A pool cap as the config states it: bytes, or 'auto' (the machine's budget)."""
+    return "up to the machine's budget" if size == "auto" else f"up to {_mib(size)}"
 
 
 def _mib(nbytes: int) -> str:
@@ -289,8 +303,8 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
             f"done: {len(steps)} steps, loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}, "
             f"{tokens / elapsed:,.0f} tokens/s, "
             f"{job.flops_per_token(args.seq_len) * tokens / elapsed / 1e12:.3f} model TFLOP/s; "
-            f"NVMe read {(end.nvme_bytes_read - first.nvme_bytes_read) / 1e9:.2f} GB, "
-            f"written {(end.nvme_bytes_written - first.nvme_bytes_written) / 1e9:.2f} GB; "
+            f"NVMe read {_volume(end.nvme_bytes_read - first.nvme_bytes_read)}, "
+            f"written {_volume(end.nvme_bytes_written - first.nvme_bytes_written)}; "
             f"device budget peak {_mib(store.budget.peak)} of {_mib(store.budget.capacity)}")
         return 0
     finally:
