@@ -67,7 +67,7 @@ def test_the_summary_compares_the_best_policy_and_tokens_per_s_at_deepspeeds_lar
     limits = {("ds", "seq"): 3000, ("ds", "batch"): 4, ("ts-cpu", "seq"): 9000,
               ("ts-cpu", "batch"): 10, ("ts-keep", "seq"): 2000, ("ts-keep", "batch"): 3}
     args = SimpleNamespace(seq=2048, sides=["ds", "ts"], policies=["cpu", "keep"], seq_start=1024,
-                           seq_step=256, max_seq=65536, max_batch=256)
+                           seq_step=256, max_seq=65536, max_batch=256, batch_start=1)
     runner, trials = FakeRunner(bench, limits), []
     searches = bench.searches(args)
     bench.run_searches(runner, searches, trials)
