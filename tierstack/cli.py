@@ -107,7 +107,8 @@ def _tier_manager(args: argparse.Namespace) -> int:
     if args.http_listen is not None:
         config.metrics.http_listen = args.http_listen
     config.validate()
-    serve(config, loaded.security, recover=args.recover, parent_pid=args.exit_with_parent)
+    serve(config, loaded.security, recover=args.recover, parent_pid=args.exit_with_parent,
+          owned_dir=args.owned_dir)
     return 0
 
 
@@ -120,7 +121,7 @@ def _scheduler(args: argparse.Namespace) -> int:
     if args.listen:
         config.listen = args.listen
     config.validate()
-    serve(config, loaded.security, parent_pid=args.exit_with_parent)
+    serve(config, loaded.security, parent_pid=args.exit_with_parent, owned_dir=args.owned_dir)
     return 0
 
 
@@ -129,6 +130,9 @@ def _exit_with_parent_flag(parser: argparse.ArgumentParser) -> None:
                         help="shut down once process PID (the one that started the daemon) "
                              "is gone; tierstack's embedded daemons and Ray nodes' services "
                              "are started so")
+    parser.add_argument("--owned-dir", metavar="DIR",
+                        help="with --exit-with-parent: a directory made for this daemon alone, "
+                             "removed when it shuts down because that process is gone")
 
 
 def _plan(args: argparse.Namespace) -> int:

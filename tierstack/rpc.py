@@ -30,6 +30,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import stat
@@ -619,10 +620,12 @@ PARENT_POLL_SECONDS = 1.0  # how soon a daemon notices that the process it serve
 
 
 def serve_until_signalled(daemon, banner: Callable[[], list[str]], stop_timeout: float = 90.0,
-                          parent_pid: int | None = None) -> None:
+                          parent_pid: int | None = None, owned_dir: str | None = None) -> None:
     """Start `daemon`, print `banner()`'s lines, and stop it on SIGTERM or SIGINT, or,
     given `parent_pid`, once that process (the one that started it) is gone: a job
-    killed with SIGKILL leaves no embedded daemon behind.
+    killed with SIGKILL leaves no embedded daemon behind. `owned_dir`: the directory the
+    starter made for this daemon alone (config, socket, log), removed after a stop
+    because the starter is gone (a live starter removes it itself).
 
     A stop that takes longer than `stop_timeout` seconds (a request stuck in a bug) ends
     the process anyway, with a log line: a SIGTERM must always end the daemon, and what
@@ -638,10 +641,12 @@ def serve_until_signalled(daemon, banner: Callable[[], list[str]], stop_timeout:
     daemon.start()
     for line in banner():
         print(line, flush=True)
+    orphaned = False
     while not stop_requested.wait(PARENT_POLL_SECONDS if parent_pid else None):
         if os.getppid() != parent_pid:  # reparented: the starter exited without stopping us
             log.warning("the process that started this daemon (pid %d) is gone: shutting down",
                         parent_pid)
+            orphaned = True
             break
 
     def force_exit() -> None:
@@ -656,6 +661,8 @@ def serve_until_signalled(daemon, banner: Callable[[], list[str]], stop_timeout:
     watchdog.start()
     daemon.stop()
     watchdog.cancel()
+    if orphaned and owned_dir:
+        shutil.rmtree(owned_dir, ignore_errors=True)
 
 
 def clear_stale_socket(path: Path, what: str, env: str) -> None:

@@ -69,7 +69,9 @@ class ServiceProcess:
                 # It dies with us: a job or supervisor killed with SIGKILL leaves no daemon.
                 [sys.executable, "-m", "tierstack.cli", self.command, "--config",
                  str(self.config_path), "--listen", self.address,
-                 "--exit-with-parent", str(os.getpid()), *self.args],
+                 "--exit-with-parent", str(os.getpid()),
+                 # Its private directory goes with it when we die without removing it.
+                 *(["--owned-dir", str(self.workdir)] if self._private else []), *self.args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir,
                 env=None if self.env is None else {**os.environ, **self.env})
         try:

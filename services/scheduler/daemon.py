@@ -62,9 +62,9 @@ class SchedulerDaemon:
 
 
 def serve(config: SchedulerConfig, security: SecurityConfig | None = None,
-          parent_pid: int | None = None) -> None:
+          parent_pid: int | None = None, owned_dir: str | None = None) -> None:
     """Run the scheduler in the foreground until SIGTERM or SIGINT (or until process
-    `parent_pid` is gone)."""
+    `parent_pid` is gone, removing `owned_dir`)."""
     os.umask(0o077)  # everything the daemon creates is its user's alone
     daemon = SchedulerDaemon(config, security=security)
 
@@ -74,4 +74,4 @@ def serve(config: SchedulerConfig, security: SecurityConfig | None = None,
             [f"cluster metrics and dashboard on {url}/dashboard/"] if url else [])
 
     serve_until_signalled(daemon, banner, stop_timeout=config.shutdown_grace_seconds + 60,
-                          parent_pid=parent_pid)
+                          parent_pid=parent_pid, owned_dir=owned_dir)

@@ -94,9 +94,10 @@ class TierManagerDaemon:
 
 
 def serve(config: TierManagerConfig, security: SecurityConfig | None = None,
-          recover: bool = False, parent_pid: int | None = None) -> None:
+          recover: bool = False, parent_pid: int | None = None,
+          owned_dir: str | None = None) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT (or until process
-    `parent_pid` is gone). With `recover`, first rebuild the manifest from the NVMe data
+    `parent_pid` is gone, removing `owned_dir`). With `recover`, first rebuild the manifest from the NVMe data
     (durable.py: DurableCopies.rebuild)."""
     from tierstack.doctor import log_checks
 
@@ -110,4 +111,4 @@ def serve(config: TierManagerConfig, security: SecurityConfig | None = None,
             [f"metrics and dashboard on {url}/dashboard/"] if url else [])
 
     serve_until_signalled(daemon, banner, stop_timeout=config.shutdown_grace_seconds + 60,
-                          parent_pid=parent_pid)
+                          parent_pid=parent_pid, owned_dir=owned_dir)

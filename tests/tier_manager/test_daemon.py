@@ -250,7 +250,8 @@ def test_a_lease_never_committed_is_freed_after_its_timeout(tmp_path, shm_dir):
 
 def test_embedded_daemons_die_with_the_job_that_started_them(daemon_config, tmp_path, shm_dir):
     """A job killed with SIGKILL (no clean-up runs) leaves no tier manager or scheduler
-    behind: they notice their starter is gone and shut down, arenas and socket removed."""
+    behind: they notice their starter is gone and shut down, arenas, socket and private
+    directory removed."""
     import json
     import os
     import subprocess
@@ -263,11 +264,13 @@ from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 tm = load_config(json.load(open({str(daemon_config)!r}))).tier_manager
 with EmbeddedScheduler() as scheduler, EmbeddedTierManager(tm) as daemon:
-    print(json.dumps([scheduler.proc.pid, daemon.proc.pid, daemon.address]), flush=True)
+    print(json.dumps([scheduler.proc.pid, daemon.proc.pid, daemon.address,
+                      str(scheduler.workdir), str(daemon.workdir)]), flush=True)
     time.sleep(600)
 """], stdout=subprocess.PIPE, text=True)
     try:
-        scheduler_pid, daemon_pid, address = json.loads(job.stdout.readline())
+        scheduler_pid, daemon_pid, address, *workdirs = json.loads(job.stdout.readline())
+        assert all(os.path.isdir(d) for d in workdirs)
         client = TierManagerClient(address)
         arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
         write(client, arenas, "job/x", torch.ones(1 << 20, dtype=torch.uint8), durable=False)
@@ -292,3 +295,6 @@ with EmbeddedScheduler() as scheduler, EmbeddedTierManager(tm) as daemon:
         time.sleep(0.2)
     assert gone(scheduler_pid) and gone(daemon_pid), "an embedded daemon outlived its job"
     assert not any(p.name.startswith("tierstack-arena-") for p in shm_dir.iterdir())
+    # Their private directories (config, socket, log) went with them: the job never ran
+    # its clean-up.
+    assert not any(os.path.exists(d) for d in workdirs), workdirs
