@@ -46,17 +46,20 @@ def test_flat_layout_refuses_mixed_dtypes_by_name():
         raise AssertionError("mixed dtypes accepted")
 
 
-def _plain_reference(spec: PartitionedSpec):
-    """Plain PyTorch: the whole global batch on one model, fused AdamW."""
+def _plain_reference(spec: PartitionedSpec, hyper: dict = HYPER, clip: float = 0.0):
+    """Plain PyTorch: the whole global batch on one model, fused AdamW (the gradient's
+    norm clipped to `clip` by clip_grad_norm_ when given)."""
     torch.manual_seed(spec.seed)
     model = GPT(spec.gpt)
-    opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
     batches, losses = global_batches(spec), []
     for _ in range(spec.steps):
         x, y = next(batches)
         loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return model, losses
@@ -127,6 +130,34 @@ def test_two_ranks_match_one_rank_and_plain_pytorch_and_each_reads_half():
         assert 0.4 * cpu_one <= cpu <= 0.6 * cpu_one, (cpu, cpu_one)
         assert 0 < nvme <= 0.6 * nvme_one, (nvme, nvme_one)
     assert one[0].steps[-1].gathered == 0 and all(r.steps[-1].gathered > 0 for r in two)
+
+
+def test_two_ranks_clip_the_global_gradient_as_clip_grad_norm_does():
+    """gradient_clipping: the norm is the global batch's gradient's (the blocks' shards
+    squared and summed over the ranks, the persistent gradients whole), as plain PyTorch's
+    clip_grad_norm_ on one model. The norm here is ~1, so 0.05 clips every step; eps 1e-3
+    is above the clipped gradients' per-element sizes, so AdamW's update follows their
+    scale (with eps 1e-8 Adam nearly cancels a uniform scale and an unclipped run would
+    pass too, checked below). Tolerances as in the test above: summation order only."""
+    hyper = {**HYPER, "eps": 1e-3}
+    spec = PartitionedSpec(gpt=GPTConfig(vocab_size=256, seq_len=32, dim=64, heads=4, layers=2),
+                           steps=3, global_batch=4, seed=3, data="random", gradient_clipping=0.05,
+                           optimizer=OptimizerConfig(**hyper), device="cpu", cpu_threads=1,
+                           embedded=small_embedded_node(size_mib=1), collect_state=True)
+    reference, ref_losses = _plain_reference(spec, hyper, clip=spec.gradient_clipping)
+    unclipped, _ = _plain_reference(spec, hyper)
+    two = launch_partitioned(spec, 2)
+    for step, (a, b) in enumerate(zip([s.loss for s in two[0].steps], ref_losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
+    state = two[0].state
+    for i, (ref_block, free_block) in enumerate(zip(reference.blocks, unclipped.blocks)):
+        for (name, p), q in zip(ref_block.named_parameters(), free_block.parameters()):
+            torch.testing.assert_close(state["blocks"][i][name], p.detach(), rtol=1e-4, atol=1e-5)
+            moved = (state["blocks"][i][name] - q.detach()).abs().max().item()
+            assert moved > 1e-4, (i, name, moved)  # clipping changed what was trained
+    for name, p in reference.named_parameters():
+        if not name.startswith("blocks."):
+            torch.testing.assert_close(state["persistent"][name], p.detach(), rtol=1e-4, atol=1e-5)
 
 
 def test_ranks_run_under_torchrun_without_ray(tmp_path):

@@ -56,6 +56,8 @@ class PartitionedSpec:
     seed: int = 0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     precision: str = "fp32"
+    gradient_clipping: float = 0.0
+    """train.gradient_clipping: the global gradient's norm is clipped to this (0: not clipped)."""
     prefetch_depth: int = 2
     device_budget_layers: int = 3
     device_budget: int = 0        # bytes; 0: device_budget_layers layers' worth
@@ -212,7 +214,8 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
     try:
         engine = ShardedEngine(model, store, spec.optimizer, blocks_attr=blocks_attr,
                                prefetch_depth=spec.prefetch_depth, precision=spec.precision,
-                               initialize=initialize, activation_policy=spec.activation_policy,
+                               gradient_clipping=spec.gradient_clipping, initialize=initialize,
+                               activation_policy=spec.activation_policy,
                                partition_activations=spec.partition_activations)
         start = _resume(spec, engine) if spec.resume else 0
 
