@@ -3,23 +3,16 @@ the real ones are exercised by running the bench, see its docstring)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "activations.py"
+from tests.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_activations", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("activations")
 
 
 class FakeRunner:
