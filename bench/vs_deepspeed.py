@@ -15,9 +15,26 @@ Runs of the two sides are interleaved (ds, ts, ds, ts...) and each figure is a m
 The last line printed is one JSON object with the ratios (tierstack / DeepSpeed tokens/s,
 host footprint) and every raw figure.
 
+`--ranks N` (default 1) trains data-parallel on N GPUs of this machine, cuda:0..N-1, with
+the global batch micro x N (--micro per GPU), each rank its own rows; tokens/s = global
+tokens per step / median step time after the warm-up. DeepSpeed: N processes over NCCL,
+the same JSON with train_batch_size = micro x N, started by one launcher process (the
+child sampled, so the footprint covers every rank). tierstack: the partitioned engine
+(worker/sharded_engine.py) as bench/partitioned.py runs it, its ranks started by
+launch_partitioned from a child that also runs the node's one tier-manager daemon, which
+the ranks share, sized from the same JSON as for one rank (run_tierstack). Step times
+are rank 0's; losses are the global batch's mean on both sides. The partitioned engine
+has no HBM-budget placement, so same-budget runs are left out at N > 1, and it places
+each rank's shards "auto" (the CPU pool keeps what its cap holds, the rest on NVMe)
+rather than by offload_param.device / max_in_cpu. The last line then also has `ranks`,
+`tokens_per_s_vs_deepspeed_<mode>` and `host_footprint_ratio_<mode>` (tierstack over
+DeepSpeed, both at N ranks).
+
 Run on the GPU machine (DeepSpeed carried as a wheel):
   python3 bench/vs_deepspeed.py --model 1.3b --modes cpu,nvme --reps 1 --nvme-dir /var/tmp/vsds
-A tiny model runs anywhere tierstack does: --model tiny --sides ts
+  source deploy/device_env.sh && python3 bench/vs_deepspeed.py --ranks 2 --model 1.3b \\
+      --modes cpu,nvme --reps 1 --nvme-dir /var/tmp/vsds      (2 GPUs, micro-batch 8 each)
+A tiny model runs anywhere tierstack does: --model tiny --sides ts (--ranks 2: gloo ranks)
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +55,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from footprint import Sampler  # noqa: E402
+from footprint import Sampler, process_tree  # noqa: E402
 
 MODELS = {
     # The issue's model: 1.345e9 parameters, untied.
@@ -52,8 +70,8 @@ OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps"
                                          "weight_decay": 0.1}}
 
 
-def deepspeed_json(mode: str, micro: int, nvme_dir: str) -> dict:
-    """The DeepSpeed config of a mode, as a DeepSpeed user writes it."""
+def deepspeed_json(mode: str, micro: int, nvme_dir: str, ranks: int = 1) -> dict:
+    """The DeepSpeed config of a mode, as a DeepSpeed user writes it for `ranks` GPUs."""
     zero: dict = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True}
     if mode == "cpu":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -74,6 +92,8 @@ def deepspeed_json(mode: str, micro: int, nvme_dir: str) -> dict:
     config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
               "gradient_clipping": 1.0, "bf16": {"enabled": True}, "zero_optimization": zero,
               "optimizer": OPTIMIZER, "steps_per_print": 10**9}
+    if ranks > 1:  # one rank: left out, as in the JSON the single-GPU figures were measured with
+        config["train_batch_size"] = micro * ranks
     if mode == "nvme":
         config["aio"] = {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 8,
                          "single_submit": False, "overlap_events": True}
@@ -100,29 +120,38 @@ def _model(name: str, seq: int):
     return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def _batches(vocab: int, micro: int, seq: int, count: int):
+def _batches(vocab: int, micro: int, seq: int, count: int, seed: int = 1):
     import torch
 
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(count)]
 
 
-def run_deepspeed(args, config: dict, prepare: Callable | None = None) -> dict:
-    """Train args.steps steps under DeepSpeed; `prepare(model)` runs before
-    deepspeed.initialize, once the process group exists (bench/activations.py turns
-    on checkpointing there)."""
+def rank_environ(rank: int, world: int, port: int) -> dict[str, str]:
+    """torchrun's variables for `rank` of `world` on this machine, as DeepSpeed reads them.
+    (tierstack.worker.distributed.RankEnv has them too, but importing it brings torch into
+    the launcher, whose memory counts as DeepSpeed's footprint.)"""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def run_deepspeed(args, config: dict, prepare: Callable | None = None,
+                  rank: int = 0, world: int = 1) -> dict:
+    """Train args.steps steps under DeepSpeed as `rank` of `world` (cuda:rank, its own rows);
+    `prepare(model)` runs before deepspeed.initialize, once the process group exists
+    (bench/activations.py turns on checkpointing there)."""
     import deepspeed
     import torch
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(args.port))
+    os.environ.update(rank_environ(rank, world, args.port))
+    torch.cuda.set_device(rank)
     deepspeed.init_distributed(dist_backend="nccl")
     model = _model(args.model, args.seq)
     if prepare is not None:
         prepare(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
-    data = _batches(MODELS[args.model]["vocab_size"], args.micro, args.seq, args.steps)
+    data = _batches(MODELS[args.model]["vocab_size"], args.micro, args.seq, args.steps, seed=1 + rank)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
@@ -134,7 +163,11 @@ def run_deepspeed(args, config: dict, prepare: Callable | None = None) -> dict:
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        losses.append(out.loss.item())
+        loss = out.loss.detach()
+        if world > 1:  # the global batch's mean, as tierstack's ranks report it
+            torch.distributed.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
     return {"step_s": times, "losses": losses, "gpu_peak": torch.cuda.max_memory_allocated()}
 
 
@@ -148,7 +181,7 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
     from tierstack.config import load_config
     from tierstack.services.scheduler.embedded import EmbeddedScheduler
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-    from tierstack.worker.engine import OffloadEngine, training_state_bytes
+    from tierstack.worker.engine import OffloadEngine
     from tierstack.worker.layers import LayerStore
     from tierstack.worker.plan_follower import PlanFollower
     from tierstack.worker.training import run_steps
@@ -159,20 +192,7 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
     model = _model(args.model, args.seq)
     tm = config.tier_manager
     run_dir = Path(args.nvme_dir) / f"ts-{uuid.uuid4().hex[:8]}"
-    tm.nvme_pool.paths = [str(run_dir)]
-    tm.manifest_path = str(run_dir / "manifest.sqlite")
-    # The pools grow to what is stored, capped by the budgets. An nvme JSON's parameters
-    # leave the pool after each use (max_in_cpu 0), but its optimizer state is cached in
-    # the pool as far as the host budget allows (offload_optimizer has no max_in_cpu in
-    # DeepSpeed: tierstack's default). DeepSpeed keeps that state on NVMe with swap
-    # buffers only, so for the same placement the pool is capped at a few blocks' worth.
-    state = training_state_bytes(model, "bf16")
-    pool = budgets.cpu_pool
-    if config.train.params.tier() == "nvme":
-        pool = min(pool, 8 * state // len(model.model.layers) + (1 << 30))
-    tm.cpu_pool.size = max(64 << 20, pool // (2 << 20) * (2 << 20))
-    tm.nvme_pool.size = max(1 << 30, min(budgets.nvme, 2 * state))
-    tm.metrics.http_listen = ""
+    _size_node(tm, config.train, budgets, model, run_dir)
     data = _batches(MODELS[args.model]["vocab_size"], args.micro, args.seq, args.steps)
     pairs = [(ids, torch.roll(ids, -1, 1)) for ids in data]
     try:
@@ -232,6 +252,79 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _size_node(tm, train, budgets, model, run_dir: Path) -> None:
+    """The tier manager's pools and directory for a run of `model` under `train`'s placement."""
+    from tierstack.worker.engine import training_state_bytes
+
+    tm.nvme_pool.paths = [str(run_dir)]
+    tm.manifest_path = str(run_dir / "manifest.sqlite")
+    # The pools grow to what is stored, capped by the budgets. An nvme JSON's parameters
+    # leave the pool after each use (max_in_cpu 0), but its optimizer state is cached in
+    # the pool as far as the host budget allows (offload_optimizer has no max_in_cpu in
+    # DeepSpeed: tierstack's default). DeepSpeed keeps that state on NVMe with swap
+    # buffers only, so for the same placement the pool is capped at a few blocks' worth.
+    state = training_state_bytes(model, "bf16")
+    pool = budgets.cpu_pool
+    if train.params.tier() == "nvme":
+        pool = min(pool, 8 * state // len(model.model.layers) + (1 << 30))
+    tm.cpu_pool.size = max(64 << 20, pool // (2 << 20) * (2 << 20))
+    tm.nvme_pool.size = max(1 << 30, min(budgets.nvme, 2 * state))
+    tm.metrics.http_listen = ""
+
+
+def run_tierstack_ranks(args, config_dict: dict) -> dict:
+    """Train args.steps steps under tierstack's partitioned engine on args.ranks local ranks
+    (bench/partitioned.py's launch), sharing one tier-manager daemon run by this process."""
+    import resource
+    from dataclasses import replace
+
+    from partitioned import run as run_partitioned
+
+    from tierstack.budgets import measure
+    from tierstack.config import load_config
+    from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+    from tierstack.worker.jobs.gpt import GPTConfig
+    from tierstack.worker.jobs.partitioned_job import PartitionedSpec, build_model
+
+    config = load_config(config_dict)
+    train = config.train
+    if train.gradient_accumulation_steps != 1:
+        raise SystemExit("the partitioned engine does not accumulate: use gradient_accumulation_steps 1")
+    # The host and NVMe budgets only: this process never touches a GPU (a CUDA context
+    # here would count in tierstack's footprint), the ranks do.
+    budgets = config.budgets.resolve(measure(args.nvme_dir, "cpu"))
+    # The same model, data and arithmetic as _model / _batches / from_config make for one
+    # rank: seed 0, random rows, bf16 with masters, AdamW, clipping, prefetch depth. Every
+    # block may stay on the device, as run_tierstack's whole-device budget allows where
+    # the blocks fit in HBM (1.3b and 7b on an H200).
+    layers = MODELS[args.model]["num_hidden_layers"]
+    spec = PartitionedSpec(
+        gpt=GPTConfig(seq_len=args.seq), hf_llama={**MODELS[args.model], "max_position_embeddings": args.seq},
+        steps=args.steps, global_batch=train.micro_batch_size * args.ranks, data="random",
+        optimizer=train.optimizer, precision=train.precision, gradient_clipping=train.gradient_clipping,
+        prefetch_depth=max(1, train.params.buffer_count - 1), device_budget_layers=layers,
+        device=None if args.device == "cuda" else args.device,  # None: rank r on cuda:r
+        activation_policy=train.activations.policy, partition_activations=train.activations.partition)
+    model, _, _ = build_model(spec, "meta")  # sizes only
+    tm = config.tier_manager
+    run_dir = Path(args.nvme_dir) / f"ts-{uuid.uuid4().hex[:8]}"
+    _size_node(tm, train, budgets, model, run_dir)
+    try:
+        with EmbeddedTierManager(tm) as daemon:
+            ranks = run_partitioned(replace(spec, tier_manager=daemon.address), args.ranks,
+                                    os.cpu_count() or 1)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    steps = ranks[0].steps  # the daemon is shared: rank 0's NVMe bytes are the node's
+    return {"step_s": [s.seconds for s in steps], "losses": [s.loss for s in steps],
+            "gpu_peak": None, "nvme_read": sum(s.nvme_read for s in steps),
+            "nvme_written": sum(s.nvme_written for s in steps),
+            "gathered_per_rank": sum(s.gathered for s in steps),
+            "cpu_pool_size": tm.cpu_pool.size, "devices": [r.device for r in ranks],
+            # this launcher's own share of the footprint (torch and transformers imported)
+            "launcher_rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 class _Phases:
     """Running totals of where a tierstack step's time goes (wall seconds in the worker's
     thread; the device's queued work shows up in whatever waits for it next)."""
@@ -266,11 +359,44 @@ def _time_phases(engine, store) -> _Phases:
 
 
 def child(args) -> int:
+    """One side's run: at --ranks 1 this process trains; at N, DeepSpeed's launcher starts
+    N copies of this command with --rank r (rank 0 prints the result), and tierstack's
+    child starts its ranks itself (run_tierstack_ranks)."""
     spec = json.loads(Path(args.child).read_text())
-    run = run_deepspeed if spec["side"] == "ds" else run_tierstack
-    result = run(args, spec["config"])
-    print("RESULT " + json.dumps(result), flush=True)
+    if spec["side"] == "ds" and args.ranks > 1 and args.rank is None:
+        return run_ranks(rank_commands(sys.argv[1:], args.ranks))
+    if spec["side"] == "ds":
+        result = run_deepspeed(args, spec["config"], rank=args.rank or 0, world=args.ranks)
+    elif args.ranks > 1:
+        result = run_tierstack_ranks(args, spec["config"])
+    else:
+        result = run_tierstack(args, spec["config"])
+    if not args.rank:
+        print("RESULT " + json.dumps(result), flush=True)
     return 0
+
+
+def rank_commands(argv: list[str], ranks: int) -> list[list[str]]:
+    """The command of each DeepSpeed rank: the launcher's own, with --rank r."""
+    return [[sys.executable, __file__, *argv, "--rank", str(rank)] for rank in range(ranks)]
+
+
+def run_ranks(commands: list[list[str]]) -> int:
+    """Run the ranks' commands together (their output is this process's); the first to
+    fail stops the rest, whose collectives would otherwise wait for it until NCCL's timeout."""
+    procs = [subprocess.Popen(cmd) for cmd in commands]
+    try:
+        while True:
+            codes = [proc.poll() for proc in procs]
+            failed = [code for code in codes if code not in (None, 0)]
+            if failed or None not in codes:
+                return failed[0] if failed else 0
+            time.sleep(0.5)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
 
 # ---- the comparison (this process) -----------------------------------------------------------
@@ -281,7 +407,8 @@ def _launch(args, side: str, config: dict, label: str, workdir: Path) -> dict:
     spec.write_text(json.dumps({"side": side, "config": config}))
     cmd = [sys.executable, __file__, "--child", str(spec), "--model", args.model,
            "--seq", str(args.seq), "--micro", str(args.micro), "--steps", str(args.steps),
-           "--device", args.device, "--nvme-dir", args.nvme_dir, "--port", str(29500 + os.getpid() % 1000)]
+           "--device", args.device, "--nvme-dir", args.nvme_dir, "--port", str(29500 + os.getpid() % 1000),
+           "--ranks", str(args.ranks)]
     start = time.perf_counter()
     log = open(workdir / f"{label}.log", "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -290,7 +417,11 @@ def _launch(args, side: str, config: dict, label: str, workdir: Path) -> dict:
         try:
             out, _ = proc.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            for pid in reversed(process_tree(proc.pid)):  # ranks and daemons too, not just the child
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.communicate()
             log.close()
             raise RuntimeError(f"{label} ran past {args.timeout:.0f} s: "
@@ -306,7 +437,7 @@ def _launch(args, side: str, config: dict, label: str, workdir: Path) -> dict:
     result.update(label=label, side=side, wall_s=wall, host_peak=sampler.peak,
                   disk_read=sampler.disk_bytes[0], disk_written=sampler.disk_bytes[1],
                   step_median=statistics.median(later),
-                  tokens_per_s=args.micro * args.seq / statistics.median(later))
+                  tokens_per_s=args.micro * args.ranks * args.seq / statistics.median(later))
     print(json.dumps({k: v for k, v in result.items() if k not in ("losses",)}), flush=True)
     return result
 
@@ -322,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", default="ds,ts", help="ds, ts or both (same-budget needs ds)")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="data-parallel ranks, one per GPU (cuda:0..N-1); micro-batch --micro each")
     parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-vsds")
     parser.add_argument("--timeout", type=float, default=3000)
     parser.add_argument("--skip", default="", help="runs to leave out, e.g. ds-cpu,ts-cpu")
@@ -331,9 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the final JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
+    if args.ranks < 1:
+        parser.error(f"--ranks {args.ranks}: give 1 or more")
     sides = args.sides.split(",")
     Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="tierstack-vsds-"))
@@ -357,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for rep in range(args.reps):
             for mode in args.modes.split(","):
-                ds_config = deepspeed_json(mode, args.micro, str(Path(args.nvme_dir) / "ds"))
+                ds_config = deepspeed_json(mode, args.micro, str(Path(args.nvme_dir) / "ds"), args.ranks)
                 if "ds" in sides:
                     attempt(f"ds-{mode}", "ds", ds_config, f"ds-{mode}-{rep}")
                     shutil.rmtree(Path(args.nvme_dir) / "ds", ignore_errors=True)
@@ -366,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                     ds_runs = runs.get(f"ds-{mode}")
                     peaks = ((max(r["gpu_peak"] for r in ds_runs), max(r["host_peak"] for r in ds_runs))
                              if ds_runs else earlier.get(mode))
-                    if peaks:  # same budget as DeepSpeed used in this mode
+                    if peaks and args.ranks == 1:  # same budget as DeepSpeed used in this mode
                         summary_peaks[mode] = peaks
                         attempt(f"ts-budget-{mode}", "ts", budget_json(args.micro, *peaks),
                                 f"ts-budget-{mode}-{rep}")
@@ -404,6 +540,11 @@ def main(argv: list[str] | None = None) -> int:
                                                         med(f"ds-{mode}", "host_peak"))
         summary[f"same_budget_host_footprint_ratio_{mode}"] = ratio(
             med(f"ts-budget-{mode}", "host_peak"), med(f"ds-{mode}", "host_peak"))
+    if args.ranks > 1:  # keys of one rank's line unchanged; these say what N ranks did
+        summary["ranks"] = args.ranks
+        summary["global_batch"] = args.micro * args.ranks
+        for mode in ("cpu", "nvme"):
+            summary[f"tokens_per_s_vs_deepspeed_{mode}"] = summary[f"same_config_{mode}_ratio"]
     summary["planner_vs_measured"] = round(statistics.median(predicted), 3) if predicted else None
     summary["failures"] = failures
     summary["deepspeed_peaks_used_as_budgets"] = summary_peaks
