@@ -33,7 +33,8 @@ DeepSpeed, both at N ranks).
 Run on the GPU machine (DeepSpeed carried as a wheel):
   python3 bench/vs_deepspeed.py --model 1.3b --modes cpu,nvme --reps 1 --nvme-dir /var/tmp/vsds
   source deploy/device_env.sh && python3 bench/vs_deepspeed.py --ranks 2 --model 1.3b \\
-      --modes cpu,nvme --reps 1 --nvme-dir /var/tmp/vsds      (2 GPUs, micro-batch 8 each)
+      --modes cpu,nvme --reps 1 --nvme-dir /var/tmp/vsds      (2 GPUs, micro-batch 8 each;
+      under a cap on a command's time, one mode per command: --modes cpu, then --modes nvme)
 A tiny model runs anywhere tierstack does: --model tiny --sides ts (--ranks 2: gloo ranks)
 """
 
