@@ -359,13 +359,13 @@ def _time_phases(engine, store) -> _Phases:
     return phases
 
 
-def child(args) -> int:
+def child(args, argv: list[str]) -> int:
     """One side's run: at --ranks 1 this process trains; at N, DeepSpeed's launcher starts
     N copies of this command with --rank r (rank 0 prints the result), and tierstack's
-    child starts its ranks itself (run_tierstack_ranks)."""
+    child starts its ranks itself (run_tierstack_ranks). `argv`: this command's arguments."""
     spec = json.loads(Path(args.child).read_text())
     if spec["side"] == "ds" and args.ranks > 1 and args.rank is None:
-        return run_ranks(rank_commands(sys.argv[1:], args.ranks))
+        return run_ranks(rank_commands(argv, args.ranks))
     if spec["side"] == "ds":
         result = run_deepspeed(args, spec["config"], rank=args.rank or 0, world=args.ranks)
     elif args.ranks > 1:
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        return child(args)
+        return child(args, sys.argv[1:] if argv is None else argv)
     if args.ranks < 1:
         parser.error(f"--ranks {args.ranks}: give 1 or more")
     sides = args.sides.split(",")

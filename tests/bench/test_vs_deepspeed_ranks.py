@@ -49,6 +49,19 @@ def test_a_ranks_command_reaches_run_deepspeed_as_that_rank(bench, monkeypatch, 
     assert seen == [(1, 2, 8, 29777, {"train_batch_size": 16})]
 
 
+def test_deepspeeds_child_at_two_ranks_launches_two_rank_commands(bench, monkeypatch, tmp_path):
+    """The child _launch starts for DeepSpeed at --ranks 2 trains nothing itself: it runs
+    its own command twice, as rank 0 and rank 1, and returns what the ranks return."""
+    launched = []
+    monkeypatch.setattr(bench, "run_ranks", lambda commands: launched.append(commands) or 0)
+    monkeypatch.setattr(bench, "run_deepspeed", lambda *a, **kw: pytest.fail("the launcher trained"))
+    spec = tmp_path / "ds.json"
+    spec.write_text('{"side": "ds", "config": {}}')
+    argv = ["--child", str(spec), "--port", "29777", "--ranks", "2"]
+    assert bench.main(argv) == 0
+    assert launched == [bench.rank_commands(argv, 2)]
+
+
 def test_a_failing_rank_stops_the_others_and_its_code_is_returned(bench):
     start = time.monotonic()
     code = bench.run_ranks([[sys.executable, "-c", "import time; time.sleep(60)"],
