@@ -69,19 +69,25 @@ def reserve_huge_pages(pages: int) -> int | None:
 
 
 
-def fio_gbps(fio: str, path: Path, size: int, rw: str, qd: int, engine: str, iomem: str) -> float:
+def fio_gbps(fio: str, path: Path, size: int, rw: str, qd: int, engine: str, iomem: str,
+             read_share: float = 0.5) -> float:
+    """GB/s fio moves: "read", "write", or "rw" (sequential, `read_share` of the bytes
+    read: the mix a training step has), counting both directions for "rw"."""
     cmd = [fio, "--name=ref", f"--filename={path}", f"--rw={rw}", f"--bs={BLOCK}",
            "--direct=1", f"--iodepth={qd}", f"--ioengine={engine}", f"--size={size}",
            f"--iomem={iomem}", "--output-format=json", "--numjobs=1"]
-    if rw == "write":
+    if rw != "read":
         cmd.append("--end_fsync=1")
+    if rw == "rw":
+        cmd.append(f"--rwmixread={round(100 * read_share)}")
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip() or out.stdout.strip())
     job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
-    side = job["read" if rw == "read" else "write"]
+    moved = sum(job[side]["io_bytes"] for side in (("read", "write") if rw == "rw" else
+                                                   ("read" if rw == "read" else "write",)))
     # bytes / total job time, the same definition as ours (includes end_fsync for writes)
-    return side["io_bytes"] / (job["job_runtime"] / 1000) / 1e9
+    return moved / (job["job_runtime"] / 1000) / 1e9
 
 
 class PoolSide:

@@ -35,6 +35,12 @@ Run on the GPU machine (DeepSpeed carried as a wheel):
   source deploy/device_env.sh && python3 bench/vs_deepspeed.py --ranks 2 --model 1.3b \\
       --modes cpu,nvme --reps 1 --nvme-dir /var/tmp/vsds      (2 GPUs, micro-batch 8 each;
       under a cap on a command's time, one mode per command: --modes cpu, then --modes nvme)
+With --fio, tierstack's nvme steps' disk rate (bytes the daemon read and wrote / the
+steps' time) is set against fio on --nvme-dir at the same read/write mix (rw=rw,
+rwmixread = the steps' read share, 1 MiB direct IO, best of io_uring/libaio at queue
+depth 8 and 32): `disk_vs_fio_nvme` (deploy/device_env.sh puts a carried .whl/bin/fio
+on PATH):
+  python3 bench/vs_deepspeed.py --modes nvme --sides ts --steps 5 --fio --nvme-dir /var/tmp/vsds
 A tiny model runs anywhere tierstack does: --model tiny --sides ts (--ranks 2: gloo ranks)
 """
 
@@ -462,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ds-peaks", default="",
                         help="DeepSpeed's peaks of an earlier run for modes it does not run now, "
                              "MODE=GPU_BYTES:HOST_BYTES[,...] (for the same-budget runs)")
+    parser.add_argument("--fio", nargs="?", const="fio", default=None, metavar="PATH",
+                        help="after the runs, fio (this binary, default from PATH) on --nvme-dir "
+                             "at tierstack's nvme read/write mix: disk_vs_fio_nvme")
+    parser.add_argument("--fio-gib", type=int, default=8, help="fio's file, GiB")
     parser.add_argument("--out", help="also write the final JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
@@ -546,11 +556,44 @@ def main(argv: list[str] | None = None) -> int:
         summary["global_batch"] = args.micro * args.ranks
         for mode in ("cpu", "nvme"):
             summary[f"tokens_per_s_vs_deepspeed_{mode}"] = summary[f"same_config_{mode}_ratio"]
+    if args.fio and runs.get("ts-nvme"):
+        summary.update(_disk_vs_fio(args, runs["ts-nvme"]))
     summary["planner_vs_measured"] = round(statistics.median(predicted), 3) if predicted else None
     summary["failures"] = failures
     summary["deepspeed_peaks_used_as_budgets"] = summary_peaks
     emit(summary, args.out)
     return 0
+
+
+def _disk_vs_fio(args, ts_runs: list[dict]) -> dict:
+    """What tierstack's nvme steps moved through the disk per second (bytes the daemon
+    read and wrote over the measured steps / their time) against fio on the same
+    directory at the same read share, sequential 1 MiB direct IO (issue 12: >= 0.9), fio's
+    best of io_uring and libaio at queue depths 8 and 32. The step's rate is a lower
+    bound on the disk's: a step also computes."""
+    import importlib.util
+
+    # bench/io.py, beside this file (its name is the standard library's: load it by path)
+    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name("io.py"))
+    bench_io = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_io)
+
+    moved = [(r["nvme_read"], r["nvme_written"], sum(r["step_s"])) for r in ts_runs]
+    read, written, seconds = (sum(x[i] for x in moved) for i in range(3))
+    if not seconds or not read + written:
+        return {"disk_vs_fio_nvme": None}
+    share = read / (read + written)
+    path = Path(args.nvme_dir) / "fio-mix"
+    size = args.fio_gib << 30
+    try:
+        best = max(bench_io.fio_gbps(args.fio, path, size, "rw", qd, engine, "malloc",
+                                     read_share=share)
+                   for engine in ("io_uring", "libaio") for qd in (8, 32))
+    finally:
+        path.unlink(missing_ok=True)
+    training = (read + written) / seconds / 1e9
+    return {"disk_gbps_training_nvme": round(training, 3), "disk_gbps_fio_mix": round(best, 3),
+            "disk_read_share_nvme": round(share, 3), "disk_vs_fio_nvme": round(training / best, 3)}
 
 
 def emit(summary: dict, out: str | None) -> None:

@@ -27,4 +27,9 @@ if ls .whl/deb/*.deb >/dev/null 2>&1; then
     export CPATH=/tmp/aio/usr/include${CPATH:+:$CPATH} LD_LIBRARY_PATH=$aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export TORCH_CUDA_ARCH_LIST=9.0
 fi
+# A carried fio (.whl/bin/fio, built from source against the carried libaio) for the
+# benches that compare the disk with fio (bench/io.py, bench/vs_deepspeed.py --fio).
+if [ -x .whl/bin/fio ]; then
+    export PATH=$PWD/.whl/bin:$PATH
+fi
 set +e

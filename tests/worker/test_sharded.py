@@ -6,6 +6,7 @@ daemon (standing for its node), started by the plain multiprocessing launcher.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tierstack.config import MiB, OptimizerConfig
@@ -274,3 +275,15 @@ def test_bf16_blocks_with_fp32_masters_partition_too():
     assert one[0].steps[-1].loss != one[0].steps[0].loss  # the weights did move
     for block in two[0].state["blocks"]:
         assert all(t.dtype == torch.bfloat16 for t in block.values())
+
+
+def test_partitioned_jobs_take_clipping_and_refuse_accumulation_by_name():
+    """`tierstack train --ranks N` checks its config before Ray starts: clipping is done
+    by the partitioned engine (the test above), accumulation is refused with the fix."""
+    from tierstack.config import load_config
+    from tierstack.errors import ConfigError
+    from tierstack.worker.jobs.ray_train_job import check_train_config
+
+    check_train_config(load_config({"train": {"gradient_clipping": 1.0}}).train)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps is 2: partitioned training"):
+        check_train_config(load_config({"train": {"gradient_accumulation_steps": 2}}).train)

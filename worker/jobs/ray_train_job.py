@@ -33,8 +33,9 @@ EMBEDDED_OBJECT_STORE = 256 * MiB
 def check_train_config(train: TrainConfig) -> None:
     """Refuse what partitioned ranks cannot do as configured; log what they place their own way.
 
-    The ranks train with `ShardedEngine` as `PartitionedSpec` says: no accumulation, no
-    clipping (settings that change the arithmetic are errors), and every block's shards
+    The ranks train with `ShardedEngine` as `PartitionedSpec` says: no accumulation (a
+    setting that changes the arithmetic is an error), clipping by the global gradient's
+    norm over every rank's shards, and every block's shards
     placed "auto" (the CPU pool keeps what fits, the rest on NVMe: a warning).
     """
     if train.gradient_accumulation_steps != 1:
@@ -42,10 +43,6 @@ def check_train_config(train: TrainConfig) -> None:
             f"train.gradient_accumulation_steps is {train.gradient_accumulation_steps}: "
             f"partitioned training (--ranks, --address) does not accumulate over micro-batches "
             f"yet; set it to 1 and give the global batch with --batch-size")
-    if train.gradient_clipping:
-        raise ConfigError(
-            f"train.gradient_clipping is {train.gradient_clipping}: partitioned training "
-            f"(--ranks, --address) does not clip gradients yet; set it to 0 or train on one rank")
     placed = [f"train.params.device {train.params.device!r} (max_in_cpu {train.params.max_in_cpu})"
               if train.params.tier() != AUTO else "",
               f"train.optimizer_state.device {train.optimizer_state.device!r}"
@@ -66,6 +63,7 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
         gpt=GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads),
         steps=args.steps, global_batch=args.batch_size, seed=args.seed,
         optimizer=config.train.optimizer, precision=config.train.precision,
+        gradient_clipping=config.train.gradient_clipping,
         activation_policy=config.train.activations.policy,
         partition_activations=config.train.activations.partition,
         device=args.device, job=f"train-{uuid.uuid4().hex[:8]}",
