@@ -50,6 +50,7 @@ from tierstack.worker.jobs.partitioned_job import PartitionedSpec, build_model, 
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}  # --check's expected max relative loss difference
 FIELDS = ("cpu_pool_read", "cpu_pool_written", "nvme_read", "nvme_written", "gathered")
+TIMES = ("stalled_s", "daemon_adamw_s", "daemon_state_reads_s")  # where a rank's step went
 
 
 def model_spec(args: argparse.Namespace) -> PartitionedSpec:
@@ -92,7 +93,7 @@ def per_rank_row(result) -> dict:
     """One rank's per-step medians over the steps after the first (the warm-up)."""
     later = result.steps[1:] or result.steps
     row = {"rank": result.rank, "step_s": statistics.median(s.seconds for s in later)}
-    row.update({f: statistics.median(getattr(s, f) for s in later) for f in FIELDS})
+    row.update({f: statistics.median(getattr(s, f) for s in later) for f in FIELDS + TIMES})
     return row
 
 
@@ -123,7 +124,8 @@ def summarize(rows: list[dict], tokens: int) -> dict:
             "per_rank_nvme_read_MB": round(pick("nvme_read") / 1e6, 2),
             "per_rank_nvme_written_MB": round(pick("nvme_written") / 1e6, 2),
             "per_rank_all_gather_in_MB": round(pick("gathered") / 1e6, 2),
-            "per_rank_tier_bytes_MB": round(tier_bytes / 1e6, 2)}
+            "per_rank_tier_bytes_MB": round(tier_bytes / 1e6, 2),
+            **{f"per_rank_{t}": round(pick(t), 4) for t in TIMES}}
 
 
 def print_table(mode: str, ranks: list[int], summary: dict) -> None:

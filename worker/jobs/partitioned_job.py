@@ -94,6 +94,12 @@ class StepFigures:
     nvme_written: int    # bytes its tier manager wrote to NVMe
     gathered: int        # bytes received from the other ranks by all-gathers
     exchanged: int = 0   # stashed-input bytes sent to the other ranks (partitioned activations)
+    # Where the step's time went (seconds, this rank): ensure_layer waiting for its shards'
+    # loads and all-gathers, the daemon's AdamW kernel over this rank's shards, and the
+    # daemon waiting for their state to be read (may overlap each other and compute).
+    stalled_s: float = 0.0
+    daemon_adamw_s: float = 0.0
+    daemon_state_reads_s: float = 0.0
 
 
 @dataclass
@@ -233,12 +239,15 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
                    for x, y in itertools.islice(global_batches(spec), start, None))
 
         def counters() -> dict[str, float]:
-            node = store.client.stats()
+            node, optimizer = store.client.stats(), engine.block_optimizer
             return {"cpu_pool_read": store.local.bytes_read, "cpu_pool_written": store.local.bytes_written,
                     "nvme_read": node.nvme_bytes_read, "nvme_written": node.nvme_bytes_written,
-                    "gathered": store.bytes_gathered, "exchanged": store.bytes_exchanged}
+                    "gathered": store.bytes_gathered, "exchanged": store.bytes_exchanged,
+                    "stalled_s": store.stall_seconds, "daemon_adamw_s": optimizer.update_seconds,
+                    "daemon_state_reads_s": optimizer.wait_seconds}
 
-        steps = [StepFigures(r.loss, r.seconds, **{k: int(v) for k, v in r.moved.items()})
+        steps = [StepFigures(r.loss, r.seconds, **{k: v if k.endswith("_s") else int(v)
+                                                   for k, v in r.moved.items()})
                  for r in run_steps(engine.train_step, batches, device, spec.steps - start,
                                     counters=counters, on_step=on_step)]
         if spec.checkpoint_dir:
