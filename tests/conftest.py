@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+# Before anything loads OpenMP (torch does), for this process and every daemon, rank and
+# CLI run it starts: OpenMP threads that wait for work sleep instead of spinning. Tests run
+# a worker, its daemon and often two ranks on the 2 cores of a CI machine; with spinning
+# waiters a torch op that shares its cores with another busy process ran 4-12x slower
+# (the fp32 GPT of test_offload: 28 s for 20 plain PyTorch steps beside one busy core,
+# 3 s with sleeping waiters). The thread count and the arithmetic stay the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import json
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
