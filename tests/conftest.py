@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+# Before anything loads OpenMP (torch does), for this process and every daemon, rank and
+# CLI run it starts: OpenMP threads that wait for work sleep instead of spinning. Tests run
+# a worker, its daemon and often two ranks on the 2 cores of a CI machine; with spinning
+# waiters a torch op that shares its cores with another busy process ran 4-12x slower
+# (the fp32 GPT of test_offload: 28 s for 20 plain PyTorch steps beside one busy core,
+# 3 s with sleeping waiters). The thread count and the arithmetic stay the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import json
 import shutil
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -96,17 +106,22 @@ def tier_manager_process(config_path: Path, socket_path: Path) -> ServiceProcess
                           workdir=socket_path.parent / f"{socket_path.stem}-daemon")
 
 
+def write_daemon_config(directory: Path, shm_dir: Path) -> Path:
+    """A node config in `directory`: 16 MiB CPU pool, 256 MiB NVMe pool on the real disk."""
+    path = directory / "tier-manager.json"
+    path.write_text(json.dumps({"tier_manager": {
+        "cpu_pool": {"size": "16MiB", "shm_dir": str(shm_dir)},
+        "nvme_pool": {"paths": [str(directory / "nvme0"), str(directory / "nvme1")], "size": "256MiB",
+                      "aio": {"block_size": "256KiB", "queue_depth": 4}},
+        "manifest_path": str(directory / "manifest.sqlite"),
+        "shutdown_grace_seconds": 10}}))
+    return path
+
+
 @pytest.fixture
 def daemon_config(tmp_path: Path, shm_dir: Path) -> Path:
     """A node config: 16 MiB CPU pool, 256 MiB NVMe pool on the real disk."""
-    path = tmp_path / "tier-manager.json"
-    path.write_text(json.dumps({"tier_manager": {
-        "cpu_pool": {"size": "16MiB", "shm_dir": str(shm_dir)},
-        "nvme_pool": {"paths": [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")], "size": "256MiB",
-                      "aio": {"block_size": "256KiB", "queue_depth": 4}},
-        "manifest_path": str(tmp_path / "manifest.sqlite"),
-        "shutdown_grace_seconds": 10}}))
-    return path
+    return write_daemon_config(tmp_path, shm_dir)
 
 
 @pytest.fixture
@@ -115,3 +130,83 @@ def daemon(daemon_config: Path, tmp_path: Path):
     proc = tier_manager_process(daemon_config, tmp_path / "tm.sock").start()
     yield proc
     proc.kill()
+
+
+class _ModuleDaemon:
+    """The daemon `shared_daemon` hands out: started once per module (a start costs a
+    Python with torch, ~2.5 s on 2 cores), replaced after a test that left it unclean."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.proc: ServiceProcess | None = None
+        self.shm_dir: Path | None = None
+
+    def start(self) -> ServiceProcess:
+        directory = self.tmp_path_factory.mktemp("shared-daemon")
+        self.shm_dir = Path("/dev/shm") / f"tierstack-test-{uuid.uuid4().hex[:10]}"
+        self.shm_dir.mkdir(mode=0o700)
+        config = write_daemon_config(directory, self.shm_dir)
+        self.proc = tier_manager_process(config, directory / "tm.sock").start()
+        return self.proc
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+            self.proc = None
+
+
+def _what_is_left(address: str) -> list[str]:
+    """What the tests so far left on the daemon at `address`, after deleting the state of
+    jobs no worker holds (what the daemon does itself after jobs.grace_seconds, 5 s):
+    jobs still held, tensors outside any job, leases, pins."""
+    from tierstack.errors import KeyNotFoundError
+    from tierstack.services.tier_manager.client import TierManagerClient
+
+    client = TierManagerClient(address, reconnect_timeout=10)
+    try:
+        deadline = time.monotonic() + 10  # a closed channel ends its session asynchronously
+        while True:
+            held = []
+            for job in client.jobs():
+                if job.workers:
+                    held.append(f"job {job.job} held by {job.workers} worker(s)")
+                else:
+                    try:
+                        client.delete_job(job.job)
+                    except KeyNotFoundError:
+                        pass  # the daemon's own reaper was first
+            stats = client.stats()
+            left = held + [f"{n} {what}" for n, what in ((stats.tensors, "tensors"),
+                                                        (stats.leases, "leases"),
+                                                        (stats.pinned, "pins")) if n]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def _module_daemon(tmp_path_factory):
+    shared = _ModuleDaemon(tmp_path_factory)
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture
+def shared_daemon(_module_daemon: _ModuleDaemon) -> ServiceProcess:
+    """A running tier-manager daemon (the `daemon` fixture's config) shared by a module's
+    tests, for tests that use only their own jobs' state and compare traffic counters
+    (NVMe bytes read, ...) with their values before the test. Each test must leave it as
+    it found it: no job held, no tensor, lease or pin; one that does not fails at teardown,
+    and the next test gets a fresh daemon."""
+    proc = _module_daemon.proc
+    if proc is None or not proc.running():
+        _module_daemon.stop()
+        proc = _module_daemon.start()
+    yield proc
+    left = _what_is_left(proc.address) if proc.running() else ["the daemon is not running"]
+    if left:
+        _module_daemon.stop()
+        pytest.fail(f"the test left the shared daemon unclean: {', '.join(left)}")

@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,6 +279,30 @@ def _train(tmp_path, *args: str, env: dict | None = None) -> subprocess.Complete
     return out
 
 
+def _train_side_by_side(tmp_path, *runs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """`tierstack train` runs that do not depend on each other, at the same time (two jobs
+    on one machine, each with its embedded daemon): most of a tiny run is its Python
+    importing torch and transformers, one core's work. Their results, in order; the exit
+    status is the caller's to check."""
+    procs = []
+    try:
+        for argv in runs:
+            out = tmp_path / f"train-{uuid.uuid4().hex[:8]}"
+            with open(f"{out}.out", "w") as stdout, open(f"{out}.err", "w") as stderr:
+                procs.append((out, subprocess.Popen(
+                    [sys.executable, "-m", "tierstack.cli", "train", *argv,
+                     "--nvme-path", str(tmp_path / "nvme")], stdout=stdout, stderr=stderr)))
+        for _, proc in procs:
+            proc.wait(timeout=300)
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, Path(f"{out}.out").read_text(),
+                                        Path(f"{out}.err").read_text()) for out, proc in procs]
+
+
 def test_a_hugging_face_model_trains_checkpoints_resumes_bit_for_bit_and_exports(tmp_path):
     """LLaMA from a config directory: 4 steps straight equal 2 steps, then a resume to 4
     (same weights and moments, bit for bit), and the export loads with from_pretrained."""
@@ -287,12 +313,21 @@ def test_a_hugging_face_model_trains_checkpoints_resumes_bit_for_bit_and_exports
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(LLAMA))
     hf = ("--hf-model", str(model_dir), *SMALL)
-    straight = _train(tmp_path, *hf, "--steps", "4", "--checkpoint-dir", str(tmp_path / "a"))
+    straight, half = _train_side_by_side(
+        tmp_path, (*hf, "--steps", "4", "--checkpoint-dir", str(tmp_path / "a")),
+        (*hf, "--steps", "2", "--checkpoint-dir", str(tmp_path / "b")))
+    for out in (straight, half):
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "LlamaForCausalLM (llama) 2 x 64" in straight.stdout and "initialised from its config" in straight.stdout
-    _train(tmp_path, *hf, "--steps", "2", "--checkpoint-dir", str(tmp_path / "b"))
-    resumed = _train(tmp_path, *hf, "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"),
-                     "--resume", "--export", str(tmp_path / "hf"))
+    # The resume to step 4, and beside it a resume that does not match its checkpoint (a's,
+    # saved with --seq-len 32), which says what differs.
+    resumed, bad = _train_side_by_side(
+        tmp_path, (*hf, "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
+                   "--export", str(tmp_path / "hf")),
+        (*hf, "--steps", "6", "--seq-len", "16", "--checkpoint-dir", str(tmp_path / "a"), "--resume"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "after step 2" in resumed.stdout
+    assert bad.returncode == 2 and "seq_len 32" in bad.stderr and "resume with the flags" in bad.stderr
     for i in range(2):
         a = load_file(str(tmp_path / "a" / f"block-{i:05d}.safetensors"))
         b = load_file(str(tmp_path / "b" / f"block-{i:05d}.safetensors"))
@@ -308,12 +343,6 @@ def test_a_hugging_face_model_trains_checkpoints_resumes_bit_for_bit_and_exports
     assert "CPU pool up to the machine's budget -> NVMe up to the machine's budget" in again.stdout
     # ... and the main job's state still streams through NVMe however large the pool.
     assert min(_nvme_volumes(again.stdout)) > 0, again.stdout[-500:]
-    # A resume that does not match the checkpoint says what differs.
-    bad = subprocess.run([sys.executable, "-m", "tierstack.cli", "train", *hf, "--steps", "6",
-                          "--seq-len", "16", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
-                          "--nvme-path", str(tmp_path / "nvme")],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "seq_len 32" in bad.stderr and "resume with the flags" in bad.stderr
 
 
 def test_gpt2_from_a_json_config_on_a_text_file_logs_whole_plain_lines(tmp_path):

@@ -16,6 +16,12 @@ from tierstack.worker.layers import LayerStore
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
+@pytest.fixture
+def daemon(shared_daemon):
+    """One daemon for this module: every test uses only its own jobs (conftest.shared_daemon)."""
+    return shared_daemon
+
+
 def _data(seed, count):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g))
@@ -72,6 +78,7 @@ def test_tier_overrides_place_each_block_and_training_still_matches(daemon):
                           tier_overrides={"blocks[0]": "gpu", "blocks[1-2]": "cpu"})
     assert block_tiers(train, "blocks", 6) == ["gpu", "cpu", "cpu", "nvme", "nvme", "nvme"]
     store = LayerStore("tiers", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
+    read_before = store.client.stats().nvme_bytes_read
     try:
         engine = OffloadEngine.from_config(model, store, train)
         assert engine.blocks.positions == [1, 2, 3, 4, 5]
@@ -80,7 +87,7 @@ def test_tier_overrides_place_each_block_and_training_still_matches(daemon):
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
         stats = store.client.stats()
-        assert stats.nvme_bytes_read > 0 and stats.cpu_used <= stats.cpu_capacity
+        assert stats.nvme_bytes_read > read_before and stats.cpu_used <= stats.cpu_capacity
         for layer in (0, 1):  # model blocks 1 and 2: placed on the CPU tier, never evicted
             for kind in ("params", "exp_avg", "exp_avg_sq"):
                 assert store.client.describe(store.key(layer, kind)).in_cpu
@@ -135,12 +142,13 @@ def test_hugging_face_llama_twenty_steps_with_state_on_nvme_match_plain_adamw(da
                           optimizer_state={"device": "nvme", "max_in_cpu": 0})
     store = LayerStore("llama20", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
+    read_before = store.client.stats().nvme_bytes_read
     try:
         engine = OffloadEngine.from_config(model, store, train, blocks_attr="model.layers")
         assert engine.tiers == ["nvme"] * 4
         assert_hf_steps_match(reference, ref_opt, model, engine, steps=20, seq=32)
         stats = store.client.stats()
-        assert stats.nvme_bytes_read > 0 and stats.cpu_used <= stats.cpu_capacity
+        assert stats.nvme_bytes_read > read_before and stats.cpu_used <= stats.cpu_capacity
         assert store.budget.peak <= store.budget.capacity
         engine.close()
     finally:
@@ -218,11 +226,12 @@ def test_optimizer_state_device_places_the_blocks_optimizer_state(daemon):
     assert state_tiers(train, "blocks", 5) == ["nvme"] * 5
     store = LayerStore("state-tier", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
+    read_before = store.client.stats().nvme_bytes_read
     try:
         engine = OffloadEngine.from_config(model, store, train)
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
-        assert store.client.stats().nvme_bytes_read > 0
+        assert store.client.stats().nvme_bytes_read > read_before
         assert all(store.client.describe(store.key(i)).in_cpu for i in range(5))
         moments = [store.client.describe(store.key(i, kind)) for i in range(5)
                    for kind in ("exp_avg", "exp_avg_sq")]

@@ -18,6 +18,12 @@ from tierstack.worker.layers import LayerStore
 NVME = load_config({"train": {"params": {"device": "nvme"}, "optimizer_state": {"device": "nvme"}}}).train
 
 
+@pytest.fixture
+def daemon(shared_daemon):
+    """One daemon for this module: every test uses only its own jobs (conftest.shared_daemon)."""
+    return shared_daemon
+
+
 def test_build_gpt_creates_on_the_cpu_the_weights_an_eager_gpt_has():
     config = GPTConfig(dim=32, heads=2, layers=3, seq_len=16)
     torch.manual_seed(3)

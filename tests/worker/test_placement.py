@@ -20,6 +20,12 @@ from tierstack.worker.placement import DeviceFootprint, place_blocks
 MiB = 1 << 20
 
 
+@pytest.fixture
+def daemon(shared_daemon):
+    """One daemon for this module: every test uses only its own jobs (conftest.shared_daemon)."""
+    return shared_daemon
+
+
 def _budgets(hbm: int) -> Budgets:
     return Budgets(hbm=hbm, host=8 << 30, nvme=8 << 30)
 
