@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
 
@@ -266,28 +265,12 @@ def _doc(module: str) -> str:
     return doc.split("\n\n")[0].replace("\n", " ")
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived (a supervisor, Ray or a batch scheduler stopping the command); a
-    BaseException, as KeyboardInterrupt, so no `except Exception` swallows it."""
-
-
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
-    # A job stopped with SIGTERM unwinds as one stopped with Ctrl-C: its embedded daemons
-    # stop and its NVMe run directory is removed (SIGTERM's default would skip both and
-    # leave the run's files on the disk). The daemons' own commands install theirs.
-    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return args.func(args)
-    except Terminated:
-        print("tierstack: terminated (SIGTERM)", file=sys.stderr)
-        return 143
     except TierstackError as e:  # the user's to fix: one line, no traceback
         print(f"tierstack: {e}", file=sys.stderr)
         return 2
