@@ -84,8 +84,7 @@ def fio_gbps(fio: str, path: Path, size: int, rw: str, qd: int, engine: str, iom
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip() or out.stdout.strip())
     job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
-    moved = sum(job[side]["io_bytes"] for side in (("read", "write") if rw == "rw" else
-                                                   ("read" if rw == "read" else "write",)))
+    moved = sum(job[side]["io_bytes"] for side in (("read", "write") if rw == "rw" else (rw,)))
     # bytes / total job time, the same definition as ours (includes end_fsync for writes)
     return moved / (job["job_runtime"] / 1000) / 1e9
 

@@ -14,7 +14,7 @@ less a margin; host: a share of MemAvailable; NVMe: the free space at --nvme-dir
 margin), the pools' caps are 'auto', and the engine's placement decides which blocks
 live on the device (with their whole state and the device's AdamW) and which stream
 through the CPU pool and NVMe, as `tierstack train` and `OffloadEngine.from_config` do:
-  python bench/max_params.py --auto --dim 6144 --layers 43 --nvme-dir /var/tmp/tsmax
+  python bench/max_params.py --auto --dim 6144 --layers 42 --nvme-dir /var/tmp/tsmax
 """
 
 from __future__ import annotations

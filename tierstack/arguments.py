@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from tierstack.config import parse_size
+from tierstack.config import AUTO_SIZE, parse_size
 from tierstack.errors import ConfigError
 
 
@@ -78,8 +78,8 @@ def positive_size(text: str) -> int:
 
 def positive_size_or_auto(text: str) -> int | str:
     """A pool cap: "auto" (the machine's budget decides) or bytes, more than zero."""
-    if text.strip().lower() == "auto":
-        return "auto"
+    if text.strip().lower() == AUTO_SIZE:
+        return AUTO_SIZE
     try:
         return positive_size(text)
     except argparse.ArgumentTypeError as e:

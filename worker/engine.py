@@ -270,6 +270,8 @@ class OffloadEngine:
                              [t == AUTO for t in tiers])
         self._resident_ok = [ok for ok, t in zip(self._resident_ok, tiers) if t != GPU]
         self.placement: BlockPlacement | None = None
+        # Where the loss may stop the model to take it a chunk at a time (None: no head).
+        self._head = output_head(model)
         self.footprint: DeviceFootprint | None = None
         self._placement_pending = bool(budgets is not None and budgets.hbm > 0 and positions)
 
@@ -520,12 +522,12 @@ class OffloadEngine:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the model's logits; with large logits, a chunk of tokens at
         a time from the head's input (worker/chunked_loss.py), never the whole logits."""
-        head = output_head(self.model)
-        if head is None or not wants_chunks(targets.numel(), head[1].out_features):
+        if self._head is None or not wants_chunks(targets.numel(), self._head[1].out_features):
             return F.cross_entropy(self._logits(inputs).flatten(0, 1).float(), targets.flatten())
-        with stopped_at_head(self.model, head[0]):
+        name, head = self._head
+        with stopped_at_head(self.model, name):
             hidden = self._logits(inputs)
-        return chunked_cross_entropy(head[1], hidden, targets)
+        return chunked_cross_entropy(head, hidden, targets)
 
     def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's logits: a plain module's output, or a Hugging Face model's `.logits`

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from tierstack.config import MiB, TierManagerConfig, TierstackConfig, load_config
+from tierstack.config import AUTO_SIZE, MiB, TierManagerConfig, TierstackConfig, load_config
 from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
@@ -213,7 +213,7 @@ def _volume(nbytes: int) -> str:
 
 def _cap(size: int | str) -> str:
     """A pool cap as the config states it: bytes, or 'auto' (the machine's budget)."""
-    return "up to the machine's budget" if size == "auto" else f"up to {_mib(size)}"
+    return "up to the machine's budget" if size == AUTO_SIZE else f"up to {_mib(size)}"
 
 
 def _mib(nbytes: int) -> str:
