@@ -234,6 +234,17 @@ def test_a_zero_offload_deepspeed_config_loads():
     assert (train.params.device, train.optimizer_state.device) == ("auto", "cpu")
 
 
+def test_buffer_size_limits_only_when_stated():
+    """Not stated (either format): 0, no limit; stated: kept; negative: refused."""
+    assert load_config({}).train.params.buffer_size == 0
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    assert load_config(ds).train.params.buffer_size == 0
+    ds["zero_optimization"]["offload_param"]["buffer_size"] = 5e7
+    assert load_config(ds).train.params.buffer_size == 50_000_000
+    with pytest.raises(ConfigError, match=r"buffer_size must be 0 \(no limit\) or positive, got -1"):
+        load_config({"train": {"params": {"buffer_size": -1}}})
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda d: d["zero_optimization"].update(stage="3"),
      r"^zero_optimization.stage: expected the number 3, got '3' \(str\); write 3 without quotes$"),

@@ -335,10 +335,13 @@ class ParamOffloadConfig:
     """Blocks on the device at once while training: the one in use and buffer_count - 1
     (at least 1) prefetched ahead of it. This is the starting prefetch depth (and NVMe
     read-ahead); a scheduler plan replaces it. The device budget bounds the bytes either way."""
-    buffer_size: int = 100_000_000
-    """Elements per staging buffer, as in DeepSpeed: with device 'cpu' or 'nvme', an
-    offloaded block holding a tensor of more elements than this is an error naming the
-    block, the tensor and both numbers (checked when the engine registers its blocks)."""
+    buffer_size: int = 0
+    """Elements per staging buffer, as in DeepSpeed: when set (a DeepSpeed JSON sets it)
+    with device 'cpu' or 'nvme', an offloaded block holding a tensor of more elements than
+    this is an error naming the block, the tensor and both numbers (checked when the engine
+    registers its blocks). 0, the default: no limit. tierstack stages whole blocks within
+    the device budget, so nothing of its own needs a cap; DeepSpeed's default of 1e8 would
+    refuse any model whose hidden size is past about 5,800 (a 3 x 6144 x 6144 QKV)."""
     max_in_cpu: int = 1_000_000_000
     """With device 'nvme', as DeepSpeed's: the parameter elements the CPU pool keeps cached
     between uses, counted over the blocks in order (blocks a tier override places are not
@@ -354,8 +357,9 @@ class ParamOffloadConfig:
         _validate_offload(prefix, self.device, self.max_in_cpu)
         if self.buffer_count < 1:
             raise ConfigError(f"{prefix}.buffer_count must be at least 1, got {self.buffer_count}")
-        if self.buffer_size <= 0:
-            raise ConfigError(f"{prefix}.buffer_size must be positive, got {self.buffer_size}")
+        if self.buffer_size < 0:
+            raise ConfigError(f"{prefix}.buffer_size must be 0 (no limit) or positive, "
+                              f"got {self.buffer_size}")
 
 
 @dataclass

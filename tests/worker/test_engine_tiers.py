@@ -312,6 +312,28 @@ def test_a_tensor_larger_than_buffer_size_is_refused_by_block_tensor_and_setting
                   tier_overrides={"blocks[1]": "cpu"}) > 0
 
 
+def test_with_no_buffer_size_stated_no_tensor_size_is_refused(daemon, monkeypatch):
+    """DeepSpeed's default of 1e8 elements refused every hidden size past ~5,800 (a 6144-wide
+    QKV has 113e6): not stated, tierstack sets no limit (it stages whole blocks within the
+    device budget). The check must not run at all, whatever the tensors' sizes."""
+    import tierstack.worker.engine as engine_module
+
+    def refuse(*args):
+        raise AssertionError(f"buffer size checked with no limit stated: {args[-1]}")
+
+    monkeypatch.setattr(engine_module, "_check_buffer_size", refuse)
+    store = LayerStore("default-buffers", device="cpu", device_budget=64 << 20, address=daemon.address,
+                       durable=False)
+    try:
+        engine = OffloadEngine.from_config(TinyGPT(dim=64, layers=2), store,
+                                           _train_config(params={"device": "cpu"}))
+        x, y = _data(9, 1)[0]
+        assert engine.train_step(x, y) > 0
+        engine.close()
+    finally:
+        store.close()
+
+
 def test_max_in_cpu_caps_the_parameter_elements_the_cpu_pool_keeps_between_uses(daemon):
     """DeepSpeed's offload_param.max_in_cpu with device nvme: the blocks, in order, keep
     their parameters cached in the CPU pool until their elements pass the cap; the rest
