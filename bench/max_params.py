@@ -23,10 +23,12 @@ import argparse
 import json
 import shutil
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
+from tierstack.budgets import Budgets
 from tierstack.config import GiB, OptimizerConfig, TierManagerConfig, TrainConfig, parse_size
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine
@@ -64,6 +66,10 @@ def main() -> None:
     parser.add_argument("--auto", action="store_true",
                         help="the machine's budgets and the engine's placement: --gpu-blocks, "
                              "--cpu-pool, --nvme-size and --device-budget are not used")
+    parser.add_argument("--budgets", default="",
+                        help="with --auto: HBM,HOST,NVME budgets (sizes) instead of the machine's, "
+                             "as a config's budgets section states them (the CPU pool gets the "
+                             "host budget's pool share, the NVMe pool the NVMe budget)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads or max(1, args.dim // 128),
@@ -81,6 +87,14 @@ def main() -> None:
     tm.metrics.http_listen = ""
     if args.auto:  # the pools' caps come from the machine's budgets ('auto')
         budget = 3 * layer_bytes  # the probe's window; the placement sizes it after
+        stated = None
+        if args.budgets:
+            sizes = args.budgets.split(",")
+            if len(sizes) != 3:
+                parser.error(f"--budgets takes HBM,HOST,NVME (three sizes), got {args.budgets!r}")
+            stated = Budgets(*(parse_size(v, f"--budgets {name}")
+                               for v, name in zip(sizes, ("hbm", "host", "nvme"))))
+            tm.cpu_pool.size, tm.nvme_pool.size = stated.cpu_pool, stated.nvme
         print(f"GPT {args.layers} x {args.dim}: {params / 1e9:.2f}B parameters; budgets and "
               f"placement from the machine", flush=True)
     else:
@@ -106,7 +120,7 @@ def main() -> None:
                     node = store.client.node()
                     result.update(cpu_pool_bytes=node.cpu_capacity, nvme_pool_bytes=node.nvme_capacity)
                     train = TrainConfig(precision="bf16", optimizer=OptimizerConfig(lr=1e-4))
-                    engine = OffloadEngine.from_config(model, store, train)
+                    engine = OffloadEngine.from_config(model, store, train, budgets=stated)
                     result["budgets"] = vars(engine.budgets)
                 else:
                     engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-4), precision="bf16",
@@ -135,6 +149,7 @@ def main() -> None:
                     engine.close()
                 store.close()
     except Exception as e:  # noqa: BLE001 - reported in the JSON line
+        traceback.print_exc()
         result["trained"] = False
         result["error"] = f"{type(e).__name__}: {e}"[:500]
     finally:

@@ -132,16 +132,25 @@ def pending_moment_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Te
     return sum(2 * p.numel() * p.element_size() for p in params if p not in optimizer.state)
 
 
-def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeInfo) -> None:
+def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeInfo,
+                   largest_block: int = 0) -> None:
     """Refuse, before anything is stored, a model whose training state cannot fit the HBM
-    budget and the tier manager's pools together; name the smallest budgets that would."""
-    need = training_state_bytes(model, precision)
+    budget and the tier manager's pools together; name the smallest budgets that would.
+    `largest_block`: the parameters of the largest block. A streamed block's step writes
+    its new versions (parameters, masters, moments) before it frees the old, and the
+    daemon pipelines two blocks' steps, so the pools need room for two blocks' new
+    versions besides the state (the H200's 19.49e9-parameter GPT, its state 97% of the
+    budgets, ran out of NVMe room in its first step with one block's room counted)."""
+    itemsize = PRECISIONS[precision].itemsize
+    working = 2 * largest_block * (itemsize + (4 if itemsize != 4 else 0) + 8)
+    need = training_state_bytes(model, precision) + working
     have = hbm + node.cpu_capacity + node.nvme_capacity
     if need > have:
         gib = 1 << 30
         short = need - have
         raise ConfigError(
-            f"the model's training state needs {need / gib:.1f} GiB but the budgets hold "
+            f"the model's training state needs {need / gib:.1f} GiB (with {working / gib:.1f} GiB "
+            f"of room for a streamed block's step) but the budgets hold "
             f"{have / gib:.1f} GiB (HBM {hbm / gib:.1f}, the tier manager's CPU pool "
             f"{node.cpu_capacity / gib:.1f} and NVMe pool {node.nvme_capacity / gib:.1f}); raise "
             f"budgets.nvme (tier_manager.nvme_pool.size) to at least "
@@ -328,7 +337,7 @@ class OffloadEngine:
         node = store.client.node()
         if budgets is None:  # the NVMe budget is the daemon's: it knows its drives
             budgets = default_budgets(measure(None, str(store.device))).with_(nvme=node.nvme_capacity)
-        check_capacity(model, train.precision, budgets.hbm, node)
+        check_capacity(model, train.precision, budgets.hbm, node, max(numels, default=0))
         return cls(model, store, train.optimizer, blocks_attr, budgets=budgets,
                    may_be_resident=may_be_resident(train, blocks_attr, count),
                    prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from tierstack.dtypes import dtype_from_name
-from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
+from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
 from tierstack.services.tier_manager.adamw_kernel import TILE_ELEMENTS, NativeAdamW, Piece, TorchAdamW
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.extent_header import ExtentMeta
@@ -253,6 +253,11 @@ class AdamWStepper:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-write")
         self._scratch = _ScratchPool(_SCRATCH_WINDOWS)
+        # Blocks acquired and not yet finished. A streamed tensor's new version goes to a
+        # fresh extent and the old one is freed when its block finishes, so a nearly full
+        # NVMe pool has room again once the blocks ahead in the pipeline finish.
+        self._in_flight = 0
+        self._finished = threading.Condition()
         self.streamed_blocks = 0  # blocks whose state was (partly) streamed from NVMe
         self._torch = TorchAdamW()
         # Checked against PyTorch on the compute thread: the only thread that runs kernels.
@@ -366,8 +371,10 @@ class AdamWStepper:
                 _check_order(block)
                 self.streamed_blocks += 1
         except BaseException:
-            self._finish(held, changed=False, durable=False)
+            self._finish(held, changed=False, durable=False, acquired=False)
             raise
+        with self._finished:
+            self._in_flight += 1
         return held
 
     def _source(self, info: TensorInfo, buffer, writable: bool,
@@ -382,7 +389,7 @@ class AdamWStepper:
                 checksums: tuple[int, ...], writable: bool,
                 overwritten: tuple[tuple[int, int], ...] = ()) -> _Streamed:
         durable = self.registry.durable
-        out = durable.allocate(nbytes, meta) if writable else None
+        out = self._allocate_out(nbytes, meta) if writable else None
         scratch = self._scratch.take(_STREAMED_SPAN + 2 * durable.pool.block_size)
         try:
             return _Streamed(durable, nbytes, source, checksums, out, scratch, meta, overwritten)
@@ -391,6 +398,24 @@ class AdamWStepper:
             if out is not None:
                 durable.free(out)
             raise
+
+    def _allocate_out(self, nbytes: int, meta: ExtentMeta) -> NvmeExtent:
+        """A fresh extent for a streamed tensor's new version. With the NVMe pool full while
+        blocks ahead in the pipeline hold old versions they will free, wait for them to
+        finish rather than fail: the pipeline's extra versions are never counted in a
+        placement, and at 2-3 blocks in flight they were a 19e9-parameter job's last 1%."""
+        durable = self.registry.durable
+        while True:
+            with self._finished:
+                before = self._in_flight  # only the reader thread (this one) adds to it
+            try:
+                return durable.allocate(nbytes, meta)
+            except NvmePoolFullError:
+                with self._finished:
+                    if self._in_flight == before:  # none finished meanwhile: wait for one
+                        if before == 0:
+                            raise  # nothing ahead will free room
+                        self._finished.wait_for(lambda: self._in_flight < before)
 
     def _create_zeros(self, key: str, nbytes: int, placement: Placement) -> bool:
         """Moments of zeros in the CPU pool; False when the pool has no room for them."""
@@ -436,8 +461,19 @@ class AdamWStepper:
     # ---- finishing -----------------------------------------------------------------------
 
     def _finish(self, held: _Held, changed: bool, durable: bool,
-                release_gradients: bool = False) -> list[TensorInfo]:
-        """Give the block's state back: new versions when `changed`."""
+                release_gradients: bool = False, acquired: bool = True) -> list[TensorInfo]:
+        """Give the block's state back: new versions when `changed`. `acquired` False: a
+        block `_acquire` gave up on (never counted in flight)."""
+        try:
+            return self._give_back(held, changed, durable, release_gradients)
+        finally:
+            if acquired:
+                with self._finished:
+                    self._in_flight -= 1
+                    self._finished.notify_all()
+
+    def _give_back(self, held: _Held, changed: bool, durable: bool,
+                   release_gradients: bool) -> list[TensorInfo]:
         streams = {name: s for name, s in held.sources.items() if isinstance(s, _Streamed)}
         held.sources.clear()  # no view of a buffer may outlive its hold
         # The gradients go first: while the block's other tensors are still being updated,

@@ -318,3 +318,65 @@ def test_a_step_streamed_from_nvme_reads_parameters_only_without_masters(daemon,
     if masters:  # the parameters are the new masters rounded, buffer bytes aside
         rounded = stored("j/master", torch.float32).to(param_dtype)
         assert torch.equal(new[:a], rounded[:a]) and torch.equal(new[a + gap:], rounded[a + gap:])
+
+
+def _stream_two_steps(config, ballast_blocks: float | None):
+    """Two AdamW steps of four fp32 blocks kept only on NVMe (a 1 MiB CPU pool: every
+    tensor streamed, each update written to a fresh extent). With `ballast_blocks`, before
+    step 2 a ballast tensor leaves the NVMe pool that many blocks' new versions of room.
+    Returns every state tensor's bytes after step 2."""
+    shapes = [(300, 400), (64,)]
+    g = torch.Generator().manual_seed(11)
+    with TierRegistry(config) as reg:
+        stepper = AdamWStepper(reg)
+        try:
+            blocks = []
+            for i in range(4):
+                p_block, p_off = _pack([torch.randn(s, generator=g) for s in shapes], torch.float32)
+                reg.put(f"b{i}/params", p_block, tier="nvme")
+                blocks.append(AdamWBlock(f"b{i}/params", f"b{i}/grad", "", f"b{i}/exp_avg",
+                                         f"b{i}/exp_avg_sq", "float32", "float32", p_block.numel(),
+                                         tuple(AdamWSegment(torch.Size(s).numel(), o, o, o)
+                                               for s, o in zip(shapes, p_off)),
+                                         state_placement="nvme"))
+            for step in (1, 2):
+                for i, block in enumerate(blocks):
+                    reg.put(block.grads, torch.randn(block.state_nbytes // 4, generator=g)
+                            .view(torch.uint8), tier="nvme")
+                if step == 2 and ballast_blocks is not None:
+                    stats = reg.stats()
+                    room = int(ballast_blocks * 3 * blocks[0].state_nbytes)  # params, exp_avg, exp_avg_sq
+                    reg.put("ballast", torch.zeros(stats.nvme_capacity - stats.nvme_used - room,
+                                                   dtype=torch.uint8), tier="nvme")
+                stepper.step(blocks, AdamWHyper(step, 1e-2, 0.9, 0.95, 1e-8, 0.1, release_gradients=True))
+            assert reg.stats().pinned == 0
+            return {k: reg.get(k) for b in blocks for k in (b.params, b.exp_avg, b.exp_avg_sq)}
+        finally:
+            stepper.close()
+
+
+def test_a_streamed_step_on_a_nearly_full_nvme_pool_waits_for_the_blocks_ahead_to_free_room(
+        tmp_path, shm_dir):
+    """A streamed block's new versions go to fresh extents, its old ones are freed when it
+    finishes, and up to three blocks are in the pipeline (reading, updating, writing): with
+    room for one and a half blocks' new versions, the next block's allocation finds the pool
+    full. It waits for the blocks ahead to finish and free their old versions (a 19e9-
+    parameter job on the H200 failed its second step 40 MB short); the result is the same
+    as with room to spare. With no room for even one block's new versions, the step fails
+    with the pool's error."""
+    from tierstack.config import AioConfig, CpuPoolConfig, NvmePoolConfig, TierManagerConfig
+    from tierstack.errors import NvmePoolFullError
+
+    def config(name):
+        return TierManagerConfig(
+            cpu_pool=CpuPoolConfig(size=1 << 20, shm_dir=str(shm_dir)),
+            nvme_pool=NvmePoolConfig(paths=[str(tmp_path / f"{name}-d0")], size=64 << 20,
+                                     aio=AioConfig(block_size=64 << 10)),
+            manifest_path=str(tmp_path / f"{name}.sqlite"))
+
+    roomy = _stream_two_steps(config("roomy"), None)
+    tight = _stream_two_steps(config("tight"), 1.5)
+    for key in roomy:
+        assert torch.equal(tight[key], roomy[key]), key
+    with pytest.raises(NvmePoolFullError, match="NVMe pool full"):
+        _stream_two_steps(config("full"), 0.5)

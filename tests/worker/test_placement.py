@@ -13,7 +13,7 @@ from tests.worker.test_engine_tiers import HYPER, _data, _plain_losses, _train_c
 from tests.worker.test_offload import TinyGPT
 from tierstack.budgets import Budgets
 from tierstack.errors import ConfigError
-from tierstack.worker.engine import OffloadEngine
+from tierstack.worker.engine import OffloadEngine, check_capacity, training_state_bytes
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.placement import DeviceFootprint, place_blocks
 
@@ -181,12 +181,34 @@ def test_a_model_larger_than_every_budget_is_refused_before_anything_is_stored(d
     store = LayerStore("too-big", device="cpu", address=daemon.address, durable=False)
     try:
         before = store.client.stats().tensors
-        with pytest.raises(ConfigError, match=r"training state needs .* GiB but the budgets hold "
+        with pytest.raises(ConfigError, match=r"training state needs .* GiB \(with .* GiB of room for "
+                                              r"a streamed block's step\) but the budgets hold "
                                               r".* raise budgets.nvme \(tier_manager.nvme_pool.size\) "
                                               r"to at least"):
             OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}),
                                       budgets=_budgets(0))
         assert store.client.stats().tensors == before
+    finally:
+        store.close()
+
+
+def test_budgets_that_hold_the_state_but_no_room_for_a_streamed_step_are_refused(daemon):
+    """A streamed block's step writes its new parameters and moments before it frees the
+    old: budgets holding the state with less room than that for the largest block fail
+    at the first step on a full pool (a 19e9-parameter job on the H200 did), so they are
+    refused up front; with the room they are not."""
+    model = TinyGPT(dim=512, layers=8, vocab=4096)
+    state = training_state_bytes(model, "fp32")
+    largest = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    working = 2 * largest * 12  # two blocks' new fp32 parameters and moments
+    store = LayerStore("no-room", device="cpu", address=daemon.address, durable=False)
+    try:
+        node = store.client.node()
+        pools = node.cpu_capacity + node.nvme_capacity
+        with pytest.raises(ConfigError, match=r"room for a streamed block's step"):
+            check_capacity(model, "fp32", state - pools + working // 2, node, largest)
+        check_capacity(model, "fp32", state - pools + working, node, largest)
+        check_capacity(model, "fp32", state - pools, node)  # no block streamed, no room needed
     finally:
         store.close()
 
