@@ -252,6 +252,11 @@ class AdamWStepper:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-write")
+        # A streamed block's tensors move through the disk side by side: one tensor's window
+        # at a time, each one read, then written, kept the disk at half of what fio moves
+        # at the same mix (the H200's nvme steps: 1.36 vs 2.21 GB/s). Threads for the
+        # updating block's windows and the finishing block's tails; no kernels run here.
+        self._io = ThreadPoolExecutor(2 * _MAX_STREAMS_PER_BLOCK, thread_name_prefix="tierstack-adamw-io")
         self._scratch = _ScratchPool(_SCRATCH_WINDOWS)
         # Blocks acquired and not yet finished. A streamed tensor's new version goes to a
         # fresh extent and the old one is freed when its block finishes, so a nearly full
@@ -446,8 +451,7 @@ class AdamWStepper:
             spans = {"params": _span(tile, "param", p_dtype.itemsize),
                      "grads": _span(tile, "grad", g_dtype.itemsize)}
             state_span = _span(tile, "state", _STATE_ITEMSIZE)
-            windows = {name: src.window(*(spans.get(name, state_span)))
-                       for name, src in sources.items()}
+            windows = self._windows(sources, spans, state_span)
             pieces = []
             for s, first, n in tile:
                 st = (state_span[0], s.state_offset, first, n, _FLOAT)
@@ -457,6 +461,24 @@ class AdamWStepper:
                     grads=_piece(windows["grads"], spans["grads"][0], s.grad_offset, first, n, g_dtype),
                     exp_avg=_piece(windows["exp_avg"], *st), exp_avg_sq=_piece(windows["exp_avg_sq"], *st)))
             kernel.step(pieces, hyper)
+
+    def _windows(self, sources: dict[str, _Resident | _Streamed], spans: dict[str, tuple[int, int]],
+                 state_span: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """Each tensor's window of a tile; streamed tensors' reads and writes side by side."""
+        streamed = [name for name, src in sources.items() if isinstance(src, _Streamed)]
+        pending = {name: self._io.submit(sources[name].window, *spans.get(name, state_span))
+                   for name in streamed} if len(streamed) > 1 else {}
+        windows = {name: src.window(*spans.get(name, state_span))
+                   for name, src in sources.items() if name not in pending}
+        errors = []
+        for name, future in pending.items():  # every window settles before anything moves on
+            try:
+                windows[name] = future.result()
+            except BaseException as e:  # noqa: BLE001 - raised below, after the others
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return windows
 
     # ---- finishing -----------------------------------------------------------------------
 
@@ -489,17 +511,18 @@ class AdamWStepper:
             held.grads = None
         out, first_error = [], None
         written: dict[str, tuple[NvmeExtent, tuple[int, ...]]] = {}
-        for name, stream in streams.items():
-            if stream.out is None:
-                continue
+        # The streams' tails go to the disk side by side (see `_io`).
+        finishing = {name: self._io.submit(stream.finish) if changed else None
+                     for name, stream in streams.items() if stream.out is not None}
+        for name, future in finishing.items():
             try:
-                if changed and first_error is None:
-                    written[name] = stream.finish()
+                if future is None:
+                    self.registry.durable.free(streams[name].out)
                 else:
-                    self.registry.durable.free(stream.out)
+                    written[name] = future.result()
             except Exception as e:  # noqa: BLE001 - finish every hold, then report
                 first_error = first_error or e
-                self.registry.durable.free(stream.out)
+                self.registry.durable.free(streams[name].out)
         self._scratch.give([s.scratch for s in streams.values()])
         ok = changed and first_error is None
         by_key = {info.key: name for name, info in held.infos.items()}
@@ -510,7 +533,7 @@ class AdamWStepper:
             except Exception as e:  # noqa: BLE001
                 first_error = first_error or e
         for name, key in held.new.items():
-            if name in written:
+            if ok and name in written:  # a failed step creates no moments
                 try:
                     out.append(self.registry.adopt_nvme(key, written.pop(name), "float32",
                                                         (held.block.state_nbytes // _STATE_ITEMSIZE,),
@@ -529,6 +552,7 @@ class AdamWStepper:
         self._reader.shutdown(wait=True)
         self._compute.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        self._io.shutdown(wait=True)
         if self._native is not None:
             self._native.close()
 

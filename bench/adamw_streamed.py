@@ -1,0 +1,128 @@
+"""The daemon's AdamW step over state that lives on NVMe: how fast the disk moves, against fio.
+
+`--blocks` blocks of `--numel` bf16 parameters with fp32 masters and moments are kept
+only on NVMe (a 16 MiB CPU pool: every tensor is streamed, each update written to a fresh
+extent), and stepped `--steps` times by `AdamWStepper` on a real registry, as the daemon
+steps an nvme-offloaded job's blocks (gradients are put on NVMe before each step, as an
+evicted gradient would be). The first step (which creates the moments) is left out of the
+figures. Reports the disk's rate during the steps (bytes the pool read and wrote / the
+steps' time) and, with --fio, fio's rate on the same directory at the same read share
+(bench/io.fio_gbps, sequential 1 MiB direct IO, best of io_uring and libaio at depths 8
+and 32): `streamed_vs_fio` (issue 12 item 5 asks >= 0.9 of a training step's). Removes
+its files on every exit. The last line is one JSON object.
+
+Dev machine:  python bench/adamw_streamed.py --blocks 4 --numel 16777216
+GPU machine:  python bench/adamw_streamed.py --fio --nvme-dir /var/tmp/tsadamw
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tierstack.config import CpuPoolConfig, NvmePoolConfig, TierManagerConfig
+from tierstack.services.tier_manager.adamw import AdamWStepper
+from tierstack.services.tier_manager.registry import TierRegistry
+from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
+
+MiB = 1 << 20
+
+
+def _bench_io():
+    """bench/io.py, beside this file (its name is the standard library's: load it by path)."""
+    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name("io.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(args, directory: Path) -> dict:
+    numel = args.numel
+    state = numel * 4
+    config = TierManagerConfig(
+        cpu_pool=CpuPoolConfig(size=16 * MiB),
+        nvme_pool=NvmePoolConfig(paths=[str(directory / "pool")],
+                                 size=args.blocks * numel * 18 + 4 * state),
+        manifest_path=str(directory / "manifest.sqlite"))
+    g = torch.Generator().manual_seed(0)
+    with TierRegistry(config) as reg:
+        stepper = AdamWStepper(reg)
+        try:
+            blocks = []
+            for i in range(args.blocks):
+                master = torch.randn(numel, generator=g)
+                reg.put(f"b{i}/params", master.to(torch.bfloat16).view(torch.uint8), tier="nvme")
+                reg.put(f"b{i}/master", master.view(torch.uint8), tier="nvme")
+                blocks.append(AdamWBlock(f"b{i}/params", f"b{i}/grad", f"b{i}/master", f"b{i}/exp_avg",
+                                         f"b{i}/exp_avg_sq", "bfloat16", "bfloat16", state,
+                                         (AdamWSegment(numel, 0, 0, 0),), state_placement="nvme"))
+            seconds, read, written = [], 0, 0
+            for step in range(1, args.steps + 1):
+                for block in blocks:
+                    grad = torch.randn(numel, generator=g).to(torch.bfloat16)
+                    reg.put(block.grads, grad.view(torch.uint8), tier="nvme")
+                before = reg.stats()
+                start = time.perf_counter()
+                stepper.step(blocks, AdamWHyper(step, 1e-4, 0.9, 0.95, 1e-8, 0.1, release_gradients=True))
+                took = time.perf_counter() - start
+                after = reg.stats()
+                print(f"step {step}: {took:.2f} s, read {(after.nvme_bytes_read - before.nvme_bytes_read) / 1e9:.2f} GB, "
+                      f"wrote {(after.nvme_bytes_written - before.nvme_bytes_written) / 1e9:.2f} GB", flush=True)
+                if step > 1:  # step 1 creates the moments (nothing to read)
+                    seconds.append(took)
+                    read += after.nvme_bytes_read - before.nvme_bytes_read
+                    written += after.nvme_bytes_written - before.nvme_bytes_written
+        finally:
+            stepper.close()
+    total = sum(seconds)
+    result = {"blocks": args.blocks, "numel": numel, "steps": args.steps, "step_s": [round(s, 3) for s in seconds],
+              "step_median_s": round(statistics.median(seconds), 3), "read_bytes": read, "written_bytes": written,
+              "streamed_gbps": round((read + written) / total / 1e9, 3),
+              "read_share": round(read / (read + written), 3), "kernel": stepper.kernel}
+    if args.fio:
+        path = directory / "fio-mix"
+        io = _bench_io()
+        try:
+            best = max(io.fio_gbps(args.fio, path, args.fio_gib << 30, "rw", qd, engine, "malloc",
+                                   read_share=result["read_share"])
+                       for engine in ("io_uring", "libaio") for qd in (8, 32))
+        finally:
+            path.unlink(missing_ok=True)
+        result.update(fio_mix_gbps=round(best, 3), streamed_vs_fio=round(result["streamed_gbps"] / best, 3))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--numel", type=int, default=1 << 26, help="parameters per block")
+    parser.add_argument("--steps", type=int, default=3, help="steps; the first is left out")
+    parser.add_argument("--nvme-dir", default="", help="default: a directory under /var/tmp")
+    parser.add_argument("--fio", nargs="?", const="fio", default=None, metavar="PATH",
+                        help="fio (this binary, default from PATH) at the steps' read/write mix")
+    parser.add_argument("--fio-gib", type=int, default=4)
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first creates the moments)")
+    if args.nvme_dir:
+        directory = Path(args.nvme_dir)
+        directory.mkdir(parents=True, exist_ok=False)
+    else:
+        directory = Path(tempfile.mkdtemp(prefix="tierstack-adamw-streamed-", dir="/var/tmp"))
+    try:
+        result = run(args, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
