@@ -60,6 +60,67 @@ def test_train_runs_with_state_spilling_to_nvme_and_the_loss_falls(tmp_path):
     assert float(last) < float(first)
 
 
+def _our_daemons(parent: int) -> list[int]:
+    """Pids of daemons started by `parent` (they are told to exit with it)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"--exit-with-parent" in cmdline and cmdline[cmdline.index(b"--exit-with-parent") + 1] \
+                == str(parent).encode():
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_sigterm_to_a_job_s_group_ends_it_after_its_step_with_a_checkpoint_to_resume(tmp_path):
+    """A batch scheduler's SIGTERM to the job's process group: the job finishes the step in
+    progress, saves its checkpoint at that step, stops its daemons (they are in their own
+    group, so the signal did not stop them mid-step), removes its NVMe run directory and
+    exits 143; the checkpoint resumes. (Raising from the handler instead once hung a job
+    for good, the signal landing while a lock was held.)"""
+    import signal
+    import threading
+
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    flags = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "2",
+             "--no-scheduler", "--log-every", "0", "--nvme-path", str(nvme), "--checkpoint-dir", str(ckpt)]
+    proc = subprocess.Popen([sys.executable, "-m", "tierstack.cli", "train", "--steps", "100000", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "COLUMNS": "200"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(line.startswith("step ") for line in list(lines)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-2000:]
+            time.sleep(0.2)
+        daemons = _our_daemons(proc.pid)
+        assert daemons and any(nvme.iterdir())  # its daemon, and its run directory
+        os.killpg(proc.pid, signal.SIGTERM)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 143, err[-2000:]
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = "".join(lines)
+    stopped = re.search(r"stopped by SIGTERM after step (\d+) of 100000", out)
+    assert stopped, out[-2000:]
+    step = int(stopped.group(1))
+    assert f"checkpoint: {ckpt} (step {step})" in out and f"done: {step} steps" in out, out[-2000:]
+    assert list(nvme.iterdir()) == []
+    assert not any(Path(f"/proc/{pid}").exists() for pid in daemons)
+    resumed = subprocess.run([sys.executable, "-m", "tierstack.cli", "train", "--steps", str(step + 1),
+                              "--resume", *flags], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resumed from {ckpt} after step {step}" in resumed.stdout
+    assert "done: 1 steps" in resumed.stdout
+
+
 def _nvme_volumes(stdout: str) -> tuple[float, float]:
     """Bytes read and written on NVMe, as the run's last line says them."""
     units = {"MB": 1e6, "GB": 1e9}

@@ -73,7 +73,11 @@ class ServiceProcess:
                  # Its private directory goes with it when we die without removing it.
                  *(["--owned-dir", str(self.workdir)] if self._private else []), *self.args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.workdir,
-                env=None if self.env is None else {**os.environ, **self.env})
+                env=None if self.env is None else {**os.environ, **self.env},
+                # Its own process group: a signal to ours (a batch scheduler's SIGTERM to a
+                # job's group, Ctrl-C) reaches only us, and we stop it after our own end
+                # (a job finishes its step and checkpoint on SIGTERM with its daemons up).
+                start_new_session=True)
         try:
             self.wait_ready(self.startup_timeout)
         except BaseException:

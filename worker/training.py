@@ -12,6 +12,8 @@ train through it, so they time steps the same way.
 from __future__ import annotations
 
 import itertools
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
@@ -47,18 +49,57 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+class StopSignal:
+    """SIGTERM (a supervisor, Ray or a batch scheduler stopping the job), honoured between
+    steps: `run_steps` finishes the step in progress and returns, and the job ends as
+    after its last step (checkpoint, export, its daemons and files removed).
+
+    The handler only sets a flag: raising from it can interrupt the main thread anywhere,
+    with a lock held (a job once hung for good that way, joining a thread that waited for
+    a gRPC channel lock the interrupted thread held). A second SIGTERM is the signal's
+    default action, a stop at once. Installed only on the main thread (where Python runs
+    signal handlers); the old handler is put back on exit."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        self.signum = signum
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(self.signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(self.signum, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame) -> None:
+        self.requested = True
+        signal.signal(signum, signal.SIG_DFL)  # a second one stops the job at once
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
 def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], batches: Iterable[Batch],
               device: torch.device | str, steps: int | None = None,
               counters: Callable[[], Mapping[str, float]] | None = None,
-              on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+              on_step: Callable[[StepRecord], None] | None = None,
+              stop: StopSignal | None = None) -> list[StepRecord]:
     """Run `step` on `steps` batches (None: every batch there is); per-step figures.
 
     `counters()` gives running totals (e.g. bytes read from NVMe); each record carries
-    their values after its step and their growth over it.
+    their values after its step and their growth over it. With `stop`, the loop ends
+    before the next step once its signal has come (fewer records than `steps`).
     """
     records: list[StepRecord] = []
     batch_iter = iter(batches)
     for index in (itertools.count() if steps is None else range(steps)):
+        if stop is not None and stop.requested:
+            break
         try:
             inputs, targets = next(batch_iter)
         except StopIteration:

@@ -10,7 +10,7 @@ from tests.worker.test_offload import TinyGPT
 from tierstack.errors import InvalidArgumentError
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.layers import LayerStore
-from tierstack.worker.training import run_steps
+from tierstack.worker.training import StopSignal, run_steps
 
 
 def test_run_steps_trains_times_and_measures_each_step(daemon):
@@ -54,3 +54,27 @@ def test_run_steps_without_a_count_takes_every_batch_and_a_short_iterator_is_nam
     assert [r.index for r in run_steps(step, batches, "cpu")] == [0, 1, 2]
     with pytest.raises(InvalidArgumentError, match="the batches ran out after 3 of 5 steps"):
         run_steps(step, batches, "cpu", steps=5)
+
+
+def test_a_sigterm_during_a_step_ends_the_loop_after_that_step_and_a_second_is_the_default():
+    """The handler only sets a flag: the step in progress finishes, no later step starts;
+    inside, a second SIGTERM would stop at once (the default action); outside, the old
+    handler is back."""
+    import os
+    import signal
+
+    seen = []
+
+    def step(x, y):
+        seen.append(len(seen))
+        if len(seen) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler ran here
+        return 1.0
+
+    before = signal.getsignal(signal.SIGTERM)
+    batches = iter(lambda: (torch.zeros(1), torch.zeros(1)), None)
+    with StopSignal() as stop:
+        records = run_steps(step, batches, "cpu", 10, stop=stop)
+    assert stop.requested and len(records) == 2 and seen == [0, 1]
+    assert signal.getsignal(signal.SIGTERM) is before

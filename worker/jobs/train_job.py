@@ -35,7 +35,7 @@ from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.jobs.progress import TrainProgress
 from tierstack.worker.layers import LayerStore, layer_tensors
 from tierstack.worker.layout import LayerLayout
-from tierstack.worker.training import StepRecord, run_steps
+from tierstack.worker.training import StepRecord, StopSignal, run_steps
 
 LOCAL_NODE = "local"  # the embedded default's one node, as the scheduler knows it
 
@@ -152,16 +152,19 @@ def run(args: argparse.Namespace) -> int:
         from tierstack.worker.jobs.ray_train_job import run as run_on_ray
         return run_on_ray(args, config)
     device = resolve_device(args.device)
-    run_dir = "" if args.tier_manager else make_run_dir(args.nvme_path)
-    try:
-        return _run_in(args, config, device, run_dir)
-    finally:
-        if run_dir:
-            shutil.rmtree(run_dir, ignore_errors=True)
+    # SIGTERM from here on ends the job after the step in progress, as its last step would
+    # (checkpoint, export, daemons stopped, run directory removed): exit 143.
+    with StopSignal() as stop:
+        run_dir = "" if args.tier_manager else make_run_dir(args.nvme_path)
+        try:
+            return _run_in(args, config, device, run_dir, stop)
+        finally:
+            if run_dir:
+                shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.device,
-            run_dir: str) -> int:
+            run_dir: str, stop: StopSignal) -> int:
     """The run, with its NVMe directory made (none with --tier-manager)."""
     accumulation = config.train.gradient_accumulation_steps
     torch.manual_seed(args.seed)
@@ -190,10 +193,10 @@ def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.dev
                  f"device budget {_mib(budget)} and {where}")
     try:
         if args.tier_manager:
-            return _train(args, job, device, budget, args.tier_manager, data, config, progress)
+            return _train(args, job, device, budget, args.tier_manager, data, config, progress, stop)
         if args.no_scheduler:
             with EmbeddedTierManager(tm) as daemon:
-                return _train(args, job, device, budget, daemon.address, data, config, progress)
+                return _train(args, job, device, budget, daemon.address, data, config, progress, stop)
         # The embedded single-node default: a scheduler, and a tier manager registered
         # with it; the job reports its first iteration and follows the plans it gets.
         from tierstack.services.scheduler.embedded import EmbeddedScheduler
@@ -201,7 +204,7 @@ def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.dev
             tm.scheduler_address, tm.node_id = scheduler.address, LOCAL_NODE
             with EmbeddedTierManager(tm) as daemon:
                 return _train(args, job, device, budget, daemon.address, data, config, progress,
-                              scheduler.address)
+                              stop, scheduler.address)
     finally:
         progress.close()
 
@@ -241,7 +244,7 @@ def _signature(args: argparse.Namespace, job: Job, precision: str) -> dict:
 
 def _train(args, job: Job, device: torch.device, budget: int, address: str,
            data: corpus.ByteBatches, config: TierstackConfig, progress: TrainProgress,
-           scheduler: str = "") -> int:
+           stop: StopSignal, scheduler: str = "") -> int:
     store = LayerStore(f"train-{uuid.uuid4().hex[:8]}", device=device, device_budget=budget,
                        address=address, durable=False)
     engine = follower = None
@@ -288,13 +291,18 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
         first, began = store.client.stats(), time.perf_counter()
         batches = iter(data.next, None)  # endless: next() never returns None
         steps = run_steps(engine.train_step, batches, device, args.steps - start,
-                          counters=lambda: _counters(store), on_step=report)
+                          counters=lambda: _counters(store), on_step=report, stop=stop)
         elapsed = time.perf_counter() - began
         end = store.client.stats()
         progress.close()
+        done = start + len(steps)
+        if stop.requested:
+            progress.say(f"stopped by {stop.name} after step {done} of {args.steps}")
+        if not steps:  # stopped before its first step: nothing new to save or report
+            return 143
         if args.checkpoint_dir:
-            save(args.steps)
-            progress.say(f"checkpoint: {args.checkpoint_dir} (step {args.steps})")
+            save(done)
+            progress.say(f"checkpoint: {args.checkpoint_dir} (step {done})")
         if args.export:
             index = export_safetensors(engine, args.export)
             progress.say(f"exported: {index.parent} (safetensors for from_pretrained)")
@@ -306,6 +314,8 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
             f"NVMe read {_volume(end.nvme_bytes_read - first.nvme_bytes_read)}, "
             f"written {_volume(end.nvme_bytes_written - first.nvme_bytes_written)}; "
             f"device budget peak {_mib(store.budget.peak)} of {_mib(store.budget.capacity)}")
+        if stop.requested:
+            return 143
         return 0
     finally:
         if follower is not None:
