@@ -75,8 +75,8 @@ def _our_daemons(parent: int) -> list[int]:
 
 
 def test_sigterm_to_a_job_s_group_ends_it_after_its_step_with_a_checkpoint_to_resume(tmp_path):
-    """A batch scheduler's SIGTERM to the job's process group: the job finishes the step in
-    progress, saves its checkpoint at that step, stops its daemons (they are in their own
+    """A batch scheduler's SIGTERM to the job's process group (and again to the job, as a
+    wrapper such as make passes it on): the job finishes the step in progress, saves its checkpoint at that step, stops its daemons (they are in their own
     group, so the signal did not stop them mid-step), removes its NVMe run directory and
     exits 143; the checkpoint resumes. (Raising from the handler instead once hung a job
     for good, the signal landing while a lock was held.)"""
@@ -100,6 +100,7 @@ def test_sigterm_to_a_job_s_group_ends_it_after_its_step_with_a_checkpoint_to_re
         daemons = _our_daemons(proc.pid)
         assert daemons and any(nvme.iterdir())  # its daemon, and its run directory
         os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # passed on again, as make does to its children
         err = proc.stderr.read()
         assert proc.wait(timeout=120) == 143, err[-2000:]
         reader.join(10)

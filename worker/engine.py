@@ -140,10 +140,12 @@ def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeI
     its new versions (parameters, masters, moments) before it frees the old, and the
     daemon pipelines two blocks' steps, so the pools need room for two blocks' new
     versions besides the state (the H200's 19.49e9-parameter GPT, its state 97% of the
-    budgets, ran out of NVMe room in its first step with one block's room counted)."""
+    budgets, ran out of NVMe room in its second step with one block's room counted). A
+    model whose whole state fits the HBM budget streams nothing and needs no such room."""
     itemsize = PRECISIONS[precision].itemsize
-    working = 2 * largest_block * (itemsize + (4 if itemsize != 4 else 0) + 8)
-    need = training_state_bytes(model, precision) + working
+    state = training_state_bytes(model, precision)
+    working = 0 if state <= hbm else 2 * largest_block * (itemsize + (4 if itemsize != 4 else 0) + 8)
+    need = state + working
     have = hbm + node.cpu_capacity + node.nvme_capacity
     if need > have:
         gib = 1 << 30

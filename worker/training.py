@@ -12,6 +12,7 @@ train through it, so they time steps the same way.
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import threading
 import time
@@ -56,13 +57,17 @@ class StopSignal:
 
     The handler only sets a flag: raising from it can interrupt the main thread anywhere,
     with a lock held (a job once hung for good that way, joining a thread that waited for
-    a gRPC channel lock the interrupted thread held). A second SIGTERM is the signal's
-    default action, a stop at once. Installed only on the main thread (where Python runs
-    signal handlers); the old handler is put back on exit."""
+    a gRPC channel lock the interrupted thread held). A second SIGTERM `repeat_seconds` or
+    more after the first stops the job at once (the signal's default action); sooner, it
+    is the same stop arriving twice (a signal to the job's group that a wrapper such as
+    make also passes on). Installed only on the main thread (where Python runs signal
+    handlers); the old handler is put back on exit."""
 
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
+    def __init__(self, signum: int = signal.SIGTERM, repeat_seconds: float = 5.0) -> None:
         self.signum = signum
+        self.repeat_seconds = repeat_seconds
         self.requested = False
+        self._first: float | None = None
         self._previous = None
 
     def __enter__(self) -> "StopSignal":
@@ -76,8 +81,12 @@ class StopSignal:
             self._previous = None
 
     def _handle(self, signum: int, frame) -> None:
-        self.requested = True
-        signal.signal(signum, signal.SIG_DFL)  # a second one stops the job at once
+        now = time.monotonic()
+        if self._first is None:
+            self._first, self.requested = now, True
+        elif now - self._first >= self.repeat_seconds:  # asked again: stop at once
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     @property
     def name(self) -> str:

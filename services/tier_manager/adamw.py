@@ -45,6 +45,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,6 +78,8 @@ a large buffer between two parameters, would make it longer)."""
 # block streams at once; two blocks' worth lets the next block read while one is written.
 _MAX_STREAMS_PER_BLOCK = 5
 _SCRATCH_WINDOWS = 2 * _MAX_STREAMS_PER_BLOCK
+_ROOM_WAIT_SECONDS = 600.0
+"""The longest a streamed block waits for the blocks ahead of it to free NVMe room."""
 
 
 class _Resident:
@@ -97,8 +100,8 @@ class _Streamed:
     `overwritten`: sorted, disjoint byte ranges that the step writes whole before the
     window moves past them (parameters rounded from their masters); a block lying inside
     one is not read, so only blocks holding some byte the step keeps cost a read.
-    Bulk copies here use numpy, not torch: `finish` runs on the writer thread, which
-    must not start an OpenMP team of its own."""
+    Bulk copies here use numpy, not torch: `window` and `finish` run on the stepper's IO
+    threads, which must not start OpenMP teams of their own."""
 
     def __init__(self, durable: DurableCopies, nbytes: int, source: NvmeExtent | None,
                  checksums: tuple[int, ...], out: NvmeExtent | None, scratch: torch.Tensor,
@@ -428,9 +431,13 @@ class AdamWStepper:
             except NvmePoolFullError:
                 with self._finished:
                     if self._in_flight == before:  # none finished meanwhile: wait for one
-                        if before == 0:
+                        if before <= 0:
                             raise  # nothing ahead will free room
-                        self._finished.wait_for(lambda: self._in_flight < before)
+                        # A block's finish is minutes at most; far past that, something
+                        # holds a block it will never finish: the pool's error, not a hang.
+                        if not self._finished.wait_for(lambda: self._in_flight < before,
+                                                       _ROOM_WAIT_SECONDS):
+                            raise
 
     def _create_zeros(self, key: str, nbytes: int, placement: Placement) -> bool:
         """Moments of zeros in the CPU pool; False when the pool has no room for them."""
@@ -524,6 +531,9 @@ class AdamWStepper:
         # The streams' tails go to the disk side by side (see `_io`).
         finishing = {name: self._io.submit(stream.finish) if changed else None
                      for name, stream in streams.items() if stream.out is not None}
+        # Every tail settles before any extent is freed or any hold given back: a write
+        # still in flight must not land in an extent freed for another tensor.
+        futures_wait([f for f in finishing.values() if f is not None])
         for name, future in finishing.items():
             try:
                 if future is None:
@@ -532,7 +542,10 @@ class AdamWStepper:
                     written[name] = future.result()
             except Exception as e:  # noqa: BLE001 - finish every hold, then report
                 first_error = first_error or e
-                self.registry.durable.free(streams[name].out)
+                try:
+                    self.registry.durable.free(streams[name].out)
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    pass
         self._scratch.give([s.scratch for s in streams.values()])
         ok = changed and first_error is None
         by_key = {info.key: name for name, info in held.infos.items()}

@@ -219,7 +219,7 @@ class IoEngine:
         self._local = threading.local()
         self._free_staging: list[StagingBuffer] = []
         self._staging_made = False
-        self._staging_lock = threading.Lock()
+        self._staging_lock = threading.Condition()
         self.stats = IoStats()
         self._stats_lock = threading.Lock()
         self._in_flight = {False: 0, True: 0}
@@ -288,8 +288,10 @@ class IoEngine:
         ]
         # Twice as many threads as requests allowed in flight: one copies and checksums
         # while another's request is in the kernel (see blockio.c).
-        nthreads = min(2 * self.workers, len(requests))
-        staging = self._take_staging(nthreads)
+        # With other batches running it gets fewer (at least one); the engine's semaphore
+        # bounds what is in the kernel either way.
+        staging = self._take_staging(min(2 * self.workers, len(requests)))
+        nthreads = len(staging)
         try:
             addresses = np.array([s.array.ctypes.data for s in staging], dtype=np.uint64)
             err = self._native.tsio_run(self._handle, int(write), table.ctypes.data,
@@ -329,22 +331,25 @@ class IoEngine:
                               f"{os.strerror(status)}")
 
     def _take_staging(self, n: int) -> list[StagingBuffer]:
+        """Up to `n` staging buffers of the kept set: as many as are free, waiting for one
+        when none is (a batch holds its buffers only while it runs, so one comes back).
+        Batches at once (the AdamW stepper moves a block's tensors side by side) share
+        the set instead of making buffers of their own: the daemon's memory stays flat."""
         with self._staging_lock:
             if not self._staging_made:
                 # The whole kept set at the first batch: the daemon's memory then stays
                 # flat, where a set that grew with the busiest moment so far would step
                 # up long after start (more batches at once: AdamW, evictions, loads).
                 self._staging_made = True
-                self._free_staging += [StagingBuffer(self.block_size)
-                                       for _ in range(2 * self.workers - len(self._free_staging))]
+                self._free_staging += [StagingBuffer(self.block_size) for _ in range(2 * self.workers)]
+            self._staging_lock.wait_for(lambda: self._free_staging)
             taken, self._free_staging = self._free_staging[:n], self._free_staging[n:]
-        return taken + [StagingBuffer(self.block_size) for _ in range(n - len(taken))]
+        return taken
 
     def _give_staging(self, buffers: list[StagingBuffer]) -> None:
         with self._staging_lock:
-            # Keep at most one batch's worth: concurrent batches allocate their own.
-            keep = max(0, 2 * self.workers - len(self._free_staging))
-            self._free_staging.extend(buffers[:keep])
+            self._free_staging.extend(buffers)
+            self._staging_lock.notify_all()
 
     def _run_threads(self, fn, requests: list[BlockRequest]) -> list[int]:
         futures: list[Future] = [self._executor.submit(fn, r) for r in requests]

@@ -137,8 +137,8 @@ def test_the_plan_panel_shows_each_jobs_plan_with_its_predicted_and_measured_ste
         assert float(seconds) > 0 and ratio.endswith("×)")
     finally:
         # SIGTERM, not SIGINT: a child of a process started in the background inherits
-        # SIGINT ignored (POSIX), and then waited out the whole timeout below. The job dies
-        # at once; its embedded daemons follow it (--exit-with-parent).
+        # SIGINT ignored (POSIX), and then waited out the whole timeout below. The job ends
+        # after the step in progress and stops its embedded daemons.
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)

@@ -292,6 +292,9 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
         batches = iter(data.next, None)  # endless: next() never returns None
         steps = run_steps(engine.train_step, batches, device, args.steps - start,
                           counters=lambda: _counters(store), on_step=report, stop=stop)
+        # The last step's updates run behind it (until the next forward would need them):
+        # the run's time and traffic count them.
+        engine.wait_for_optimizer()
         elapsed = time.perf_counter() - began
         end = store.client.stats()
         progress.close()
