@@ -24,6 +24,35 @@ import pytest
 from tierstack.config import KiB, MiB, CpuPoolConfig, NvmePoolConfig, TierManagerConfig, AioConfig
 from tierstack.service_process import ServiceProcess
 
+from tierstack.addresses import user_dir  # noqa: E402
+
+_USER_DIR_BEFORE: set[str] | None = None
+
+
+def pytest_sessionstart(session) -> None:
+    """What the per-user directory (/tmp/tierstack-<uid>: sockets, token, Ray nodes' state
+    and logs) held before the tests: they start real services there."""
+    global _USER_DIR_BEFORE
+    d = user_dir()
+    _USER_DIR_BEFORE = {p.name for p in d.iterdir()} if d.is_dir() else None
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Remove what the tests added to the per-user directory, and the directory if they
+    made it; what was there before (a user's own token, running services) stays."""
+    d = user_dir()
+    if not d.is_dir():
+        return
+    if _USER_DIR_BEFORE is None:
+        shutil.rmtree(d, ignore_errors=True)
+        return
+    for entry in d.iterdir():
+        if entry.name not in _USER_DIR_BEFORE:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
 
 @pytest.fixture
 def disk_dir(tmp_path: Path) -> Path:

@@ -100,21 +100,25 @@ class ServiceProcess:
         security = section(SecurityConfig, self.security, "security") if self.security else None
         if self.env and self.env.get(SECURITY_DIR_ENV):  # the child's, not ours
             security = security_from_dir(self.env[SECURITY_DIR_ENV], security)
-        channel, _ = open_channel(self.address, [], security)  # health needs no token
-        with channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if self.proc is not None and self.proc.poll() is not None:
-                    raise ServiceStartError(f"the {self.name} exited with status {self.proc.returncode}")
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServiceStartError(f"the {self.name} exited with status {self.proc.returncode}")
+            # A channel per attempt: on loopback TCP with nothing configured, the service
+            # makes the per-user certificate as it starts, and a channel opened before
+            # that speaks plain text to a TLS port for good (the first daemon on a fresh
+            # machine then never looked ready).
+            channel, _ = open_channel(self.address, [], security)  # health needs no token
+            with channel:
                 try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1, wait_for_ready=True)
+                    status = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1, wait_for_ready=True)
                     if status.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:
                     pass
-                if time.monotonic() > deadline:
-                    raise ServiceStartError(f"the {self.name} did not serve within {timeout:.0f} s")
-                time.sleep(0.05)
+            if time.monotonic() > deadline:
+                raise ServiceStartError(f"the {self.name} did not serve within {timeout:.0f} s")
+            time.sleep(0.05)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
