@@ -7,7 +7,7 @@ steps an nvme-offloaded job's blocks (gradients are put on NVMe before each step
 evicted gradient would be). The first step (which creates the moments) is left out of the
 figures. Reports the disk's rate during the steps (bytes the pool read and wrote / the
 steps' time) and, with --fio, fio's rate on the same directory at the same read share
-(bench/io.fio_gbps, sequential 1 MiB direct IO, best of io_uring and libaio at depths 8
+(bench/io.fio_mix_gbps, sequential 1 MiB direct IO, best of io_uring and libaio at depths 8
 and 32): `streamed_vs_fio` (issue 12 item 5 asks >= 0.9 of a training step's). Removes
 its files on every exit. The last line is one JSON object.
 
@@ -18,8 +18,8 @@ GPU machine:  python bench/adamw_streamed.py --fio --nvme-dir /var/tmp/tsadamw
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import sys
 import shutil
 import statistics
 import tempfile
@@ -33,15 +33,10 @@ from tierstack.services.tier_manager.adamw import AdamWStepper
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_deepspeed import bench_io  # noqa: E402
+
 MiB = 1 << 20
-
-
-def _bench_io():
-    """bench/io.py, beside this file (its name is the standard library's: load it by path)."""
-    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name("io.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(args, directory: Path) -> dict:
@@ -88,14 +83,8 @@ def run(args, directory: Path) -> dict:
               "streamed_gbps": round((read + written) / total / 1e9, 3),
               "read_share": round(read / (read + written), 3), "kernel": stepper.kernel}
     if args.fio:
-        path = directory / "fio-mix"
-        io = _bench_io()
-        try:
-            best = max(io.fio_gbps(args.fio, path, args.fio_gib << 30, "rw", qd, engine, "malloc",
-                                   read_share=result["read_share"])
-                       for engine in ("io_uring", "libaio") for qd in (8, 32))
-        finally:
-            path.unlink(missing_ok=True)
+        best = bench_io().fio_mix_gbps(args.fio, directory / "fio-mix", args.fio_gib << 30,
+                                       result["read_share"])
         result.update(fio_mix_gbps=round(best, 3), streamed_vs_fio=round(result["streamed_gbps"] / best, 3))
     return result
 

@@ -89,6 +89,17 @@ def fio_gbps(fio: str, path: Path, size: int, rw: str, qd: int, engine: str, iom
     return moved / (job["job_runtime"] / 1000) / 1e9
 
 
+
+def fio_mix_gbps(fio: str, path: Path, size: int, read_share: float) -> float:
+    """fio's best GB/s at a training step's read/write mix (rw=rw, `read_share` read,
+    sequential 1 MiB direct IO) on a `size`-byte file at `path`, over io_uring and libaio
+    at queue depths 8 and 32; the file is removed after."""
+    try:
+        return max(fio_gbps(fio, path, size, "rw", qd, engine, "malloc", read_share=read_share)
+                   for engine in ("io_uring", "libaio") for qd in (8, 32))
+    finally:
+        path.unlink(missing_ok=True)
+
 class PoolSide:
     """NvmePool + the CPU pool buffers it moves the file between."""
 

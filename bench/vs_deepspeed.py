@@ -565,32 +565,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def bench_io():
+    """bench/io.py, beside this file (its name is the standard library's: load it by path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name("io.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _disk_vs_fio(args, ts_runs: list[dict]) -> dict:
     """What tierstack's nvme steps moved through the disk per second (bytes the daemon
     read and wrote over the measured steps / their time) against fio on the same
     directory at the same read share, sequential 1 MiB direct IO (issue 12: >= 0.9), fio's
     best of io_uring and libaio at queue depths 8 and 32. The step's rate is a lower
     bound on the disk's: a step also computes."""
-    import importlib.util
-
-    # bench/io.py, beside this file (its name is the standard library's: load it by path)
-    spec = importlib.util.spec_from_file_location("bench_io", Path(__file__).with_name("io.py"))
-    bench_io = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_io)
-
     moved = [(r["nvme_read"], r["nvme_written"], sum(r["step_s"])) for r in ts_runs]
     read, written, seconds = (sum(x[i] for x in moved) for i in range(3))
     if not seconds or not read + written:
         return {"disk_vs_fio_nvme": None}
     share = read / (read + written)
-    path = Path(args.nvme_dir) / "fio-mix"
-    size = args.fio_gib << 30
-    try:
-        best = max(bench_io.fio_gbps(args.fio, path, size, "rw", qd, engine, "malloc",
-                                     read_share=share)
-                   for engine in ("io_uring", "libaio") for qd in (8, 32))
-    finally:
-        path.unlink(missing_ok=True)
+    best = bench_io().fio_mix_gbps(args.fio, Path(args.nvme_dir) / "fio-mix", args.fio_gib << 30, share)
     training = (read + written) / seconds / 1e9
     return {"disk_gbps_training_nvme": round(training, 3), "disk_gbps_fio_mix": round(best, 3),
             "disk_read_share_nvme": round(share, 3), "disk_vs_fio_nvme": round(training / best, 3)}

@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 
 from tierstack.config import KiB, MiB, CpuPoolConfig, NvmePoolConfig, TierManagerConfig, AioConfig
+from tierstack.addresses import user_dir
 from tierstack.service_process import ServiceProcess
-
-from tierstack.addresses import user_dir  # noqa: E402
 
 _USER_DIR_BEFORE: set[str] | None = None
 

@@ -117,13 +117,19 @@ def state_tiers(train: TrainConfig, blocks_attr: str, count: int,
     return tiers
 
 
-def training_state_bytes(model: torch.nn.Module, precision: str) -> int:
-    """Bytes of a model's training state: parameters and gradients in the training dtype,
-    and AdamW's two fp32 moments plus fp32 masters where the parameters are not fp32
-    (16 bytes per parameter either way; meta tensors count: nothing needs to exist)."""
+def _updated_bytes_per_parameter(precision: str) -> int:
+    """Bytes an AdamW step writes per parameter: the parameter in the training dtype, its
+    two fp32 moments, and its fp32 master where the parameters are not fp32."""
     itemsize = PRECISIONS[precision].itemsize
-    masters = 4 if itemsize != 4 else 0
-    return sum(p.numel() * (2 * itemsize + masters + 8) for p in model.parameters())
+    return itemsize + (4 if itemsize != 4 else 0) + 8
+
+
+def training_state_bytes(model: torch.nn.Module, precision: str) -> int:
+    """Bytes of a model's training state: what a step updates (parameters, moments,
+    masters) and the gradients in the training dtype (16 bytes per parameter either way;
+    meta tensors count: nothing needs to exist)."""
+    per_parameter = _updated_bytes_per_parameter(precision) + PRECISIONS[precision].itemsize
+    return sum(p.numel() * per_parameter for p in model.parameters())
 
 
 def pending_moment_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
@@ -142,9 +148,8 @@ def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeI
     versions besides the state (the H200's 19.49e9-parameter GPT, its state 97% of the
     budgets, ran out of NVMe room in its second step with one block's room counted). A
     model whose whole state fits the HBM budget streams nothing and needs no such room."""
-    itemsize = PRECISIONS[precision].itemsize
     state = training_state_bytes(model, precision)
-    working = 0 if state <= hbm else 2 * largest_block * (itemsize + (4 if itemsize != 4 else 0) + 8)
+    working = 0 if state <= hbm else 2 * largest_block * _updated_bytes_per_parameter(precision)
     need = state + working
     have = hbm + node.cpu_capacity + node.nvme_capacity
     if need > have:

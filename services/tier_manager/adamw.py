@@ -485,17 +485,12 @@ class AdamWStepper:
         streamed = [name for name, src in sources.items() if isinstance(src, _Streamed)]
         pending = {name: self._io.submit(sources[name].window, *spans.get(name, state_span))
                    for name in streamed} if len(streamed) > 1 else {}
-        windows = {name: src.window(*spans.get(name, state_span))
-                   for name, src in sources.items() if name not in pending}
-        errors = []
-        for name, future in pending.items():  # every window settles before anything moves on
-            try:
-                windows[name] = future.result()
-            except BaseException as e:  # noqa: BLE001 - raised below, after the others
-                errors.append(e)
-        if errors:
-            raise errors[0]
-        return windows
+        try:
+            windows = {name: src.window(*spans.get(name, state_span))
+                       for name, src in sources.items() if name not in pending}
+        finally:
+            futures_wait(pending.values())  # every window settles before anything moves on
+        return windows | {name: future.result() for name, future in pending.items()}
 
     # ---- finishing -----------------------------------------------------------------------
 

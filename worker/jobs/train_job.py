@@ -317,9 +317,7 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
             f"NVMe read {_volume(end.nvme_bytes_read - first.nvme_bytes_read)}, "
             f"written {_volume(end.nvme_bytes_written - first.nvme_bytes_written)}; "
             f"device budget peak {_mib(store.budget.peak)} of {_mib(store.budget.capacity)}")
-        if stop.requested:
-            return 143
-        return 0
+        return 143 if stop.requested else 0
     finally:
         if follower is not None:
             follower.close()
