@@ -117,8 +117,17 @@ def run_trial(args, mode: str, hidden: int, layers: int) -> dict:
             result = json.loads(results[-1][len("RESULT "):])
             trial.update(result, trained=all(loss == loss for loss in result["losses"]))
         else:
-            errors = [line for line in out.splitlines() if "Error" in line or "error" in line]
-            trial.update(trained=False, reason=(errors[-1] if errors else out[-300:]).strip()[:300])
+            # An exception's own line names its type (torch.OutOfMemoryError: ...); a child the
+            # kernel's OOM killer ended has none and a negative return code.
+            errors = [line for line in out.splitlines() if "Error:" in line]
+            if proc.returncode < 0:
+                reason = f"killed by signal {-proc.returncode} (9 on a full machine: the kernel's OOM killer; dmesg says)"
+            else:
+                reason = (errors[-1] if errors else out[-300:]).strip()[:300]
+            trial.update(trained=False, returncode=proc.returncode, reason=reason)
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.log_dir) / f"{mode}-{hidden}x{layers}.log").write_text(out)
     print(json.dumps(trial), flush=True)
     return trial
 
@@ -132,6 +141,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=420, help="seconds per trial")
     parser.add_argument("--budget-s", type=float, default=1e9, help="no trial starts after this many seconds")
     parser.add_argument("--nvme-dir", default="/var/tmp/tierstack-dsmax")
+    parser.add_argument("--log-dir", help="keep each trial's output here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
