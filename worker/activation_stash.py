@@ -4,11 +4,18 @@ A block whose activation policy is "cpu" or "nvme" keeps nothing on the device b
 its forward and its backward. Its forward writes its input to the node's tier manager
 (state kind "activation", under `<job>/layer<i>/activation.<n>`, never durable: a lost
 checkpoint costs the step, not the job, so no write waits for the disk), placed in the
-CPU pool ("cpu": never evicted) or out of it ("nvme": evicted first). The backward runs
-the blocks in reverse order, so taking one input starts reading the one stored before it
-in the background (the daemon brings it back from NVMe, a loader thread copies it out)
-while this block recomputes; each input is deleted as soon as its block's backward is
-done, so none outlives the step.
+CPU pool ("cpu": never evicted) or out of it ("nvme": evicted first). The write runs
+behind the forward: a writer thread copies the input out of the device on a stream of its
+own (into the pool's page-locked arena) while the next block computes, and commits it;
+one write is in flight at a time, so at most one input waits on the device for its copy.
+The backward runs the blocks in reverse order, so taking one input starts reading the one
+stored before it in the background (the daemon brings it back from NVMe, a loader thread
+copies it out) while this block recomputes; each input is deleted as soon as its block's
+backward is done, so none outlives the step.
+
+An input changed in place while its copy may still be running would be stored torn; the
+writer checks the tensor's version counter after the copy and fails the step if it moved
+(the models tierstack wraps never do that: a block's input is the last block's output).
 
 The stash knows nothing of blocks or policies: it stores, reads back and deletes
 tensors in the order the forward put them.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -49,8 +57,13 @@ class ActivationStash:
         self.store = store
         self._live: list[StashedInput] = []  # in forward order; backward takes from the end
         self._reads: dict[str, Future] = {}
+        self._writes: dict[str, Future] = {}  # until each input is committed
+        self._last_write: Future | None = None
         # One reader: inputs come back one at a time, each behind a block's recompute.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-activations")
+        # One writer: an input goes out while the next block computes.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstack-activation-writes")
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._count = 0
         self.bytes_written = 0
         self.bytes_held = 0  # bytes of live inputs with this rank's tier manager now
@@ -70,9 +83,18 @@ class ActivationStash:
         return key
 
     def _keep(self, entry: StashedInput, data: torch.Tensor, placement: str) -> None:
-        """Write `data` (this tier manager's bytes of `entry`) and count `entry` live."""
-        self.store.session.write(entry.key, data.numel(), lambda block: block.copy_(data),
-                                 durable=False, placement=placement)
+        """Write `data` (this tier manager's bytes of `entry`) behind the caller's work and
+        count `entry` live. Waits for the write before it first: one in flight."""
+        previous, self._last_write = self._last_write, None
+        if previous is not None:
+            previous.result()  # its error, if any, is this step's (raised once)
+        ready = None
+        if data.device.type == "cuda":  # the copy waits for what computes `data`, no more
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(data.device))
+        copy = self._copier(data, ready)
+        self._last_write = self._writes[entry.key] = self._writer.submit(
+            self.store.session.write, entry.key, data.numel(), copy, False, placement)
         self.bytes_written += data.numel()
         self.bytes_held += data.numel()
         self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
@@ -80,6 +102,7 @@ class ActivationStash:
 
     def take(self, entry: StashedInput) -> torch.Tensor:
         """`entry`'s tensor back on its device; starts reading the input stored before it."""
+        self._written(entry)
         future = self._reads.pop(entry.key, None)
         x = future.result() if future is not None else self._read(entry)
         position = self._live.index(entry)
@@ -91,6 +114,9 @@ class ActivationStash:
         """Delete `entry` from the tier manager: its block's backward is done."""
         self._live.remove(entry)
         self.bytes_held -= entry.stored_nbytes
+        write = self._writes.pop(entry.key, None)
+        if write is not None:
+            write.exception()  # the commit ends before its key goes (a failed one left none)
         future = self._reads.pop(entry.key, None)
         if future is not None:
             future.exception()  # the read ends before its key goes
@@ -104,6 +130,7 @@ class ActivationStash:
         for entry in list(self._live):
             self.release(entry)
         self._count = 0
+        self._last_write = None
 
     def live(self) -> list[StashedInput]:
         return list(self._live)
@@ -111,10 +138,50 @@ class ActivationStash:
     def close(self) -> None:
         self.clear()
         self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+    def _written(self, entry: StashedInput) -> None:
+        """Wait for `entry`'s write; raise its error (the input is not stored)."""
+        write = self._writes.pop(entry.key, None)
+        if write is self._last_write:
+            self._last_write = None  # raised here, not again by the next put
+        if write is not None:
+            write.result()
+
+    def _copier(self, data: torch.Tensor, ready: torch.cuda.Event | None
+                ) -> Callable[[torch.Tensor], None]:
+        """The writer thread's fill of a leased pool block with `data` (kept alive by the
+        closure until the copy is done, so its memory is not reused under the copy)."""
+        version = data._version
+
+        def copy(block: torch.Tensor) -> None:
+            if ready is None:
+                block.copy_(data)
+            else:
+                stream = self._copy_streams.get(data.device)
+                if stream is None:
+                    stream = self._copy_streams[data.device] = torch.cuda.Stream(data.device)
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    block.copy_(data, non_blocking=True)  # the arena is page-locked
+                stream.synchronize()
+            if data._version != version:
+                raise RuntimeError(
+                    "a block's input was changed in place while it was being offloaded to the "
+                    "tier manager; offloaded activations need the input unchanged after the "
+                    "block's forward: set train.activations.policy to recompute or keep")
+
+        return copy
 
     def _read_ahead(self, entry: StashedInput) -> None:
         if entry.key not in self._reads:
-            self._reads[entry.key] = self._reader.submit(self._read, entry)
+            self._reads[entry.key] = self._reader.submit(self._read_when_written, entry)
+
+    def _read_when_written(self, entry: StashedInput) -> torch.Tensor:
+        write = self._writes.get(entry.key)
+        if write is not None:
+            write.result()
+        return self._read(entry)
 
     def _read(self, entry: StashedInput) -> torch.Tensor:
         data = self.store.session.read_block(entry.key)  # a CPU copy: the pin goes at once

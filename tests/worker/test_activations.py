@@ -16,7 +16,7 @@ from tests.worker.test_engine_tiers import _plain_losses, _train_config
 from tests.worker.test_offload import TinyGPT
 from tierstack.budgets import Budgets
 from tierstack.config import load_config
-from tierstack.errors import KeyNotFoundError
+from tierstack.errors import KeyNotFoundError, PoolExhaustedError
 from tierstack.worker.activation_stash import ActivationStash
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.layers import LayerStore
@@ -222,4 +222,62 @@ def test_a_forward_without_backward_leaves_no_input_behind(daemon):
         assert engine.blocks.stash.live() == [] and _activation_keys(store, engine) == []
         engine.close()
     finally:
+        store.close()
+
+
+def _stash_store(daemon) -> LayerStore:
+    return LayerStore("act-stash", device="cpu", device_budget=64 << 20, address=daemon.address,
+                      durable=False)
+
+
+def test_an_input_changed_in_place_while_it_goes_out_is_never_given_back_changed(daemon):
+    """The write runs behind the forward; an input the caller changes in place meanwhile
+    fails the step with a clear error or was copied before: never a torn or changed input."""
+    store = _stash_store(daemon)
+    stash = ActivationStash(store)
+    try:
+        outcomes = []
+        for trial in range(8):
+            x = torch.full((1 << 20,), float(trial))  # 4 MiB
+            entry = stash.put(0, x, "cpu")
+            x.add_(100.0)
+            try:
+                back = stash.take(entry)
+                assert torch.equal(back, torch.full((1 << 20,), float(trial)))
+                outcomes.append("copied first")
+            except RuntimeError as e:
+                assert "changed in place while it was being offloaded" in str(e)
+                outcomes.append("refused")
+            stash.release(entry)
+        assert stash.live() == [] and stash.bytes_held == 0
+        assert "refused" in outcomes  # the copy runs on the writer thread, after put returns
+    finally:
+        stash.close()
+        store.close()
+
+
+@pytest.mark.parametrize("pool_size", ["6MiB"])
+def test_a_write_that_finds_the_pool_full_fails_the_step_once_and_leaves_nothing(daemon):
+    """"cpu" inputs are never evicted: the one that does not fit fails at the next put or
+    at its take, with the pool's error; clearing the step leaves no key, and the stash
+    works again."""
+    store = _stash_store(daemon)
+    stash = ActivationStash(store)
+    try:
+        x = torch.ones(1 << 20)  # 4 MiB: the second does not fit next to the first
+        with pytest.raises(PoolExhaustedError, match="CPU pool full"):
+            entries = [stash.put(i, x, "cpu") for i in range(3)]
+            for entry in reversed(entries):
+                stash.take(entry)
+        stash.clear()
+        assert stash.live() == []
+        entry = stash.put(0, x, "cpu")
+        assert torch.equal(stash.take(entry), x)
+        stash.release(entry)
+        for n in range(6):
+            for i in range(3):
+                with pytest.raises(KeyNotFoundError):
+                    store.client.describe(store.key(i, f"activation.{n}"))
+    finally:
+        stash.close()
         store.close()
