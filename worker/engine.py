@@ -498,7 +498,12 @@ class OffloadEngine:
             torch.cuda.synchronize(self.store.device)
             torch.cuda.reset_peak_memory_stats(self.store.device)
         self.zero_grad()
-        self.blocks.measure_activations = True
+        # Half the HBM budget for the inputs the probe keeps on the device: the other half
+        # is for what the forward cannot see yet (the loss, a block's recompute and its
+        # gradients). Inputs past it wait with the tier manager and count in the peak as
+        # if kept: the footprint is the same either way (a bound when the peak comes
+        # after the backward has dropped some inputs).
+        self.blocks.start_probe(self.budgets.hbm // 2)
         try:
             with SavedBytes() as outside:
                 loss = self._loss(inputs, targets)
@@ -506,6 +511,7 @@ class OffloadEngine:
         finally:
             self.blocks.measure_activations = False
         self.zero_grad()
+        stashed = self.blocks.probe_stashed_bytes
         store = self.store
         layers = tuple(store.layouts[i].nbytes for i in range(len(self.blocks.blocks)))
         activations = tuple(self.blocks.activation_bytes)
@@ -527,12 +533,12 @@ class OffloadEngine:
             extra += 4 * max([sum(p.numel() for p in self.persistent)] + numels)
         if cuda:
             torch.cuda.synchronize(store.device)
-            peak = torch.cuda.max_memory_allocated(store.device) + extra
+            peak = torch.cuda.max_memory_allocated(store.device) + extra + stashed
         else:  # no allocator to ask: what the step holds at its fullest, added up
             persistent = sum(p.numel() * (2 * p.element_size() + (0 if m is p else 4))
                              for p, m in zip(self.persistent, self.persistent_masters))
-            peak = (persistent + extra + outside.bytes + (store.prefetch_depth + 1) * max(layers)
-                    + max(activations, default=0))
+            peak = (persistent + extra + outside.bytes + stashed
+                    + (store.prefetch_depth + 1) * max(layers) + max(activations, default=0))
         return DeviceFootprint(int(peak), tuple(states), layers, activations, inputs)
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch
 import torch.utils.checkpoint
 
 from tierstack.errors import InvalidArgumentError
+from tierstack.tiers import AUTO
 from tierstack.dtypes import dtype_from_name
 from tierstack.worker.activation_stash import ActivationStash
 from tierstack.worker.layers import LayerStore
@@ -70,6 +71,8 @@ class _Block(torch.autograd.Function):
         ctx.engine, ctx.index, ctx.extra = engine, index, extra
         ctx.replay = _ReplayState.capture(x.device)
         placement = engine.input_tiers[index] if training else None
+        if training and placement is None and engine.measure_activations:
+            placement = engine.probe_input_tier(x)
         # The input goes to the tier manager (its placement) or stays on the device; not
         # outside training: no backward would ever take it back.
         ctx.stashed = None if placement is None else engine.stash.put(index, x, placement)
@@ -222,6 +225,13 @@ class OffloadedBlocks(torch.nn.Module):
         self.measure_activations = False
         self.activation_bytes = [0] * len(self.blocks)
         self.input_bytes = [0] * len(self.blocks)  # and the bytes of its saved input
+        # The probe keeps block inputs on the device only up to `probe_input_limit` bytes
+        # held there; the rest wait with the tier manager (`probe_stashed_bytes` of them).
+        # Without it the probe of a step whose inputs alone overflow HBM (a 7B model at 32k
+        # tokens in 16 GiB) ran out of memory before any placement could send them out.
+        self.probe_input_limit: int | None = None
+        self.probe_stashed_bytes = 0
+        self._probe_kept_bytes = 0
         self.resident: set[int] = set()  # blocks brought to the device for good
         self._kept_live: set[int] = set()  # kept blocks whose backward has not run yet
         self._module_list = module_list
@@ -328,6 +338,26 @@ class OffloadedBlocks(torch.nn.Module):
             self._kept_live.discard(index)
             self._dematerialize(index)
             self.store.release_layer(index)
+
+    def start_probe(self, input_limit: int | None) -> None:
+        """Measure the next forward and backward (the placement's probe), keeping block
+        inputs on the device up to `input_limit` bytes held there (None: all of them)."""
+        self.measure_activations = True
+        self.probe_input_limit = input_limit
+        self.probe_stashed_bytes = self._probe_kept_bytes = 0
+
+    def probe_input_tier(self, x: torch.Tensor) -> str | None:
+        """Where the probe keeps a block input: on the device (None) while what the device
+        holds stays within the limit, else with the tier manager (AUTO). What the device
+        holds is what its allocator has out; a CPU "device" has no allocator to ask and
+        counts the inputs it kept."""
+        nbytes = x.numel() * x.element_size()
+        held = torch.cuda.memory_allocated(x.device) if x.is_cuda else self._probe_kept_bytes
+        if self.probe_input_limit is None or held + nbytes <= self.probe_input_limit:
+            self._probe_kept_bytes += nbytes
+            return None
+        self.probe_stashed_bytes += nbytes
+        return AUTO
 
     def policy(self, index: int) -> str:
         """Block `index`'s activation policy now: keep, recompute, or where its input waits."""

@@ -281,3 +281,30 @@ def test_a_write_that_finds_the_pool_full_fails_the_step_once_and_leaves_nothing
     finally:
         stash.close()
         store.close()
+
+
+def test_the_probe_sends_inputs_out_past_half_the_budget_and_measures_the_same_footprint(daemon):
+    """A step whose block inputs alone overflow the HBM budget (a 7B model at 32k tokens in
+    16 GiB): the placement's probe keeps inputs on the device only up to half the budget
+    and sends the rest to the tier manager, so the probe itself stays within it; its
+    footprint is the one a probe keeping every input measures, and it leaves nothing with
+    the tier manager."""
+    batches = _data(6, 1)
+
+    def probed(hbm: int):
+        store = LayerStore("act-probe-half", device="cpu", address=daemon.address, durable=False)
+        engine = OffloadEngine.from_config(_model(), store, _train_config(params={"device": "cpu"}),
+                                           budgets=Budgets(hbm=hbm, host=8 << 30, nvme=8 << 30))
+        try:
+            footprint = engine._probe(*batches[0])
+            assert engine.blocks.stash.live() == [] and _activation_keys(store, engine) == []
+            return footprint, engine.blocks.probe_stashed_bytes, engine.blocks.stash.bytes_written
+        finally:
+            engine.close()
+            store.close()
+
+    whole, none_out, none_written = probed(1 << 40)
+    assert none_out == none_written == 0
+    footprint, out, written = probed(5 * INPUT_BYTES)  # half of it holds two of the 4 inputs
+    assert out == written == (LAYERS - 2) * INPUT_BYTES
+    assert footprint == whole
