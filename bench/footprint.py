@@ -2,8 +2,10 @@
 
 Footprint = the sum over every process of the tree of (RSS - RssShmem), plus the bytes
 of tierstack's shared-memory arenas (counted once, however many processes map them).
-Disk bytes = the tree's read_bytes / write_bytes from /proc/<pid>/io (each process's
-last reading kept, so processes that exit still count).
+Disk bytes = the tree's read_bytes / write_bytes from /proc/<pid>/io, summed over the
+processes alive at a sample, the most seen kept. A child's bytes move into its parent's
+figures when the parent reaps it, so keeping an exited child's last reading as well
+counted it twice (the embedded tier manager's whole run, in bench/vs_deepspeed.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ def _status_kib(pid: int, field: str) -> int:
     return 0
 
 
+def _io_bytes(pid: int) -> tuple[int, int]:
+    """(read_bytes, write_bytes) of a process and the children it has reaped; 0s if gone."""
+    try:
+        fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
 def arena_bytes(shm_dir: str = "/dev/shm") -> int:
     total = 0
     for path in Path(shm_dir).glob(ARENA_GLOB):
@@ -67,7 +78,7 @@ class Sampler:
         self.root, self.interval, self.shm_dir = root, interval, shm_dir
         self.peak = 0
         self.samples = 0
-        self._io: dict[int, tuple[int, int]] = {}
+        self._disk = (0, 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -75,18 +86,17 @@ class Sampler:
         while not self._stop.is_set():
             self.peak = max(self.peak, footprint(self.root, self.shm_dir))
             self.samples += 1
+            read = written = 0
             for pid in process_tree(self.root):
-                try:
-                    fields = dict(line.split(": ") for line in
-                                  Path(f"/proc/{pid}/io").read_text().splitlines())
-                    self._io[pid] = (int(fields["read_bytes"]), int(fields["write_bytes"]))
-                except (OSError, KeyError, ValueError):
-                    pass
+                r, w = _io_bytes(pid)
+                read, written = read + r, written + w
+            self._disk = (max(self._disk[0], read), max(self._disk[1], written))
             self._stop.wait(self.interval)
 
     @property
     def disk_bytes(self) -> tuple[int, int]:
-        return (sum(r for r, _ in self._io.values()), sum(w for _, w in self._io.values()))
+        """(read, written) bytes of the tree so far, exited processes included."""
+        return self._disk
 
     def __enter__(self) -> "Sampler":
         self._thread.start()
