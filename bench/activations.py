@@ -64,7 +64,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from footprint import Sampler  # noqa: E402
+from footprint import Sampler, kill_tree  # noqa: E402
 from vs_deepspeed import MODELS, deepspeed_json, emit, run_deepspeed, run_tierstack  # noqa: E402
 
 POLICIES = ("keep", "recompute", "cpu", "nvme", "auto")
@@ -329,10 +329,11 @@ class TrialRunner:
         return f"rc {self.proc.returncode if self.proc else '?'}: " + text[-400:]
 
     def kill(self) -> None:
-        """End the running child's process group (the child, its daemons) if it is alive."""
+        """End the running child and every process it started (its daemons) if alive."""
         if self.proc is None:
             return
-        try:
+        kill_tree(self.proc.pid)
+        try:  # and what is left of its group (a process whose parent died before)
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass

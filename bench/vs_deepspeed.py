@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from footprint import Sampler, process_tree  # noqa: E402
+from footprint import Sampler, kill_tree  # noqa: E402
 
 MODELS = {
     # The model: 1.345e9 parameters, untied.
@@ -424,11 +424,7 @@ def _launch(args, side: str, config: dict, label: str, workdir: Path) -> dict:
         try:
             out, _ = proc.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            for pid in reversed(process_tree(proc.pid)):  # ranks and daemons too, not just the child
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_tree(proc.pid)  # ranks and daemons too, not just the child
             proc.communicate()
             log.close()
             raise RuntimeError(f"{label} ran past {args.timeout:.0f} s: "
