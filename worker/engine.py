@@ -498,11 +498,12 @@ class OffloadEngine:
             torch.cuda.synchronize(self.store.device)
             torch.cuda.reset_peak_memory_stats(self.store.device)
         self.zero_grad()
-        # Half the HBM budget for the inputs the probe keeps on the device: the other half
-        # is for what the forward cannot see yet (the loss, a block's recompute and its
-        # gradients). Inputs past it wait with the tier manager and count in the peak as
-        # if kept: the footprint is the same either way (a bound when the peak comes
-        # after the backward has dropped some inputs).
+        # The probe keeps the block inputs on the device if they all fit in half the HBM
+        # budget: the other half is for what the forward cannot see yet (the loss, a
+        # block's recompute and its gradients). Else they all wait with the tier manager
+        # (the safe placement) and count in the peak as if kept: the footprint is the
+        # same either way (a bound when the peak comes after the backward has dropped
+        # some inputs).
         self.blocks.start_probe(self.budgets.hbm // 2)
         try:
             with SavedBytes() as outside:

@@ -72,7 +72,7 @@ class _Block(torch.autograd.Function):
         ctx.replay = _ReplayState.capture(x.device)
         placement = engine.input_tiers[index] if training else None
         if training and placement is None and engine.measure_activations:
-            placement = engine.probe_input_tier(x)
+            placement = engine.probe_input_tier(index, x)
         # The input goes to the tier manager (its placement) or stays on the device; not
         # outside training: no backward would ever take it back.
         ctx.stashed = None if placement is None else engine.stash.put(index, x, placement)
@@ -225,13 +225,13 @@ class OffloadedBlocks(torch.nn.Module):
         self.measure_activations = False
         self.activation_bytes = [0] * len(self.blocks)
         self.input_bytes = [0] * len(self.blocks)  # and the bytes of its saved input
-        # The probe keeps block inputs on the device only up to `probe_input_limit` bytes
-        # held there; the rest wait with the tier manager (`probe_stashed_bytes` of them).
-        # Without it the probe of a step whose inputs alone overflow HBM (a 7B model at 32k
-        # tokens in 16 GiB) ran out of memory before any placement could send them out.
+        # The probe keeps every block input on the device when all of them fit within
+        # `probe_input_limit` bytes held there, else sends every one to the tier manager
+        # (`probe_stashed_bytes` of them). Without it the probe of a step whose inputs
+        # alone overflow HBM ran out of memory before any placement could send them out.
         self.probe_input_limit: int | None = None
         self.probe_stashed_bytes = 0
-        self._probe_kept_bytes = 0
+        self._probe_keeps: bool | None = None  # decided at the probe's first input
         self.resident: set[int] = set()  # blocks brought to the device for good
         self._kept_live: set[int] = set()  # kept blocks whose backward has not run yet
         self._module_list = module_list
@@ -341,20 +341,27 @@ class OffloadedBlocks(torch.nn.Module):
 
     def start_probe(self, input_limit: int | None) -> None:
         """Measure the next forward and backward (the placement's probe), keeping block
-        inputs on the device up to `input_limit` bytes held there (None: all of them)."""
+        inputs on the device if all of them fit within `input_limit` bytes held there
+        (None: keep them)."""
         self.measure_activations = True
         self.probe_input_limit = input_limit
-        self.probe_stashed_bytes = self._probe_kept_bytes = 0
+        self.probe_stashed_bytes = 0
+        self._probe_keeps = None
 
-    def probe_input_tier(self, x: torch.Tensor) -> str | None:
-        """Where the probe keeps a block input: on the device (None) while what the device
-        holds stays within the limit, else with the tier manager (AUTO). What the device
-        holds is what its allocator has out; a CPU "device" has no allocator to ask and
-        counts the inputs it kept."""
+    def probe_input_tier(self, index: int, x: torch.Tensor) -> str | None:
+        """Where the probe keeps block `index`'s input: on the device (None) or with the tier
+        manager (AUTO). All inputs or none, decided at the first from what the device holds
+        (its allocator's figure; a CPU "device" has none to ask) and that input's size
+        times the blocks from it on. Some kept and the rest sent out is the wrong middle:
+        the backward's first recompute comes on top of every kept input (a 7B block at 32k
+        tokens saves about 9 GB), and a probe that kept half a 16 GiB budget of inputs ran
+        out of memory there on the H200."""
         nbytes = x.numel() * x.element_size()
-        held = torch.cuda.memory_allocated(x.device) if x.is_cuda else self._probe_kept_bytes
-        if self.probe_input_limit is None or held + nbytes <= self.probe_input_limit:
-            self._probe_kept_bytes += nbytes
+        if self._probe_keeps is None:
+            held = torch.cuda.memory_allocated(x.device) if x.is_cuda else 0
+            inputs = nbytes * (len(self.blocks) - index)
+            self._probe_keeps = self.probe_input_limit is None or held + inputs <= self.probe_input_limit
+        if self._probe_keeps:
             return None
         self.probe_stashed_bytes += nbytes
         return AUTO

@@ -283,12 +283,12 @@ def test_a_write_that_finds_the_pool_full_fails_the_step_once_and_leaves_nothing
         store.close()
 
 
-def test_the_probe_sends_inputs_out_past_half_the_budget_and_measures_the_same_footprint(daemon):
+def test_the_probe_sends_every_input_out_when_they_overflow_half_the_budget_and_measures_the_same_footprint(daemon):
     """A step whose block inputs alone overflow the HBM budget (a 7B model at 32k tokens in
-    16 GiB): the placement's probe keeps inputs on the device only up to half the budget
-    and sends the rest to the tier manager, so the probe itself stays within it; its
-    footprint is the one a probe keeping every input measures, and it leaves nothing with
-    the tier manager."""
+    16 GiB): the placement's probe keeps the inputs on the device only if all of them fit in
+    half the budget, else sends all of them to the tier manager (the safe placement), so
+    the probe itself stays within it; its footprint is the one a probe keeping every input
+    measures, and it leaves nothing with the tier manager."""
     batches = _data(6, 1)
 
     def probed(hbm: int):
@@ -305,6 +305,7 @@ def test_the_probe_sends_inputs_out_past_half_the_budget_and_measures_the_same_f
 
     whole, none_out, none_written = probed(1 << 40)
     assert none_out == none_written == 0
-    footprint, out, written = probed(5 * INPUT_BYTES)  # half of it holds two of the 4 inputs
-    assert out == written == (LAYERS - 2) * INPUT_BYTES
+    assert probed(2 * LAYERS * INPUT_BYTES)[1] == 0  # half of it holds them all: all kept
+    footprint, out, written = probed(2 * LAYERS * INPUT_BYTES - 2)  # one byte short: none kept
+    assert out == written == LAYERS * INPUT_BYTES
     assert footprint == whole
