@@ -547,7 +547,10 @@ class AdamWStepper:
         for info in held.exclusive:
             name = by_key[info.key]
             try:
-                out.append(self.registry.end_update(info, ok, durable, written.pop(name, None)))
+                # The next forward reads the new parameters in block order right after
+                # their update: kept in the pool until then, not sent out and read back.
+                out.append(self.registry.end_update(info, ok, durable, written.pop(name, None),
+                                                    read_ahead=name == "params"))
             except Exception as e:  # noqa: BLE001
                 first_error = first_error or e
         for name, key in held.new.items():

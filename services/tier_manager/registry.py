@@ -227,13 +227,14 @@ class TierRegistry:
 
     def _install(self, key: str, dtype: str, shape: tuple[int, ...], nbytes: int, *,
                  cpu: CpuBuffer | None = None, nvme: NvmeExtent | None = None,
-                 checksums: tuple[int, ...] = (), placement: Placement = "auto") -> TensorInfo:
+                 checksums: tuple[int, ...] = (), placement: Placement = "auto",
+                 read_ahead: bool = False) -> TensorInfo:
         """Make a new version current: commit the manifest, swap the record, retire the old."""
         with self._lock:
             old = self._records.get(key)
             record = _Record(key, dtype, shape, nbytes, self.durable.next_version(),
                              cpu=cpu, nvme=nvme, checksums=checksums, placement=placement,
-                             durable=nvme is not None)
+                             durable=nvme is not None, read_ahead=read_ahead and cpu is not None)
             try:
                 self._check_quota(key, nbytes)
                 if nvme is not None:
@@ -505,11 +506,14 @@ class TierRegistry:
         return info, buffer
 
     def end_update(self, info: TensorInfo, changed: bool, durable: bool = False,
-                   written: tuple[NvmeExtent, tuple[int, ...]] | None = None) -> TensorInfo:
+                   written: tuple[NvmeExtent, tuple[int, ...]] | None = None,
+                   read_ahead: bool = False) -> TensorInfo:
         """Finish `begin_update`: with `changed`, the bytes become a new version of the key
         (its NVMe copy is stale: rewritten now with `durable`, else dropped). `written`:
         the new version's fresh NVMe extent and checksums, for a tensor updated without a
-        CPU copy (durable already; the caller synced it)."""
+        CPU copy (durable already; the caller synced it). `read_ahead`: a new version in
+        the CPU pool stays there until it is next fetched and released, as after a
+        prefetch hint, even when placed "nvme"."""
         key = info.key
         with self._lock:
             record = self._leases[(key, info.version)][0]
@@ -531,7 +535,7 @@ class TierRegistry:
                 try:
                     return self._install(key, record.dtype, record.shape, record.nbytes, cpu=buffer,
                                          nvme=extent, checksums=checksums,
-                                         placement=record.placement)
+                                         placement=record.placement, read_ahead=read_ahead)
                 except BaseException:
                     record.cpu = buffer
                     raise

@@ -2,6 +2,7 @@
 and through a real daemon."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.services.tier_manager.adamw import AdamWStepper
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
 from tierstack.services.tier_manager.registry import TierRegistry
+from tests.tier_manager.test_registry import _settled
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SHAPES = [(300, 200), (200,), (37, 11)]  # odd sizes: segments are padded and misaligned
@@ -410,3 +412,25 @@ def test_streamed_tensors_moved_side_by_side_share_the_io_engine_s_kept_staging_
     _stream_two_steps(config, None)
     kept = 2 * aio.thread_count * aio.queue_depth
     assert len(made) == kept, len(made)
+
+
+def test_parameters_placed_nvme_stay_in_the_pool_after_their_update_until_the_next_use(tier_config):
+    """The next forward reads a block's new parameters right after its update: a step done
+    in the CPU pool leaves them there (as a prefetch hint would) instead of writing them
+    out and reading them straight back; the use that follows sends them out as usual."""
+    with TierRegistry(tier_config) as reg:
+        stepper = AdamWStepper(reg)
+        params = [torch.ones(s) for s in SHAPES]
+        block, _, _ = _store_block(reg, "b", params, [torch.full(s, 0.5) for s in SHAPES],
+                                   torch.bfloat16, masters=True)
+        before = reg.get(block.params).clone()
+        reg.put(block.params, before, tier="cpu", placement="nvme")
+        _settled(reg, block.params, in_cpu=False)  # out of the pool between uses
+        stepper.step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.0))
+        time.sleep(0.2)
+        assert reg.info(block.params).in_cpu and reg.pending_send_outs() == 0
+        info, _ = reg.fetch(block.params)  # the forward's use
+        assert not torch.equal(reg.get(block.params), before)
+        reg.release(block.params, info.version)
+        _settled(reg, block.params, in_cpu=False)
+        stepper.close()
