@@ -48,6 +48,7 @@ from tierstack.services.tier_manager.types import NodeInfo
 from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS, NVME, BlockTier
 from tierstack.worker.chunked_loss import (chunked_cross_entropy, output_head, stopped_at_head,
                                            wants_chunks)
+from tierstack.worker.grad_norm import squared_norm
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.placement import BlockPlacement, DeviceFootprint, SavedBytes, place_blocks
@@ -368,7 +369,7 @@ class OffloadEngine:
     def _clip_scale(self) -> float:
         """The factor torch.nn.utils.clip_grad_norm_ would apply to every gradient."""
         squares = [n for n in self.blocks.grad_sq_norms if n is not None]
-        squares += [p.grad.float().square().sum() for p in self.persistent if p.grad is not None]
+        squares += [squared_norm(p.grad) for p in self.persistent if p.grad is not None]
         total = torch.stack([s.to(self.store.device) for s in squares]).sum().sqrt()
         return min(1.0, self.gradient_clipping / (total.item() + 1e-6))
 

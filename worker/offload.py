@@ -42,6 +42,7 @@ from tierstack.errors import InvalidArgumentError
 from tierstack.tiers import AUTO
 from tierstack.dtypes import dtype_from_name
 from tierstack.worker.activation_stash import ActivationStash
+from tierstack.worker.grad_norm import squared_norm
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.placement import SavedBytes
 
@@ -420,7 +421,7 @@ class OffloadedBlocks(torch.nn.Module):
             for key, old in self.store.read_layer(index, "grad").items():
                 new[key] = new[key] + old.to(new[key].device)
         if self.track_grad_norms:
-            self.grad_sq_norms[index] = sum((g.float().square().sum() for g in new.values()),
+            self.grad_sq_norms[index] = sum((squared_norm(g) for g in new.values()),
                                             torch.zeros((), device=device))
         self.store.write_back(index, new, kind="grad", durable=False)
         self._grad_generation[index] = self._generation

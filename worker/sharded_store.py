@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from tierstack.errors import InvalidArgumentError
 from tierstack.worker.flat_layout import FlatLayout
+from tierstack.worker.grad_norm import squared_norm
 from tierstack.worker.layers import DEFAULT_DEVICE_BUDGET, LayerStore, layer_tensors
 from tierstack.worker.prefetch_depths import PrefetchDepths
 from tierstack.worker.residency import DeviceCopy, DeviceResidency
@@ -300,7 +301,7 @@ class ShardedLayerStore:
             self.release_layer(index)  # the gathered copy is stale now
         if kind == "grad":
             shard = self._reduce_scatter_mean(full)
-            self.grad_sq_norms[index] = shard.float().square().sum()
+            self.grad_sq_norms[index] = squared_norm(shard)
         else:
             lo, hi = layout.shard_range(self.rank)
             shard = full[lo:hi]
