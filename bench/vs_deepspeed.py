@@ -47,6 +47,7 @@ A tiny model runs anywhere tierstack does: --model tiny --sides ts (--ranks 2: g
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
 import json
 import os
@@ -56,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -216,6 +218,9 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
                     predicted = []
 
                     def on_step(record) -> None:
+                        end = time.perf_counter()
+                        forward = record.moved.get("forward", 0.0)
+                        spans.append((end - record.seconds, end - record.seconds + forward, end))
                         # The probe and the placement happen in step 0; step 1 is the
                         # trace (of the blocks still streamed: none when all moved in).
                         if record.index == 0:
@@ -227,9 +232,11 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
                     phases = _time_phases(engine, store)
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
+                    spans: list[tuple[float, float, float]] = []
                     stats0 = store.client.stats()
-                    records = run_steps(engine.train_step, pairs, device, on_step=on_step,
-                                        counters=phases.totals)
+                    with _DiskTimeline(daemon.address) as timeline:
+                        records = run_steps(engine.train_step, pairs, device, on_step=on_step,
+                                            counters=phases.totals)
                     stats1 = store.client.stats()
                     placement = engine.placement
                     result = {
@@ -244,6 +251,14 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
                         # rest), waits for blocks' updates and for blocks' tensors, and the
                         # daemon's AdamW seconds.
                         "phases": [{k: round(v, 4) for k, v in r.moved.items()} for r in records],
+                        # The disk's rate in each step's forward and in the rest (the forward
+                        # starts the step: its forward's seconds, as timed above).
+                        "disk_phases": disk_phases(timeline, spans),
+                        # Each block's update that ran into the last step (the last step but
+                        # one's optimizer call started them): [block, start, end], seconds
+                        # from that step's start; and the disk's GB/s in 0.25 s slices of it.
+                        "last_step_updates": _last_step_updates(engine, spans),
+                        "last_step_disk_gbps": _slices(timeline, spans[-1][0], spans[-1][2]) if spans else [],
                         "placement": None if placement is None else {
                             "resident": len(placement.resident),
                             "keep_activations": len(placement.keep_activations),
@@ -363,6 +378,77 @@ def _time_phases(engine, store) -> _Phases:
     phases.seconds["update_waits"] = 0.0  # a block's use waiting for its last update
     engine.blocks.before_use = phases.wrap("update_waits", engine.blocks.before_use)
     return phases
+
+
+class _DiskTimeline:
+    """The tier manager's NVMe byte counters sampled every `interval` s on a thread of its
+    own (its own client: the worker's is busy), so that a step's disk rate can be split by
+    phase: while the forward runs (in an offloaded step it waits there for the last step's
+    updates) and in the rest (backward, optimizer call). Where the disk idles is what
+    keeps a disk-bound step below fio's rate (issue 12, item 5)."""
+
+    def __init__(self, address: str, interval: float = 0.1) -> None:
+        from tierstack.services.tier_manager.client import TierManagerClient
+
+        self.client, self.interval = TierManagerClient(address), interval
+        self.samples: list[tuple[float, int]] = []  # (perf_counter, bytes read + written)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="disk-timeline", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            stats = self.client.stats()
+            self.samples.append((time.perf_counter(), stats.nvme_bytes_read + stats.nvme_bytes_written))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "_DiskTimeline":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.client.close()
+
+    def moved(self, start: float, end: float) -> int:
+        """Bytes moved between two perf_counter times (linear between samples)."""
+        def at(t: float) -> float:
+            i = bisect.bisect_left(self.samples, (t, -1))
+            if i == 0:
+                return float(self.samples[0][1]) if self.samples else 0.0
+            if i == len(self.samples):
+                return float(self.samples[-1][1])
+            (t0, b0), (t1, b1) = self.samples[i - 1], self.samples[i]
+            return b0 + (b1 - b0) * (t - t0) / max(t1 - t0, 1e-9)
+        return int(at(end) - at(start))
+
+
+def _last_step_updates(engine, spans) -> list[list[float]]:
+    optimizer = getattr(engine, "block_optimizer", None)
+    if not spans or optimizer is None or not hasattr(optimizer, "update_spans"):
+        return []
+    optimizer.wait_all()  # the last step's own updates, still in flight, run into it too
+    start, _, end = spans[-1]
+    return sorted([i, round(lo - start, 3), round(hi - start, 3)]
+                  for i, lo, hi in optimizer.update_spans if hi > start and lo < end)
+
+
+def _slices(timeline: "_DiskTimeline", start: float, end: float, width: float = 0.25) -> list[float]:
+    edges = [start + k * width for k in range(int((end - start) / width) + 1)] + [end]
+    return [round(timeline.moved(lo, hi) / (hi - lo) / 1e9, 2) for lo, hi in zip(edges, edges[1:]) if hi > lo]
+
+
+def disk_phases(timeline: _DiskTimeline, spans: list[tuple[float, float, float]]) -> list[dict]:
+    """Per step (start, forward end, end): seconds and GB/s of its forward and of the rest."""
+    out = []
+    for start, forward_end, end in spans:
+        row = {}
+        for name, lo, hi in (("forward", start, forward_end), ("rest", forward_end, end)):
+            seconds = hi - lo
+            row[f"{name}_s"] = round(seconds, 3)
+            row[f"{name}_gbps"] = round(timeline.moved(lo, hi) / seconds / 1e9, 3) if seconds > 0 else None
+        out.append(row)
+    return out
 
 
 def child(args, argv: list[str]) -> int:
@@ -552,13 +638,28 @@ def main(argv: list[str] | None = None) -> int:
         summary["global_batch"] = args.micro * args.ranks
         for mode in ("cpu", "nvme"):
             summary[f"tokens_per_s_vs_deepspeed_{mode}"] = summary[f"same_config_{mode}_ratio"]
+    if runs.get("ts-nvme"):
+        summary["disk_phases_nvme"] = _median_phases(runs["ts-nvme"], args.warmup)
     if args.fio and runs.get("ts-nvme"):
         summary.update(_disk_vs_fio(args, runs["ts-nvme"]))
+        fio = summary.get("disk_gbps_fio_mix")
+        for name in ("forward", "rest"):
+            rate = (summary["disk_phases_nvme"] or {}).get(f"{name}_gbps")
+            summary[f"disk_vs_fio_nvme_{name}"] = ratio(rate, fio)
     summary["planner_vs_measured"] = round(statistics.median(predicted), 3) if predicted else None
     summary["failures"] = failures
     summary["deepspeed_peaks_used_as_budgets"] = summary_peaks
     emit(summary, args.out)
     return 0
+
+
+def _median_phases(ts_runs: list[dict], warmup: int) -> dict | None:
+    """The medians, over the measured steps of every run, of each disk_phases figure."""
+    rows = [row for r in ts_runs for row in r.get("disk_phases", [])[warmup:]]
+    if not rows:
+        return None
+    return {k: round(statistics.median(row[k] for row in rows if row[k] is not None), 3)
+            for k in rows[0] if any(row[k] is not None for row in rows)}
 
 
 def bench_io():

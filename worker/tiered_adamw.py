@@ -22,7 +22,9 @@ update that failed raises there or at its block's next use.
 
 from __future__ import annotations
 
+import collections
 import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -59,6 +61,10 @@ class TieredAdamW:
         # Per block: the daemon's AdamW kernel time of its latest update (a trace's
         # optimizer time, plan_follower.py).
         self.block_seconds = [0.0] * len(blocks.blocks)
+        # The latest updates: (block, when the request went out, when it came back), in
+        # perf_counter seconds; with the steps' own times, where the pipeline has gaps.
+        self.update_spans: collections.deque[tuple[int, float, float]] = collections.deque(
+            maxlen=4 * len(blocks.blocks))
         self._requests = [self._prepare_block(i) for i in range(len(blocks.blocks))]
         self._pending: dict[int, Future] = {}  # started during this window's backward
         self._in_flight: dict[int, Future] = {}  # updates of the last step, not waited for
@@ -111,8 +117,11 @@ class TieredAdamW:
         hyper = AdamWHyper(step=step, lr=self.config.lr, beta1=beta1, beta2=beta2,
                            eps=self.config.eps, weight_decay=self.config.weight_decay,
                            grad_scale=grad_scale, release_gradients=True)
+        start = time.perf_counter()
         result = self.blocks.store.client.adamw_step([self._requests[i] for i in indices], hyper,
                                                      timeout=STEP_TIMEOUT)
+        end = time.perf_counter()
+        self.update_spans.extend((i, start, end) for i in indices)
         self.update_seconds += result.update_seconds
         self.wait_seconds += result.wait_seconds
         for i in indices:
