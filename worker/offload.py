@@ -38,9 +38,9 @@ from typing import Callable
 import torch
 import torch.utils.checkpoint
 
+from tierstack.dtypes import dtype_from_name
 from tierstack.errors import InvalidArgumentError
 from tierstack.tiers import AUTO
-from tierstack.dtypes import dtype_from_name
 from tierstack.worker.activation_stash import ActivationStash
 from tierstack.worker.grad_norm import squared_norm
 from tierstack.worker.layers import LayerStore
