@@ -41,6 +41,12 @@ rwmixread = the steps' read share, 1 MiB direct IO, best of io_uring/libaio at q
 depth 8 and 32): `disk_vs_fio_nvme` (deploy/device_env.sh puts a carried .whl/bin/fio
 on PATH):
   python3 bench/vs_deepspeed.py --modes nvme --sides ts --steps 5 --fio --nvme-dir /var/tmp/vsds
+Where the disk idles: each tierstack run's line has `disk_phases` (per step, the disk's
+GB/s while the forward runs, where an offloaded step waits for the last step's updates,
+and in the rest: backward, optimizer call), `last_step_disk_gbps` (0.25 s slices of the
+last step) and `last_step_updates` ([block, request out, answer back], seconds from that
+step's start); the last line has their medians (`disk_phases_nvme`) and, with --fio,
+`disk_vs_fio_nvme_forward` / `_rest`.
 A tiny model runs anywhere tierstack does: --model tiny --sides ts (--ranks 2: gloo ranks)
 """
 
