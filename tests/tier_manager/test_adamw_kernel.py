@@ -2,13 +2,18 @@
 
 The native kernel (native/adamw.c) claims PyTorch's AVX2 fused CPU AdamW to the bit on every
 length (its vector loop and its scalar tail), with and without weight decay, on both lerp
-branches, for fp32 parameters and for bf16 parameters with fp32 masters. A CPU whose
-PyTorch has no AVX2 kernels keeps PyTorch's kernel and says so in the daemon's log.
+branches, for fp32 parameters and for bf16 parameters with fp32 masters. Where PyTorch
+runs its AVX512 kernels (this dev machine's AMD EPYC since 2026-12-02, the H200's host),
+which contract multiply-adds in an order C compiled for AVX2 cannot follow, the claim is
+the kernel's own bound: within MAX_ULPS (1 ulp of a few second moments is what it
+differs by). A CPU whose PyTorch has no AVX2 kernels keeps PyTorch's kernel and says so
+in the daemon's log.
 """
 
 import pytest
 import torch
 
+from tierstack.services.tier_manager.adamw_kernel import MAX_ULPS, ulp_distance
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
 from tierstack.worker.arenas import ArenaMap
@@ -23,6 +28,7 @@ HYPERS = {  # 1 - beta1 < 0.5 and >= 0.5 take PyTorch's two lerp branches
     "no decay, large lerp": dict(lr=3e-2, betas=(0.3, 0.95), eps=1e-6, weight_decay=0.0),
 }
 NATIVE_CPU = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+BIT_EXACT = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def _offsets(itemsize: int) -> list[int]:
@@ -101,12 +107,16 @@ def _steps(node: _Node, name: str, param_dtype: torch.dtype, hyper: dict, steps:
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
-def test_the_daemons_step_is_torch_fused_adamw_bit_for_bit(daemon, param_dtype):
+def test_the_daemons_step_reproduces_torch_fused_adamw(daemon, param_dtype):
+    """Bit for bit PyTorch's AVX2 kernels; within MAX_ULPS of its AVX512 ones."""
     node = _Node(daemon.address)
     for i, hyper in enumerate(HYPERS.values()):
         ours, theirs = _steps(node, f"block{i}", param_dtype, hyper)
         for key in theirs:
-            assert torch.equal(ours[key].view(torch.uint8), theirs[key].view(torch.uint8)), (key, hyper)
+            if BIT_EXACT:
+                assert torch.equal(ours[key].view(torch.uint8), theirs[key].view(torch.uint8)), (key, hyper)
+            else:
+                assert ulp_distance(ours[key], theirs[key]) <= MAX_ULPS, (key, hyper)
     if NATIVE_CPU:  # the claim above is the native kernel's, not only the fallback's
         assert "AdamW kernel: native" in daemon.log_text()
 
