@@ -58,7 +58,6 @@ import copy
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -428,6 +427,10 @@ class _DiskTimeline:
             return b0 + (b1 - b0) * (t - t0) / max(t1 - t0, 1e-9)
         return int(at(end) - at(start))
 
+    def gbps(self, start: float, end: float) -> float:
+        """The disk's rate between two perf_counter times, GB/s."""
+        return self.moved(start, end) / (end - start) / 1e9
+
 
 def _last_step_updates(engine, spans) -> list[list[float]]:
     optimizer = getattr(engine, "block_optimizer", None)
@@ -441,7 +444,7 @@ def _last_step_updates(engine, spans) -> list[list[float]]:
 
 def _slices(timeline: "_DiskTimeline", start: float, end: float, width: float = 0.25) -> list[float]:
     edges = [start + k * width for k in range(int((end - start) / width) + 1)] + [end]
-    return [round(timeline.moved(lo, hi) / (hi - lo) / 1e9, 2) for lo, hi in zip(edges, edges[1:]) if hi > lo]
+    return [round(timeline.gbps(lo, hi), 2) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
 def disk_phases(timeline: _DiskTimeline, spans: list[tuple[float, float, float]]) -> list[dict]:
@@ -452,7 +455,7 @@ def disk_phases(timeline: _DiskTimeline, spans: list[tuple[float, float, float]]
         for name, lo, hi in (("forward", start, forward_end), ("rest", forward_end, end)):
             seconds = hi - lo
             row[f"{name}_s"] = round(seconds, 3)
-            row[f"{name}_gbps"] = round(timeline.moved(lo, hi) / seconds / 1e9, 3) if seconds > 0 else None
+            row[f"{name}_gbps"] = round(timeline.gbps(lo, hi), 3) if seconds > 0 else None
         out.append(row)
     return out
 

@@ -230,7 +230,7 @@ class OffloadedBlocks(torch.nn.Module):
         # `probe_input_limit` bytes held there, else sends every one to the tier manager
         # (`probe_stashed_bytes` of them). Without it the probe of a step whose inputs
         # alone overflow HBM ran out of memory before any placement could send them out.
-        self.probe_input_limit: int | None = None
+        self.probe_input_limit = 0
         self.probe_stashed_bytes = 0
         self._probe_keeps: bool | None = None  # decided at the probe's first input
         self.resident: set[int] = set()  # blocks brought to the device for good
@@ -340,10 +340,9 @@ class OffloadedBlocks(torch.nn.Module):
             self._dematerialize(index)
             self.store.release_layer(index)
 
-    def start_probe(self, input_limit: int | None) -> None:
+    def start_probe(self, input_limit: int) -> None:
         """Measure the next forward and backward (the placement's probe), keeping block
-        inputs on the device if all of them fit within `input_limit` bytes held there
-        (None: keep them)."""
+        inputs on the device if all of them fit within `input_limit` bytes held there."""
         self.measure_activations = True
         self.probe_input_limit = input_limit
         self.probe_stashed_bytes = 0
@@ -361,7 +360,7 @@ class OffloadedBlocks(torch.nn.Module):
         if self._probe_keeps is None:
             held = torch.cuda.memory_allocated(x.device) if x.is_cuda else 0
             inputs = nbytes * (len(self.blocks) - index)
-            self._probe_keeps = self.probe_input_limit is None or held + inputs <= self.probe_input_limit
+            self._probe_keeps = held + inputs <= self.probe_input_limit
         if self._probe_keeps:
             return None
         self.probe_stashed_bytes += nbytes
