@@ -11,7 +11,10 @@ steps' time) and, with --fio, fio's rate on the same directory at the same read 
 and 32): `streamed_vs_fio` (issue 12 item 5 asks >= 0.9 of a training step's). Removes
 its files on every exit. The last line is one JSON object.
 
-Dev machine:  python bench/adamw_streamed.py --blocks 4 --numel 16777216
+`--in-flight K` steps each block in a call of its own, K calls at a time, as a training
+job's TieredAdamW does (one request per block); by default one call steps all blocks.
+
+Dev machine:  python bench/adamw_streamed.py --blocks 4 --numel 16777216 [--in-flight 2]
 GPU machine:  python bench/adamw_streamed.py --fio --nvme-dir /var/tmp/tsadamw
 """
 
@@ -24,6 +27,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -50,6 +54,7 @@ def run(args, directory: Path) -> dict:
     g = torch.Generator().manual_seed(0)
     with TierRegistry(config) as reg:
         stepper = AdamWStepper(reg)
+        calls = ThreadPoolExecutor(max(1, args.in_flight))
         try:
             blocks = []
             for i in range(args.blocks):
@@ -66,7 +71,11 @@ def run(args, directory: Path) -> dict:
                     reg.put(block.grads, grad.view(torch.uint8), tier="nvme")
                 before = reg.stats()
                 start = time.perf_counter()
-                stepper.step(blocks, AdamWHyper(step, 1e-4, 0.9, 0.95, 1e-8, 0.1, release_gradients=True))
+                hyper = AdamWHyper(step, 1e-4, 0.9, 0.95, 1e-8, 0.1, release_gradients=True)
+                if args.in_flight:  # as a worker steps them: one call per block, K at a time
+                    list(calls.map(lambda b: stepper.step([b], hyper), blocks))
+                else:
+                    stepper.step(blocks, hyper)
                 took = time.perf_counter() - start
                 after = reg.stats()
                 print(f"step {step}: {took:.2f} s, read {(after.nvme_bytes_read - before.nvme_bytes_read) / 1e9:.2f} GB, "
@@ -76,9 +85,10 @@ def run(args, directory: Path) -> dict:
                     read += after.nvme_bytes_read - before.nvme_bytes_read
                     written += after.nvme_bytes_written - before.nvme_bytes_written
         finally:
+            calls.shutdown()
             stepper.close()
     total = sum(seconds)
-    result = {"blocks": args.blocks, "numel": numel, "steps": args.steps, "step_s": [round(s, 3) for s in seconds],
+    result = {"blocks": args.blocks, "numel": numel, "steps": args.steps, "in_flight": args.in_flight, "step_s": [round(s, 3) for s in seconds],
               "step_median_s": round(statistics.median(seconds), 3), "read_bytes": read, "written_bytes": written,
               "streamed_gbps": round((read + written) / total / 1e9, 3),
               "read_share": round(read / (read + written), 3), "kernel": stepper.kernel}
@@ -98,6 +108,9 @@ def main() -> None:
     parser.add_argument("--fio", nargs="?", const="fio", default=None, metavar="PATH",
                         help="fio (this binary, default from PATH) at the steps' read/write mix")
     parser.add_argument("--fio-gib", type=int, default=4)
+    parser.add_argument("--in-flight", type=int, default=0, metavar="K",
+                        help="step each block in a call of its own, K calls at a time (as the "
+                             "worker's TieredAdamW does); default one call for all blocks")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first creates the moments)")
