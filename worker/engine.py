@@ -51,7 +51,8 @@ from tierstack.worker.chunked_loss import (chunked_cross_entropy, output_head, s
 from tierstack.worker.grad_norm import squared_norm
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
-from tierstack.worker.placement import BlockPlacement, DeviceFootprint, SavedBytes, place_blocks
+from tierstack.worker.placement import (MiB, BlockPlacement, DeviceFootprint, SavedBytes,
+                                        check_policy_fits, place_blocks, under_policy)
 from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
 
 log = logging.getLogger(__name__)
@@ -458,21 +459,32 @@ class OffloadEngine:
     # ---- placement: budgets in, what lives on the device out -------------------------------
 
     def place(self, inputs: torch.Tensor, targets: torch.Tensor) -> BlockPlacement:
-        """Measure one forward and backward on this micro-batch (every block streamed and
-        recomputed: the safe placement), then place what fits the HBM budget on the
-        device (worker/placement.py). Runs once, before the first step; the probe's
-        gradients are thrown away."""
+        """Measure one forward and backward on this micro-batch (every block streamed and,
+        under policy "auto", recomputed: the safe placement; under an explicit policy, in
+        that policy), then place what fits the HBM budget on the device
+        (worker/placement.py). Runs once, before the first step; the probe's gradients are
+        thrown away."""
         self._placement_pending = False
         self.block_optimizer.wait_all()  # the stored state is current before it is read
+        policy = self.activation_policy
         recorder, self.store.recorder = self.store.recorder, None  # not part of a trace
         try:
             self.footprint = self._probe(inputs, targets)
+        except torch.cuda.OutOfMemoryError as e:
+            if policy == AUTO:
+                raise
+            raise ConfigError(
+                f"train.activations.policy {policy!r}: the placement's probe step, which keeps "
+                f"on the device what the policy keeps, ran out of device memory (budgets.hbm "
+                f"{self.budgets.hbm / MiB:,.0f} MiB); set the policy to 'auto' (keeps what fits, "
+                f"recomputes or offloads the rest) or lower the micro-batch or sequence length") from e
         finally:
             self.store.recorder = recorder
         offloaded = self.blocks.offloaded()
+        if policy != AUTO:  # the probe ran in it: no inputs sent out, nothing recomputed for it
+            check_policy_fits(self.footprint, self.budgets.hbm, policy)
         placement = place_blocks(self.footprint, self.budgets.hbm, self._resident_ok,
                                  window_layers=self.store.prefetch_depth + 1)
-        policy = self.activation_policy
         for index in placement.resident:
             keep = index in placement.keep_activations if policy == AUTO else policy == "keep"
             self._make_resident(index, recompute=not keep)
@@ -485,6 +497,7 @@ class OffloadEngine:
             self.store.budget.resize(max(placement.layer_budget, self.store.budget.used, 1))
         if policy != AUTO:  # the configured policy for the blocks left offloaded
             self._apply_activation_policy()
+            placement = under_policy(placement, self.footprint, policy)
         self._store_deferred_masters()  # of the blocks left offloaded
         left = self.blocks.offloaded()  # a step loads every block forward, then backward
         self.store.set_access_order(left + left[::-1])

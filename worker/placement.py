@@ -17,7 +17,8 @@ When even the probe's footprint is over the budget, no block moves in or keeps i
 activations; instead the fewest recomputed blocks' inputs wait for the backward with the
 tier manager (worker/activation_stash.py) rather than on the device, the first blocks'
 first. An explicit activation policy (train.activations.policy) overrides step 2 and
-this for the offloaded blocks.
+this: the probe runs in it (what it keeps is in the measured peak), a budget below that
+is refused (`check_policy_fits`), and the placement reports what it runs (`under_policy`).
 
 Blocks a constraint pins to a host tier (a DeepSpeed JSON's offload device, a module
 override) are never made resident; they may keep their activations. Which host tier an
@@ -27,7 +28,7 @@ the tier manager's and the scheduler's part of the placement (host and NVMe budg
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tierstack.errors import ConfigError
 
@@ -150,6 +151,32 @@ def _offloading_inputs(footprint: DeviceFootprint, hbm_budget: int,
             f"{planned / MiB:,.0f} MiB, or lower the micro-batch or sequence length")
     layer_budget = window_layers * max(footprint.block_layer, default=0)
     return BlockPlacement((), (), max(layer_budget, 1), planned, tuple(offloaded))
+
+
+def under_policy(placement: BlockPlacement, footprint: DeviceFootprint, policy: str) -> BlockPlacement:
+    """`placement`'s resident blocks under an explicit activation policy
+    (train.activations.policy, not "auto"), which the probe ran in: every block keeping its
+    activations ("keep") or none ("recompute", "cpu", "nvme"), every offloaded block's
+    input with the tier manager ("cpu", "nvme") or none, and the planned peak the probe's
+    (what the policy holds, measured) plus the resident blocks' state."""
+    count = len(footprint.block_state)
+    resident = set(placement.resident)
+    keep = tuple(range(count)) if policy == "keep" else ()
+    offload = tuple(i for i in range(count) if i not in resident) if policy in ("cpu", "nvme") else ()
+    planned = int(footprint.peak * (1 + MARGIN_FRACTION)) + sum(footprint.block_state[i] for i in resident)
+    return replace(placement, keep_activations=keep, offload_inputs=offload, planned_peak=planned)
+
+
+def check_policy_fits(footprint: DeviceFootprint, hbm_budget: int, policy: str) -> None:
+    """Raise when the probe's step, run in an explicit activation policy, is over the HBM
+    budget: auto would send inputs out or recompute, an explicit policy may not."""
+    planned = int(footprint.peak * (1 + MARGIN_FRACTION))
+    if planned > hbm_budget:
+        raise ConfigError(
+            f"train.activations.policy {policy!r}: one step needs {planned / MiB:,.0f} MiB of device "
+            f"memory with what the policy keeps there (measured), but budgets.hbm is "
+            f"{hbm_budget / MiB:,.0f} MiB; set the policy to 'auto' (keeps what fits, recomputes or "
+            f"offloads the rest), lower the micro-batch or sequence length, or raise budgets.hbm")
 
 
 class SavedBytes:

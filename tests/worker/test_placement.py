@@ -15,7 +15,8 @@ from tierstack.budgets import Budgets
 from tierstack.errors import ConfigError
 from tierstack.worker.engine import OffloadEngine, check_capacity, training_state_bytes
 from tierstack.worker.layers import LayerStore
-from tierstack.worker.placement import DeviceFootprint, place_blocks
+from tierstack.worker.placement import (MARGIN_FRACTION, DeviceFootprint, check_policy_fits,
+                                        place_blocks, under_policy)
 
 MiB = 1 << 20
 
@@ -49,6 +50,55 @@ def test_place_blocks_fills_the_budget_with_whole_blocks_then_activations():
     # A budget below the probe's own footprint names the smallest one that would do.
     with pytest.raises(ConfigError, match=r"budgets.hbm is 90 MiB .* raise budgets.hbm to at least 105 MiB"):
         place_blocks(footprint, 90 * MiB, [True] * 6, window_layers=3)
+
+
+def test_an_explicit_activation_policy_is_what_the_placement_reports():
+    """train.activations.policy overrides auto's choice of what keeps its activations and
+    whose input leaves the device; the probe ran in that policy, so the planned peak is
+    the probe's (with the margin) plus the resident blocks' state."""
+    footprint = DeviceFootprint(peak=100 * MiB, block_state=(40 * MiB,) * 4,
+                                block_layer=(10 * MiB,) * 4, block_activations=(20 * MiB,) * 4,
+                                block_inputs=(2 * MiB,) * 4)
+    # Room for block 0 whole (40), its activations (20) and one offloaded block's (20 + 10).
+    auto = place_blocks(footprint, 105 * MiB + 40 * MiB + 20 * MiB + 30 * MiB, [True] + [False] * 3,
+                        window_layers=2)
+    assert auto.resident == (0,) and auto.keep_activations == (0, 1)
+    planned = int(100 * MiB * (1 + MARGIN_FRACTION)) + 40 * MiB
+    for policy, keep, offload in [("keep", (0, 1, 2, 3), ()), ("recompute", (), ()),
+                                  ("cpu", (), (1, 2, 3)), ("nvme", (), (1, 2, 3))]:
+        p = under_policy(auto, footprint, policy)
+        assert (p.resident, p.keep_activations, p.offload_inputs) == ((0,), keep, offload), policy
+        assert p.planned_peak == planned and p.layer_budget == auto.layer_budget
+    # A probe in the policy over the budget is refused, naming the policy and what to do
+    # (auto would send inputs out instead).
+    check_policy_fits(footprint, 105 * MiB, "keep")
+    with pytest.raises(ConfigError, match=r"policy 'keep': one step needs 105 MiB .* budgets.hbm is "
+                                          r"104 MiB; set the policy to 'auto'"):
+        check_policy_fits(footprint, 104 * MiB, "keep")
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute", "cpu"])
+def test_a_placed_engine_runs_and_reports_the_configured_activation_policy(daemon, policy):
+    """With an HBM budget that holds the probe's footprint (in the policy) and one block
+    more, a block is made resident and the policy applies to every block: the engine
+    trains like plain PyTorch and reports what ran; a budget below the probe's footprint
+    is refused before any step."""
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, layers=4)
+    batches = _data(7, 3)
+    expected = _plain_losses(copy.deepcopy(reference), batches)
+    activations = {"policy": policy}
+    hbm = _one_block_more(daemon, batches, activations=activations)
+    got, placement, left, _ = _engine_run(daemon, f"place-{policy}", hbm, batches,
+                                          params={"device": "auto"}, activations=activations)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    assert len(placement.resident) == 1 and left == [] and placement.planned_peak <= hbm
+    offloaded = tuple(i for i in range(4) if i not in placement.resident)
+    assert placement.keep_activations == ((0, 1, 2, 3) if policy == "keep" else ())
+    assert placement.offload_inputs == (offloaded if policy == "cpu" else ())
+    with pytest.raises(ConfigError, match=rf"policy '{policy}': one step needs"):
+        _engine_run(daemon, f"place-{policy}-small", hbm // 4, batches, params={"device": "auto"},
+                    activations=activations)
 
 
 def _engine_run(daemon, job: str, hbm: int, batches, **train):
@@ -90,14 +140,14 @@ def test_any_placement_trains_like_plain_pytorch(daemon, room, resident, kept):
         assert len(placement.keep_activations) == kept
 
 
-def _one_block_more(daemon, batches) -> int:
+def _one_block_more(daemon, batches, **train) -> int:
     """An HBM budget with room for the probe's footprint and one and a half blocks' state."""
     torch.manual_seed(0)
     model = TinyGPT(dim=64, layers=4)
     store = LayerStore("measure", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}))
+        engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}, **train))
         footprint = engine._probe(*batches[0])
         engine.close()
     finally:
