@@ -31,11 +31,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tierstack.errors import ConfigError
+from tierstack.tiers import HOST_TIERS
 
 MiB = 1 << 20
 MARGIN_FRACTION = 0.05
 """Share of the HBM budget left unplanned: the allocator's fragmentation and the
 difference between the probe's step and later ones."""
+
+
+def _planned(peak: int) -> int:
+    """A measured peak with the margin: what a placement plans for it."""
+    return int(peak * (1 + MARGIN_FRACTION))
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,7 @@ def place_blocks(footprint: DeviceFootprint, hbm_budget: int, may_be_resident: l
     that would do, when the budget cannot hold even the probe's footprint.
     """
     count = len(footprint.block_state)
-    planned = int(footprint.peak * (1 + MARGIN_FRACTION))
+    planned = _planned(footprint.peak)
     if planned > hbm_budget:
         return _offloading_inputs(footprint, hbm_budget, window_layers)
     free = hbm_budget - planned
@@ -137,12 +143,12 @@ def _offloading_inputs(footprint: DeviceFootprint, hbm_budget: int,
     inputs = footprint.block_inputs or (0,) * len(footprint.block_state)
     peak, offloaded = footprint.peak, []
     for i, nbytes in enumerate(inputs):
-        if int(peak * (1 + MARGIN_FRACTION)) <= hbm_budget:
+        if _planned(peak) <= hbm_budget:
             break
         if nbytes:
             peak -= nbytes
             offloaded.append(i)
-    planned = int(peak * (1 + MARGIN_FRACTION))
+    planned = _planned(peak)
     if planned > hbm_budget:
         raise ConfigError(
             f"budgets.hbm is {hbm_budget / MiB:,.0f} MiB but one step with every block "
@@ -162,15 +168,15 @@ def under_policy(placement: BlockPlacement, footprint: DeviceFootprint, policy: 
     count = len(footprint.block_state)
     resident = set(placement.resident)
     keep = tuple(range(count)) if policy == "keep" else ()
-    offload = tuple(i for i in range(count) if i not in resident) if policy in ("cpu", "nvme") else ()
-    planned = int(footprint.peak * (1 + MARGIN_FRACTION)) + sum(footprint.block_state[i] for i in resident)
+    offload = tuple(i for i in range(count) if i not in resident) if policy in HOST_TIERS else ()
+    planned = _planned(footprint.peak) + sum(footprint.block_state[i] for i in resident)
     return replace(placement, keep_activations=keep, offload_inputs=offload, planned_peak=planned)
 
 
 def check_policy_fits(footprint: DeviceFootprint, hbm_budget: int, policy: str) -> None:
     """Raise when the probe's step, run in an explicit activation policy, is over the HBM
     budget: auto would send inputs out or recompute, an explicit policy may not."""
-    planned = int(footprint.peak * (1 + MARGIN_FRACTION))
+    planned = _planned(footprint.peak)
     if planned > hbm_budget:
         raise ConfigError(
             f"train.activations.policy {policy!r}: one step needs {planned / MiB:,.0f} MiB of device "
