@@ -64,7 +64,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from footprint import Sampler, kill_tree  # noqa: E402
+from footprint import Sampler  # noqa: E402
+from tierstack.process_tree import kill_tree  # noqa: E402
 from vs_deepspeed import MODELS, deepspeed_json, emit, run_deepspeed, run_tierstack  # noqa: E402
 
 POLICIES = ("keep", "recompute", "cpu", "nvme", "auto")

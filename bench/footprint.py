@@ -11,54 +11,13 @@ counted it twice (the embedded tier manager's whole run, in bench/vs_deepspeed.p
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from pathlib import Path
 
+from tierstack.process_tree import process_tree
+
 ARENA_GLOB = "tierstack-arena-*"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            out += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def process_tree(root: int) -> list[int]:
-    pids, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        pids.append(pid)
-        todo += _children(pid)
-    return pids
-
-
-def kill_tree(root: int, timeout: float = 30.0) -> None:
-    """SIGKILL every process of `root`'s tree, and wait until each has exited. A tree, not
-    a process group: embedded daemons run in sessions of their own, and a killed run's
-    daemon that lived on held its CPU pool (68 GB of /dev/shm) into the next trial."""
-    pids = process_tree(root)
-    for pid in reversed(pids):  # the leaves first, before they can be reparented
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    end = time.monotonic() + timeout
-    while any(_alive(pid) for pid in pids) and time.monotonic() < end:
-        time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` still runs (a zombie has exited: its files and locks are released)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _status_kib(pid: int, field: str) -> int:

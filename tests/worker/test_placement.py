@@ -108,11 +108,11 @@ def _engine_run(daemon, job: str, hbm: int, batches, **train):
                        durable=False)
     try:
         engine = OffloadEngine.from_config(model, store, _train_config(**train), budgets=_budgets(hbm))
-        losses = [engine.train_step(x, y) for x, y in batches]
-        placement = engine.placement
-        keys = store.client.stats().tensors
-        engine.close()
-        return losses, placement, store.resident_layers(), keys
+        try:  # closed when a step raises too: its AdamW threads end with it
+            losses = [engine.train_step(x, y) for x, y in batches]
+            return losses, engine.placement, store.resident_layers(), store.client.stats().tensors
+        finally:
+            engine.close()
     finally:
         store.close()
 

@@ -11,6 +11,7 @@ it, so every way of starting ranks trains the same way.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
@@ -31,6 +32,7 @@ from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.distributed import RankEnv, init_process_group, rank_device
 from tierstack.worker.engine import materialize
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
+from tierstack.worker.jobs.run_directory import run_directory
 from tierstack.worker.layers import layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.sharded_engine import ShardedEngine
@@ -194,17 +196,15 @@ def run_rank(env: RankEnv, spec: PartitionedSpec) -> RankResult:
         if spec.tier_manager is not None:
             return _train(env, spec, device, spec.tier_manager)
         tm = load_config({"tier_manager": spec.embedded or {}}).tier_manager
-        tmp = tempfile.mkdtemp(prefix=f"tierstack-rank{env.rank}-")
-        # Per-rank directories: ranks of one machine stand for nodes with their own drives.
-        tm.nvme_pool.paths = [os.path.join(p, f"{os.path.basename(tmp)}-{i}")
-                              for i, p in enumerate(tm.nvme_pool.paths)] or [tmp]
-        tm.manifest_path = os.path.join(tm.nvme_pool.paths[0], "manifest.sqlite")
-        try:
+        with contextlib.ExitStack() as dirs:
+            # Per-rank directories: ranks of one machine stand for nodes with their own drives.
+            name = f"rank{env.rank}-{uuid.uuid4().hex[:8]}"
+            tm.nvme_pool.paths = [
+                dirs.enter_context(run_directory(p, f"{name}-{i}", "tier_manager.nvme_pool.paths"))
+                for i, p in enumerate(tm.nvme_pool.paths or [tempfile.gettempdir()])]
+            tm.manifest_path = os.path.join(tm.nvme_pool.paths[0], "manifest.sqlite")
             with EmbeddedTierManager(tm) as daemon:
                 return _train(env, spec, device, daemon.address)
-        finally:
-            for path in tm.nvme_pool.paths + [tmp]:
-                shutil.rmtree(path, ignore_errors=True)
     finally:
         dist.destroy_process_group()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import uuid
 
 from rich.console import Console
@@ -24,6 +23,7 @@ from tierstack.tiers import AUTO, GPU
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult
+from tierstack.worker.jobs.run_directory import run_directory
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
     check_train_config(config.train)
     import ray
 
-    from tierstack.worker.jobs.ray_workers import train_with_ray
+    from tierstack.worker.jobs.ray_workers import start_local_ray, train_with_ray
 
     spec = PartitionedSpec(
         gpt=GPTConfig(seq_len=args.seq_len, dim=args.dim, layers=args.layers, heads=args.heads),
@@ -81,25 +81,21 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
     tm = config.tier_manager
     if args.cpu_pool_size is not None:
         tm.cpu_pool.size = args.cpu_pool_size
-    run_dir = os.path.join(args.nvme_path, uuid.uuid4().hex[:8])
-    tm.nvme_pool.paths = [run_dir]
     if tm.nvme_pool.size != "auto":  # a stated cap: at least 1 GiB ('auto': the disk's room)
         tm.nvme_pool.size = max(tm.nvme_pool.size, 1024 * MiB)
-    tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
-    # address "local": Ray of our own, even where another Ray runs on this machine.
-    ray.init(address="local", num_cpus=max(args.ranks, os.cpu_count() or 1),
-             object_store_memory=EMBEDDED_OBJECT_STORE,
-             include_dashboard=False, log_to_driver=True)
-    try:
-        if args.tier_manager:
-            spec.tier_manager = args.tier_manager
-            return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
-        with EmbeddedTierManager(tm) as daemon:
-            spec.tier_manager = daemon.address
-            return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
-    finally:
-        ray.shutdown()
-        shutil.rmtree(run_dir, ignore_errors=True)
+    with run_directory(args.nvme_path) as run_dir:
+        tm.nvme_pool.paths = [run_dir]
+        tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
+        start_local_ray(max(args.ranks, os.cpu_count() or 1), EMBEDDED_OBJECT_STORE, log_to_driver=True)
+        try:
+            if args.tier_manager:
+                spec.tier_manager = args.tier_manager
+                return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
+            with EmbeddedTierManager(tm) as daemon:
+                spec.tier_manager = daemon.address
+                return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
+        finally:
+            ray.shutdown()
 
 
 def _report(results: list[RankResult], args: argparse.Namespace) -> int:

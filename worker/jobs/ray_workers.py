@@ -20,19 +20,62 @@ parts Ray is good at, still come from Ray (placement groups, num_gpus=1 per acto
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tierstack.addresses import node_tier_manager_address
-from tierstack.errors import InvalidArgumentError
+from tierstack.errors import InvalidArgumentError, TierstackError
+from tierstack.process_tree import children, kill_tree
 from tierstack.worker.distributed import RankEnv, free_port
 from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult, run_rank
 
 log = logging.getLogger(__name__)
 
 PLACEMENTS = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+RAY_START_ATTEMPTS = 3
+_RAY_START_TIMEOUT = "timed out during startup"
+"""Ray's message when its raylet did not register with its GCS within Ray's fixed 30 s."""
+
+
+class RayStartError(TierstackError):
+    """Ray did not start on this machine."""
+
+    grpc_status = "UNAVAILABLE"
+
+
+def start_local_ray(num_cpus: int, object_store_memory: int, attempts: int = RAY_START_ATTEMPTS,
+                    **init_kwargs) -> None:
+    """`ray.init` of a Ray of this process's own (address "local": never one another
+    process started here), tried again when its node misses Ray's start-up deadline.
+
+    Ray gives a new node a fixed 30 s for the raylet to register with the GCS; on a busy
+    2-core machine a start has taken longer (CI, where the suite's own processes compete).
+    A failed start leaves its GCS, raylet and helpers running with nothing to stop them
+    (`ray.shutdown` knows only a node that started), so they are killed, every process
+    this one started during the try, before the next try."""
+    for attempt in range(1, attempts + 1):
+        before = set(children(os.getpid()))
+        try:
+            ray.init(address="local", num_cpus=num_cpus, object_store_memory=object_store_memory,
+                     include_dashboard=False, **init_kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if _RAY_START_TIMEOUT not in str(e):
+                raise
+            for pid in set(children(os.getpid())) - before:
+                kill_tree(pid)
+            ray.shutdown()
+            if attempt == attempts:
+                raise RayStartError(
+                    f"Ray did not start on this machine: {attempts} tries, each past Ray's 30 s "
+                    f"for its raylet to register with its GCS. The machine may be overloaded "
+                    f"(see `uptime`) or Ray's processes failing (logs under "
+                    f"/tmp/ray/session_latest/logs); retry when it is quieter") from e
+            log.warning("Ray's node missed its start-up deadline (try %d of %d, the machine is "
+                        "busy?); its processes were stopped, starting again", attempt, attempts)
 
 
 @ray.remote

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -33,6 +31,7 @@ from tierstack.worker.engine import OffloadEngine, materialize
 from tierstack.worker.jobs import corpus
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.jobs.progress import TrainProgress
+from tierstack.worker.jobs.run_directory import run_directory
 from tierstack.worker.layers import LayerStore, layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.training import StepRecord, StopSignal, run_steps
@@ -108,25 +107,6 @@ def build_job(args: argparse.Namespace, device: torch.device) -> Job:
                f"GPT {gpt.layers} x {gpt.dim}, {gpt.heads} heads", gpt.vocab_size, gpt.layers, gpt.dim)
 
 
-def make_run_dir(nvme_path: str) -> str:
-    """A fresh directory under --nvme-path for this run's NVMe pool and manifest."""
-    base = Path(nvme_path)
-    if base.exists() and not base.is_dir():
-        raise ConfigError(f"--nvme-path {nvme_path} is a file, not a directory; give a directory "
-                          f"(on an NVMe drive for speed), created if missing")
-    run_dir = base / uuid.uuid4().hex[:8]
-    try:
-        run_dir.mkdir(parents=True)
-        probe = run_dir / ".write-test"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as e:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        raise ConfigError(f"--nvme-path {nvme_path}: cannot create and write a directory there "
-                          f"({e.strerror}); give a writable directory (on an NVMe drive for speed)") from None
-    return str(run_dir)
-
-
 # ---- the run --------------------------------------------------------------------------------
 
 
@@ -155,12 +135,10 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM from here on ends the job after the step in progress, as its last step would
     # (checkpoint, export, daemons stopped, run directory removed): exit 143.
     with StopSignal() as stop:
-        run_dir = "" if args.tier_manager else make_run_dir(args.nvme_path)
-        try:
+        if args.tier_manager:
+            return _run_in(args, config, device, "", stop)
+        with run_directory(args.nvme_path) as run_dir:
             return _run_in(args, config, device, run_dir, stop)
-        finally:
-            if run_dir:
-                shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.device,

@@ -1,0 +1,70 @@
+"""worker/jobs/run_directory.py on a real filesystem: a run leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierstack.errors import ConfigError
+from tierstack.worker.jobs.run_directory import MARKER, run_directory
+
+
+def test_the_run_directory_and_the_parents_it_made_are_removed(tmp_path):
+    base = tmp_path / "tierstack" / "train-nvme"
+    with run_directory(base) as run_dir:
+        (tmp_path / "tierstack" / "train-nvme" / run_dir.rsplit("/", 1)[1] / "pool.0").write_bytes(b"x")
+        assert base.is_dir()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_parent_that_was_there_or_holds_another_run_stays(tmp_path):
+    base = tmp_path / "shared"
+    base.mkdir()
+    with run_directory(base, "one"):
+        pass
+    assert base.is_dir() and list(base.iterdir()) == []
+
+    fresh = tmp_path / "fresh" / "nvme"
+    with run_directory(fresh, "first"):
+        with run_directory(fresh, "second") as second:
+            pass
+        assert not (fresh / "second").exists()
+        assert sorted(p.name for p in fresh.iterdir()) == [MARKER, "first"], second
+    # The first run made the parents; the second found them: the first removes them.
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_an_error_inside_still_removes_it(tmp_path):
+    with pytest.raises(RuntimeError):
+        with run_directory(tmp_path / "a", "run"):
+            raise RuntimeError("the job failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_as_the_base_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"--nvme-path .*file is a file, not a directory"):
+        with run_directory(tmp_path / "file"):
+            pass
+    with pytest.raises(ConfigError, match=r"tier_manager.nvme_pool.paths .*: cannot create"):
+        with run_directory(tmp_path / "file" / "below", setting="tier_manager.nvme_pool.paths"):
+            pass
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def test_runs_at_once_share_the_parents_and_the_last_one_out_removes_them(tmp_path):
+    """The ranks of a partitioned job on one machine: rank 0 makes the parents and ends
+    first; rank 1 found them there and ends last."""
+    base = tmp_path / "tierstack" / "partitioned"
+    first = run_directory(base, "rank0")
+    first.__enter__()
+    with run_directory(base, "rank1"):
+        first.__exit__(None, None, None)
+        assert sorted(p.name for p in base.iterdir()) == [MARKER, "rank1"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_base_with_the_users_files_keeps_them(tmp_path):
+    base = tmp_path / "made"
+    with run_directory(base, "run"):
+        (base / "notes.txt").write_text("mine")
+    assert sorted(p.name for p in base.iterdir()) == [MARKER, "notes.txt"]
