@@ -23,8 +23,10 @@ Where the state is. A tensor already in the CPU pool is updated in place. A tens
 on NVMe is brought into the pool when the pool has room for the block's missing state;
 otherwise it is streamed: read tile by tile (whole NVMe blocks, checksums verified) into
 a bounded, reused scratch, updated there, and written block by block to a fresh extent
-that becomes its new version once synced. So a CPU pool of a few MiB trains any block
-size, only slower, and a crash mid-step leaves the old version intact. With masters the
+that becomes its new version once written (a durable step syncs it first; otherwise it
+is synced with its manifest row in the next group: durable.py). So a CPU pool of a few
+MiB trains any block size, only slower, and a crash mid-step leaves the old version
+intact. With masters the
 new parameters are the updated masters rounded, so a streamed step does not read the old
 parameters: only the NVMe blocks that also hold bytes no segment covers (a buffer, slot
 padding), which it copies through.
@@ -179,14 +181,14 @@ class _Streamed:
             self.array[:keep] = self.array[upto - self.base:self.loaded - self.base]
         self.base = upto
 
-    def finish(self) -> tuple[NvmeExtent, tuple[int, ...]]:
-        """Write the rest (what no tile touched is copied through), the headers, and sync:
-        the new version, ready to install."""
+    def finish(self, sync: bool) -> tuple[NvmeExtent, tuple[int, ...]]:
+        """Write the rest (what no tile touched is copied through), the headers, and
+        (`sync`, a durable step) sync: the new version, ready to install."""
         assert self.out is not None
         while self.base < self.nbytes:
             self._load(min(self.nbytes, self.base + self._room()))
             self._flush(self.loaded)
-        self.durable.seal(self.out, self.meta, tuple(self.out_checksums))
+        self.durable.seal(self.out, self.meta, tuple(self.out_checksums), sync)
         return self.out, tuple(self.out_checksums)
 
 
@@ -524,7 +526,7 @@ class AdamWStepper:
         out, first_error = [], None
         written: dict[str, tuple[NvmeExtent, tuple[int, ...]]] = {}
         # The streams' tails go to the disk side by side (see `_io`).
-        finishing = {name: self._io.submit(stream.finish) if changed else None
+        finishing = {name: self._io.submit(stream.finish, durable) if changed else None
                      for name, stream in streams.items() if stream.out is not None}
         # Every tail settles before any extent is freed or any hold given back: a write
         # still in flight must not land in an extent freed for another tensor.
@@ -558,7 +560,7 @@ class AdamWStepper:
                 try:
                     out.append(self.registry.adopt_nvme(key, written.pop(name), "float32",
                                                         (held.block.state_nbytes // _STATE_ITEMSIZE,),
-                                                        held.block.state_placement))
+                                                        held.block.state_placement, durable))
                 except Exception as e:  # noqa: BLE001
                     first_error = first_error or e
         for extent, _ in written.values():

@@ -9,6 +9,19 @@ that a restarted daemon never hands the same (key, version) out twice; the same 
 numbers the writes in the headers, so the newest copy of a key is the highest.
 It knows nothing of CPU copies, pins or eviction: the registry decides what to write.
 
+Rows now, or rows in groups. A durable write (a put to NVMe, a durable commit) is
+synced and its row committed before the call returns (`write` + `record`). A copy nobody
+asked to be durable at once (an eviction, a non-durable optimizer step's new version)
+is written without a sync and its row waits for the next group (`record_later`): a thread
+syncs every waiting copy's drives once and commits their rows in one transaction. Each
+fdatasync flushes the drive's cache (measured ~6 ms after a 4 MiB write on the dev
+machine's virtio disk, as long as the write itself), and a streamed AdamW step made four
+of them per block, plus a sqlite commit with its own fsync per tensor, all on the step's
+path. The rule that keeps rows honest either way: an extent a committed or committing row
+points at is not freed (`free` defers it) until the key's row points elsewhere, so a crash
+before a group finds every key at its last committed version, intact; a copy whose
+version is replaced or deleted before its group never gets a row.
+
 At start it trusts the manifest only if it reads back whole, and never starts empty over
 data files whose manifest is gone: both are errors naming `--recover`, which rebuilds the
 manifest from the headers (recovery.py) after setting the old file aside.
@@ -67,6 +80,16 @@ class DurableCopies:
         self._version_lock = threading.Lock()
         self._last_version = 0
         self._version_limit = 0
+        self._rows = threading.Condition()  # guards the row bookkeeping below
+        self._row_extent: dict[str, NvmeExtent] = {}  # key -> the extent its committed row names
+        self._named: set[NvmeExtent] = set()  # extents named by committed rows
+        self._freed_named: set[NvmeExtent] = set()  # freed by the registry while still named
+        self._waiting: dict[str, ManifestEntry] = {}  # rows for the next group, the newest per key
+        self._committing: set[NvmeExtent] = set()  # extents of the group being committed
+        self._committing_keys: set[str] = set()
+        self._commit_lock = threading.Lock()  # one manifest writer at a time: rows stay in order
+        self._committer: threading.Thread | None = None
+        self._stopping = False
 
     def recover(self) -> list[ManifestEntry]:
         """The committed copies of an earlier instance, their extents marked used: from the
@@ -97,6 +120,9 @@ class DurableCopies:
                      "the rebuild" if self.rebuild else "an unclean stop", cleared,
                      time.monotonic() - start)
         self._last_version = max((e.version for e in entries), default=0)
+        for entry in entries:
+            self._row_extent[entry.key] = entry.extent
+            self._named.add(entry.extent)
         self.pool.fit_files()  # a crashed instance's free tail goes back to the disk
         # Volatile (CPU-only) versions are not in the manifest; the reserved high-water
         # mark keeps a restarted daemon from handing any (key, version) out twice.
@@ -116,43 +142,151 @@ class DurableCopies:
             return self._last_version
 
     def allocate(self, nbytes: int, meta: ExtentMeta) -> NvmeExtent:
-        """A fresh extent for `nbytes` of the tensor `meta` (nothing written yet); a full
-        pool asks `make_room` once (the registry drops copies it can rebuild)."""
+        """A fresh extent for `nbytes` of the tensor `meta` (nothing written yet). A full
+        pool first commits the waiting rows (the old versions they replace are freed),
+        then asks `make_room` once (the registry drops copies it can rebuild)."""
         try:
             return self.pool.allocate(nbytes, meta)
         except NvmePoolFullError:
+            if self.drain():
+                try:
+                    return self.pool.allocate(nbytes, meta)
+                except NvmePoolFullError:
+                    pass
             if not self.make_room(nbytes):
                 raise
             return self.pool.allocate(nbytes, meta)
 
-    def write(self, meta: ExtentMeta, data: memoryview) -> tuple[NvmeExtent, tuple[int, ...]]:
-        """Write a tensor's bytes and headers to a fresh extent and fdatasync; the caller
-        records or frees it."""
+    def write(self, meta: ExtentMeta, data: memoryview,
+              sync: bool = True) -> tuple[NvmeExtent, tuple[int, ...]]:
+        """Write a tensor's bytes and headers to a fresh extent and (`sync`) fdatasync; the
+        caller records (or, not synced, records later) or frees it."""
         extent = self.allocate(len(data), meta)
         try:
             checksums = tuple(self.pool.write(extent, data, label=f"tensor {meta.key!r}")) \
                 if len(data) else ()
-            self.seal(extent, meta, checksums)
+            self.seal(extent, meta, checksums, sync)
         except BaseException:
             self.pool.free(extent)
             raise
         return extent, checksums
 
-    def seal(self, extent: NvmeExtent, meta: ExtentMeta, checksums: tuple[int, ...]) -> None:
-        """After an extent's blocks are written: its headers, then fdatasync."""
+    def seal(self, extent: NvmeExtent, meta: ExtentMeta, checksums: tuple[int, ...],
+             sync: bool = True) -> None:
+        """After an extent's blocks are written: its headers, then (`sync`) fdatasync."""
         self.pool.write_headers(extent, meta, self.next_version(), checksums)
-        self.pool.sync([extent])
+        if sync:
+            self.pool.sync([extent])
 
     def record(self, entry: ManifestEntry) -> None:
         """Commit the row of a copy `write` made durable (it survives a crash from now on)."""
-        self.manifest.commit(entry)
+        with self._commit_lock:
+            with self._rows:
+                self._waiting.pop(entry.key, None)  # an older copy's: it never gets a row
+            self.manifest.commit(entry)
+            self._renamed(entry.key, entry.extent)
+
+    def record_later(self, entry: ManifestEntry) -> None:
+        """Commit the row of a copy written without a sync in the next group, after a sync
+        of its drives (see the module docstring). Until then a restart finds the key's
+        previous committed version, or none."""
+        with self._rows:
+            self._waiting[entry.key] = entry
+            if self._committer is None:
+                self._committer = threading.Thread(target=self._commit_groups, daemon=True,
+                                                   name="tierstack-manifest-groups")
+                self._committer.start()
+            self._rows.notify_all()
 
     def forget(self, key: str) -> None:
-        """Delete `key`'s row: after a restart it is not recovered."""
-        self.manifest.delete(key)
+        """Delete `key`'s row (and any row waiting for it): after a restart it is not
+        recovered."""
+        with self._rows:
+            if key not in self._row_extent and key not in self._waiting \
+                    and key not in self._committing_keys:
+                return  # no row to delete: no transaction (one per tensor of every step)
+        with self._commit_lock:
+            with self._rows:
+                self._waiting.pop(key, None)
+                named = key in self._row_extent
+            if named:
+                self.manifest.delete(key)
+                self._renamed(key, None)
 
     def free(self, extent: NvmeExtent | None) -> None:
-        if extent is not None and extent.stripes:
+        """Give an extent back, once no committed or committing row names it (then when the
+        key's row moves on); a row still waiting for it is dropped."""
+        if extent is None or not extent.stripes:
+            return
+        with self._rows:
+            if extent in self._named or extent in self._committing:
+                self._freed_named.add(extent)
+                return
+            for key in [k for k, e in self._waiting.items() if e.extent == extent]:
+                del self._waiting[key]
+        self.pool.free(extent)
+
+    def drain(self) -> bool:
+        """Commit every waiting row now; whether there were any."""
+        with self._rows:
+            if not self._waiting and not self._committing:
+                return False
+            self._rows.wait_for(lambda: not self._waiting and not self._committing)
+        return True
+
+    def _renamed(self, key: str, extent: NvmeExtent | None) -> None:
+        """`key`'s committed row now names `extent` (None: it has none); the extent it named
+        before is freed if the registry let go of it meanwhile (commit lock held)."""
+        with self._rows:
+            old = self._row_extent.pop(key, None)
+            if extent is not None:
+                self._row_extent[key] = extent
+                self._named.add(extent)
+            release = old is not None and old != extent and old in self._freed_named
+            if old is not None and old != extent:
+                self._named.discard(old)
+                self._freed_named.discard(old)
+        if release:
+            self.pool.free(old)
+
+    def _commit_groups(self) -> None:
+        while True:
+            with self._rows:
+                self._rows.wait_for(lambda: self._waiting or self._stopping)
+                if not self._waiting:
+                    return  # stopping, and every row committed
+            # The commit lock before the group is taken: a `forget` or `record` runs wholly
+            # before it (and drops its key's waiting row) or after it (and sees its row).
+            with self._commit_lock:
+                with self._rows:
+                    group = list(self._waiting.values())
+                    self._waiting.clear()
+                    self._committing = {e.extent for e in group}
+                    self._committing_keys = {e.key for e in group}
+                try:
+                    if group:
+                        self.pool.sync([e.extent for e in group])
+                        self.manifest.commit_many(group)
+                except Exception as e:  # noqa: BLE001 - the copies stay readable; rows stay older
+                    log.error("could not make %d NVMe copies durable (%s): they are readable now "
+                              "but a restart finds their keys' previous versions; check the disk "
+                              "under the NVMe pool", len(group), e)
+                    self._release_unnamed([entry.extent for entry in group])
+                else:
+                    for entry in group:
+                        self._renamed(entry.key, entry.extent)
+                finally:
+                    with self._rows:
+                        self._committing, self._committing_keys = set(), set()
+                        self._rows.notify_all()
+
+    def _release_unnamed(self, extents: list[NvmeExtent]) -> None:
+        """Free those of `extents` the registry let go of and no row names (a group that
+        could not be committed)."""
+        with self._rows:
+            release = [e for e in extents if e in self._freed_named and e not in self._named]
+            self._freed_named.difference_update(release)
+        for extent in release:
             self.pool.free(extent)
 
     def read(self, extent: NvmeExtent, dst: memoryview, checksums: tuple[int, ...], label: str) -> None:
@@ -161,6 +295,11 @@ class DurableCopies:
             self.pool.read(extent, dst, list(checksums), label=label)
 
     def close(self, failed_start: bool = False) -> None:
+        with self._rows:
+            self._stopping = True
+            self._rows.notify_all()
+        if self._committer is not None:
+            self._committer.join()  # the waiting rows are committed first
         if not failed_start:
             try:
                 self.pool.fit_files()  # the free tail back to the disk: a clean stop leaves no slack

@@ -4,8 +4,10 @@ The registry owns the node's `CpuPool` and its `DurableCopies` (the NVMe pool an
 manifest: durable.py), and maps opaque keys to records. It is the only place that
 decides what a tier means:
 
-- `nvme`: the bytes are on NVMe, durable, listed in the manifest with per-block crc32c;
-  `put(..., tier="nvme")` returns only after data and manifest row are durable.
+- `nvme`: the bytes are on NVMe, listed in the manifest with per-block crc32c;
+  `put(..., tier="nvme")` returns only after data and manifest row are durable. Copies
+  nobody asked to be durable at once (evictions, a non-durable optimizer step's new
+  versions) are readable at once and durable with the manifest's next group (durable.py).
 - `cpu`: the bytes are in a CPU pool buffer. A record can be in both tiers at once (a
   clean cached copy of an NVMe tensor); a CPU-only record is volatile and does not
   survive a restart.
@@ -228,8 +230,10 @@ class TierRegistry:
     def _install(self, key: str, dtype: str, shape: tuple[int, ...], nbytes: int, *,
                  cpu: CpuBuffer | None = None, nvme: NvmeExtent | None = None,
                  checksums: tuple[int, ...] = (), placement: Placement = "auto",
-                 read_ahead: bool = False) -> TensorInfo:
-        """Make a new version current: commit the manifest, swap the record, retire the old."""
+                 read_ahead: bool = False, row_later: bool = False) -> TensorInfo:
+        """Make a new version current: commit the manifest, swap the record, retire the old.
+        `row_later`: an NVMe copy written without a sync (a non-durable optimizer step's),
+        whose row is committed in the manifest's next group (durable.py)."""
         with self._lock:
             old = self._records.get(key)
             record = _Record(key, dtype, shape, nbytes, self.durable.next_version(),
@@ -238,8 +242,11 @@ class TierRegistry:
             try:
                 self._check_quota(key, nbytes)
                 if nvme is not None:
-                    self.durable.record(ManifestEntry(key, dtype, shape, nbytes, record.version,
-                                                      nvme, checksums))
+                    entry = ManifestEntry(key, dtype, shape, nbytes, record.version, nvme, checksums)
+                    if row_later:
+                        self.durable.record_later(entry)
+                    else:
+                        self.durable.record(entry)
                 elif old is not None and old.nvme is not None:
                     # The new version is CPU-only: an old manifest row would resurrect
                     # stale bytes after a restart.
@@ -260,14 +267,16 @@ class TierRegistry:
             return record.info()
 
     def adopt_nvme(self, key: str, written: tuple[NvmeExtent, tuple[int, ...]], dtype: str,
-                   shape: tuple[int, ...], placement: Placement = "auto") -> TensorInfo:
-        """Make bytes already written (and synced) to a fresh NVMe extent the new version of
-        `key` (the optimizer's streamed step creates its moments this way)."""
+                   shape: tuple[int, ...], placement: Placement = "auto",
+                   durable: bool = True) -> TensorInfo:
+        """Make bytes already written to a fresh NVMe extent the new version of `key` (the
+        optimizer's streamed step creates its moments this way): synced by the caller when
+        `durable`, else synced with their row in the manifest's next group."""
         validate_key(key)
         validate_placement(placement)
         extent, checksums = written
         return self._install(key, dtype, tuple(shape), nbytes_of(dtype, tuple(shape)), nvme=extent,
-                             checksums=checksums, placement=placement)
+                             checksums=checksums, placement=placement, row_later=not durable)
 
     def has_room(self, nbytes: int) -> bool:
         """Whether the CPU pool could take `nbytes` now without evicting anything."""
@@ -511,7 +520,8 @@ class TierRegistry:
         """Finish `begin_update`: with `changed`, the bytes become a new version of the key
         (its NVMe copy is stale: rewritten now with `durable`, else dropped). `written`:
         the new version's fresh NVMe extent and checksums, for a tensor updated without a
-        CPU copy (durable already; the caller synced it). `read_ahead`: a new version in
+        CPU copy (synced by the caller when `durable`; else synced with its row in the
+        manifest's next group). `read_ahead`: a new version in
         the CPU pool stays there until it is next fetched and released, as after a
         prefetch hint, even when placed "nvme"."""
         key = info.key
@@ -535,7 +545,8 @@ class TierRegistry:
                 try:
                     return self._install(key, record.dtype, record.shape, record.nbytes, cpu=buffer,
                                          nvme=extent, checksums=checksums,
-                                         placement=record.placement, read_ahead=read_ahead)
+                                         placement=record.placement, read_ahead=read_ahead,
+                                         row_later=written is not None and not durable)
                 except BaseException:
                     record.cpu = buffer
                     raise
@@ -569,16 +580,18 @@ class TierRegistry:
     def _evict_pinned(self, record: _Record) -> None:
         """Write a pinned record's CPU copy to NVMe if needed, then drop the CPU copy."""
         if record.nvme is None:
+            # Nobody asked for this copy to be durable at once: synced with its row in the
+            # manifest's next group, off the path of whatever needed the room.
             extent, checksums = self.durable.write(ExtentMeta(record.key, record.dtype, record.shape),
-                                                   self.cpu_pool.view(record.cpu))
+                                                   self.cpu_pool.view(record.cpu), sync=False)
             with self._lock:
                 if record.retired:  # replaced while we wrote: our copy is stale
                     self.durable.free(extent)
                     return
                 try:
-                    self.durable.record(ManifestEntry(record.key, record.dtype, record.shape,
-                                                      record.nbytes, record.version, extent,
-                                                      checksums))
+                    self.durable.record_later(ManifestEntry(record.key, record.dtype, record.shape,
+                                                            record.nbytes, record.version, extent,
+                                                            checksums))
                 except BaseException:
                     self.durable.free(extent)
                     raise
