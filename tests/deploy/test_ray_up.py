@@ -9,6 +9,7 @@ Root only: the launcher's SSH port is 22.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -118,6 +119,8 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
     node_config = json.loads((REPO / "deploy" / "node.json").read_text())["tier_manager"]
     drives = [Path(p) / cluster_dir_name(cluster) for p in node_config["nvme_pool"]["paths"]]
     drives = [d for d in drives if not d.exists()]  # the nodes' NVMe pools this test creates
+    # ...and their parents (deploy/node.json's /var/tmp/tierstack), where this test makes them
+    parents = [Path(p) for p in node_config["nvme_pool"]["paths"] if not Path(p).exists()]
     try:
         up = _run([RAY, "up", "-y", "--no-config-cache", cluster_yaml], env, 420, tmp_path / "up.log")
         assert up.returncode == 0, up.stdout[-4000:]
@@ -160,6 +163,9 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
         time.sleep(2)
     for drive in drives:
         shutil.rmtree(drive, ignore_errors=True)
+    for parent in parents:
+        with contextlib.suppress(OSError):  # not empty: another cluster's pool is there
+            parent.rmdir()
 
 
 def _check_registered_with_the_scheduler(nodes: list[str], cluster: str) -> None:

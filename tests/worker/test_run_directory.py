@@ -68,3 +68,16 @@ def test_a_base_with_the_users_files_keeps_them(tmp_path):
     with run_directory(base, "run"):
         (base / "notes.txt").write_text("mine")
     assert sorted(p.name for p in base.iterdir()) == [MARKER, "notes.txt"]
+
+
+def test_runs_under_two_bases_in_one_new_parent_leave_nothing_whichever_ends_first(tmp_path):
+    """`tierstack train --ranks` at /var/tmp/tierstack/train-nvme beside a rank's embedded
+    node at /var/tmp/tierstack/partitioned: the first run made the shared parent."""
+    parent = tmp_path / "tierstack"
+    first = run_directory(parent / "train-nvme")
+    first.__enter__()
+    with run_directory(parent / "partitioned"):
+        pass
+    assert sorted(p.name for p in parent.iterdir()) == [MARKER, "train-nvme"]
+    first.__exit__(None, None, None)
+    assert list(tmp_path.iterdir()) == []

@@ -2,10 +2,10 @@
 fresh for the run and removed after it, with the parents the run had to create, so a job
 at a default path (/var/tmp/tierstack/...) leaves nothing behind on the user's disk.
 
-Runs at once under one base (the ranks of a partitioned job on one machine) share the
-parents: the run that made them leaves a marker in the base naming the topmost one it
-made, and whichever run ends last, finding the base empty but for the marker, removes
-them. A base that was there before, or holds anything else, stays."""
+Runs at once (the ranks of a partitioned job on one machine, or jobs under different
+bases in one parent) share the parents: each directory a run makes gets a marker, and
+whichever run ends last, finding a marked directory empty but for its marker, removes
+it and goes on up. A directory that was there before, or holds anything else, stays."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from tierstack.errors import ConfigError
 
 MARKER = ".made-by-tierstack"
-"""In a base a run made: the topmost directory it made (the base or one of its parents)."""
+"""In each directory a run made (the base and the parents it had to create)."""
 
 
 @contextlib.contextmanager
@@ -33,8 +33,8 @@ def run_directory(base: str | Path, name: str = "", setting: str = "--nvme-path"
     run_dir = base / (name or uuid.uuid4().hex[:8])
     try:
         run_dir.mkdir(parents=True)
-        if made:
-            (base / MARKER).write_text(str(made[-1]))
+        for directory in made:
+            (directory / MARKER).touch()
         probe = run_dir / ".write-test"
         probe.write_bytes(b"x")
         probe.unlink()
@@ -49,22 +49,13 @@ def run_directory(base: str | Path, name: str = "", setting: str = "--nvme-path"
 
 
 def _remove(run_dir: Path, base: Path) -> None:
-    """The run's directory, then the parents a run made once no other run uses them."""
+    """The run's directory, then each marked parent no other run or file uses any more."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    marker = base / MARKER
-    try:
-        if {p.name for p in base.iterdir()} != {MARKER}:
-            return  # another run's directory is in it, or the user's files, or no marker
-        top = Path(marker.read_text())
-        marker.unlink()
-    except OSError:
-        return  # another run that ended at the same moment is removing them
-    if top != base and top not in base.parents:
-        return  # not a marker this module wrote for this base
-    for parent in (base, *base.parents):
+    for directory in (base, *base.parents):
         try:
-            parent.rmdir()
+            if {p.name for p in directory.iterdir()} != {MARKER}:
+                return  # another run's directory is in it, or the user's files, or no marker
+            (directory / MARKER).unlink()
+            directory.rmdir()
         except OSError:
-            return  # not empty: another run started in it meanwhile, or the user's files
-        if parent == top:
-            return
+            return  # another run ending at the same moment removes it, or started in it
