@@ -85,8 +85,7 @@ class DurableCopies:
         self._named: set[NvmeExtent] = set()  # extents named by committed rows
         self._freed_named: set[NvmeExtent] = set()  # freed by the registry while still named
         self._waiting: dict[str, ManifestEntry] = {}  # rows for the next group, the newest per key
-        self._committing: set[NvmeExtent] = set()  # extents of the group being committed
-        self._committing_keys: set[str] = set()
+        self._committing: dict[str, NvmeExtent] = {}  # the group being committed: key -> extent
         self._commit_lock = threading.Lock()  # one manifest writer at a time: rows stay in order
         self._committer: threading.Thread | None = None
         self._stopping = False
@@ -203,7 +202,7 @@ class DurableCopies:
         recovered."""
         with self._rows:
             if key not in self._row_extent and key not in self._waiting \
-                    and key not in self._committing_keys:
+                    and key not in self._committing:
                 return  # no row to delete: no transaction (one per tensor of every step)
         with self._commit_lock:
             with self._rows:
@@ -219,7 +218,7 @@ class DurableCopies:
         if extent is None or not extent.stripes:
             return
         with self._rows:
-            if extent in self._named or extent in self._committing:
+            if extent in self._named or extent in self._committing.values():
                 self._freed_named.add(extent)
                 return
             for key in [k for k, e in self._waiting.items() if e.extent == extent]:
@@ -261,8 +260,7 @@ class DurableCopies:
                 with self._rows:
                     group = list(self._waiting.values())
                     self._waiting.clear()
-                    self._committing = {e.extent for e in group}
-                    self._committing_keys = {e.key for e in group}
+                    self._committing = {e.key: e.extent for e in group}
                 try:
                     if group:
                         self.pool.sync([e.extent for e in group])
@@ -277,7 +275,7 @@ class DurableCopies:
                         self._renamed(entry.key, entry.extent)
                 finally:
                     with self._rows:
-                        self._committing, self._committing_keys = set(), set()
+                        self._committing = {}
                         self._rows.notify_all()
 
     def _release_unnamed(self, extents: list[NvmeExtent]) -> None:
