@@ -35,11 +35,11 @@ Run on the GPU machine (DeepSpeed carried as a wheel):
   source deploy/device_env.sh && python3 bench/vs_deepspeed.py --ranks 2 --model 1.3b \\
       --modes cpu,nvme --reps 1 --nvme-dir /var/tmp/vsds      (2 GPUs, micro-batch 8 each;
       under a cap on a command's time, one mode per command: --modes cpu, then --modes nvme)
-With --fio, tierstack's nvme steps' disk rate (bytes the daemon read and wrote / the
-steps' time) is set against fio on --nvme-dir at the same read/write mix (rw=rw,
-rwmixread = the steps' read share, 1 MiB direct IO, best of io_uring/libaio at queue
-depth 8 and 32): `disk_vs_fio_nvme` (deploy/device_env.sh puts a carried .whl/bin/fio
-on PATH):
+With --fio, tierstack's nvme steps' disk rate (bytes the daemon read and wrote within the
+measured steps / their time; `_all_steps`: every step) is set against fio on --nvme-dir
+at the same read/write mix (rw=rw, rwmixread = the steps' read share, 1 MiB direct IO,
+best of io_uring/libaio at queue depth 8 and 32, median of --fio-reps such runs):
+`disk_vs_fio_nvme` (deploy/device_env.sh puts a carried .whl/bin/fio on PATH):
   python3 bench/vs_deepspeed.py --modes nvme --sides ts --steps 5 --fio --nvme-dir /var/tmp/vsds
 Where the disk idles: each tierstack run's line has `disk_phases` (per step, the disk's
 GB/s while the forward runs, where an offloaded step waits for the last step's updates,
@@ -53,6 +53,7 @@ A tiny model runs anywhere tierstack does: --model tiny --sides ts (--ranks 2: g
 from __future__ import annotations
 
 import argparse
+import atexit
 import bisect
 import copy
 import json
@@ -260,6 +261,8 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
                         # The disk's rate in each step's forward and in the rest (the forward
                         # starts the step: its forward's seconds, as timed above).
                         "disk_phases": disk_phases(timeline, spans),
+                        # Bytes the pool moved within each step (its start to its end).
+                        "step_moved": [timeline.moved(lo, hi) for lo, _, hi in spans],
                         # Each block's update that ran into the last step (the last step but
                         # one's optimizer call started them): [block, start, end], seconds
                         # from that step's start; and the disk's GB/s in 0.25 s slices of it.
@@ -564,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="after the runs, fio (this binary, default from PATH) on --nvme-dir "
                              "at tierstack's nvme read/write mix: disk_vs_fio_nvme")
     parser.add_argument("--fio-gib", type=int, default=8, help="fio's file, GiB")
+    parser.add_argument("--fio-reps", type=int, default=3,
+                        help="fio runs at the step's mix; their median is the reference")
     parser.add_argument("--out", help="also write the final JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
@@ -574,7 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks < 1:
         parser.error(f"--ranks {args.ranks}: give 1 or more")
     sides = args.sides.split(",")
-    Path(args.nvme_dir).mkdir(parents=True, exist_ok=True)
+    nvme_dir = Path(args.nvme_dir).absolute()
+    made = [d for d in (nvme_dir, *nvme_dir.parents) if not d.exists()]
+    nvme_dir.mkdir(parents=True, exist_ok=True)
+    atexit.register(_remove_empty, made)  # what this run made, once the runs and fio left it empty
     workdir = Path(tempfile.mkdtemp(prefix="tierstack-vsds-"))
     runs: dict[str, list[dict]] = {}
     failures: dict[str, str] = {}
@@ -663,6 +671,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove these directories, innermost first, while they are empty."""
+    for d in directories:
+        try:
+            d.rmdir()
+        except OSError:
+            return
+
+
 def _median_phases(ts_runs: list[dict], warmup: int) -> dict | None:
     """The medians, over the measured steps of every run, of each disk_phases figure."""
     rows = [row for r in ts_runs for row in r.get("disk_phases", [])[warmup:]]
@@ -683,20 +700,33 @@ def bench_io():
 
 
 def _disk_vs_fio(args, ts_runs: list[dict]) -> dict:
-    """What tierstack's nvme steps moved through the disk per second (bytes the daemon
-    read and wrote over the measured steps / their time) against fio on the same
-    directory at the same read share, sequential 1 MiB direct IO (issue 12: >= 0.9), fio's
-    best of io_uring and libaio at queue depths 8 and 32. The step's rate is a lower
-    bound on the disk's: a step also computes."""
+    """What tierstack's nvme steps moved through the disk per second against fio on the
+    same directory at the same read share, sequential 1 MiB direct IO (issue 12: >= 0.9).
+
+    Training: bytes the pool moved within the measured steps (the first --warmup steps,
+    which probe and place and create the moments, left out, as for tokens/s) / their
+    time; a lower bound on the disk's rate, since a step also computes. The whole run's
+    figure (every step, the pool's counters) is reported beside it. fio: the median of
+    --fio-reps runs, each fio's best of io_uring and libaio at queue depths 8 and 32 (the
+    disk's rate drifts by a quarter between runs minutes apart: one run's best is noise)."""
     moved = [(r["nvme_read"], r["nvme_written"], sum(r["step_s"])) for r in ts_runs]
     read, written, seconds = (sum(x[i] for x in moved) for i in range(3))
     if not seconds or not read + written:
         return {"disk_vs_fio_nvme": None}
     share = read / (read + written)
-    best = bench_io().fio_mix_gbps(args.fio, Path(args.nvme_dir) / "fio-mix", args.fio_gib << 30, share)
-    training = (read + written) / seconds / 1e9
-    return {"disk_gbps_training_nvme": round(training, 3), "disk_gbps_fio_mix": round(best, 3),
-            "disk_read_share_nvme": round(share, 3), "disk_vs_fio_nvme": round(training / best, 3)}
+    samples = [bench_io().fio_mix_gbps(args.fio, Path(args.nvme_dir) / "fio-mix", args.fio_gib << 30, share)
+               for _ in range(max(1, args.fio_reps))]
+    fio = statistics.median(samples)
+    all_steps = (read + written) / seconds / 1e9
+    steady = [(sum(r["step_moved"][args.warmup:]), sum(r["step_s"][args.warmup:]))
+              for r in ts_runs if len(r.get("step_moved", [])) > args.warmup]
+    training = (sum(b for b, _ in steady) / sum(t for _, t in steady) / 1e9
+                if steady and sum(t for _, t in steady) else all_steps)
+    return {"disk_gbps_training_nvme": round(training, 3),
+            "disk_gbps_training_nvme_all_steps": round(all_steps, 3),
+            "disk_gbps_fio_mix": round(fio, 3), "disk_gbps_fio_mix_runs": [round(x, 3) for x in samples],
+            "disk_read_share_nvme": round(share, 3), "disk_vs_fio_nvme": round(training / fio, 3),
+            "disk_vs_fio_nvme_all_steps": round(all_steps / fio, 3)}
 
 
 def emit(summary: dict, out: str | None) -> None:
