@@ -714,14 +714,15 @@ def _disk_vs_fio(args, ts_runs: list[dict]) -> dict:
     if not seconds or not read + written:
         return {"disk_vs_fio_nvme": None}
     share = read / (read + written)
-    samples = [bench_io().fio_mix_gbps(args.fio, Path(args.nvme_dir) / "fio-mix", args.fio_gib << 30, share)
+    io = bench_io()
+    samples = [io.fio_mix_gbps(args.fio, Path(args.nvme_dir) / "fio-mix", args.fio_gib << 30, share)
                for _ in range(max(1, args.fio_reps))]
     fio = statistics.median(samples)
     all_steps = (read + written) / seconds / 1e9
-    steady = [(sum(r["step_moved"][args.warmup:]), sum(r["step_s"][args.warmup:]))
-              for r in ts_runs if len(r.get("step_moved", [])) > args.warmup]
-    training = (sum(b for b, _ in steady) / sum(t for _, t in steady) / 1e9
-                if steady and sum(t for _, t in steady) else all_steps)
+    measured = [r for r in ts_runs if len(r.get("step_moved", [])) > args.warmup]
+    steady_bytes = sum(sum(r["step_moved"][args.warmup:]) for r in measured)
+    steady_seconds = sum(sum(r["step_s"][args.warmup:]) for r in measured)
+    training = steady_bytes / steady_seconds / 1e9 if steady_seconds else all_steps
     return {"disk_gbps_training_nvme": round(training, 3),
             "disk_gbps_training_nvme_all_steps": round(all_steps, 3),
             "disk_gbps_fio_mix": round(fio, 3), "disk_gbps_fio_mix_runs": [round(x, 3) for x in samples],
