@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import bisect
+import contextlib
 import copy
 import json
 import os
@@ -72,6 +73,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from footprint import Sampler  # noqa: E402
 from tierstack.process_tree import kill_tree  # noqa: E402
+from tierstack.worker.jobs.run_directory import run_directory  # noqa: E402
 
 MODELS = {
     # The issue's model: 1.345e9 parameters, untied.
@@ -578,11 +580,14 @@ def main(argv: list[str] | None = None) -> int:
         return child(args, sys.argv[1:] if argv is None else argv)
     if args.ranks < 1:
         parser.error(f"--ranks {args.ranks}: give 1 or more")
+    if args.fio_reps < 1:
+        parser.error(f"--fio-reps {args.fio_reps}: give 1 or more")
     sides = args.sides.split(",")
-    nvme_dir = Path(args.nvme_dir).absolute()
-    made = [d for d in (nvme_dir, *nvme_dir.parents) if not d.exists()]
-    nvme_dir.mkdir(parents=True, exist_ok=True)
-    atexit.register(_remove_empty, made)  # what this run made, once the runs and fio left it empty
+    # Every run and fio work in a fresh directory under --nvme-dir, removed on exit with the
+    # parents this bench made (the one mechanism tierstack train uses for its run directory).
+    leave = contextlib.ExitStack()
+    atexit.register(leave.close)
+    args.nvme_dir = leave.enter_context(run_directory(args.nvme_dir, setting="--nvme-dir"))
     workdir = Path(tempfile.mkdtemp(prefix="tierstack-vsds-"))
     runs: dict[str, list[dict]] = {}
     failures: dict[str, str] = {}
@@ -671,15 +676,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _remove_empty(directories: list[Path]) -> None:
-    """Remove these directories, innermost first, while they are empty."""
-    for d in directories:
-        try:
-            d.rmdir()
-        except OSError:
-            return
-
-
 def _median_phases(ts_runs: list[dict], warmup: int) -> dict | None:
     """The medians, over the measured steps of every run, of each disk_phases figure."""
     rows = [row for r in ts_runs for row in r.get("disk_phases", [])[warmup:]]
@@ -716,7 +712,7 @@ def _disk_vs_fio(args, ts_runs: list[dict]) -> dict:
     share = read / (read + written)
     io = bench_io()
     samples = [io.fio_mix_gbps(args.fio, Path(args.nvme_dir) / "fio-mix", args.fio_gib << 30, share)
-               for _ in range(max(1, args.fio_reps))]
+               for _ in range(args.fio_reps)]
     fio = statistics.median(samples)
     all_steps = (read + written) / seconds / 1e9
     measured = [r for r in ts_runs if len(r.get("step_moved", [])) > args.warmup]
