@@ -98,4 +98,15 @@ def launch_local(fn: Callable, world: int, *args) -> None:
     """
     import torch.multiprocessing as mp
 
-    mp.spawn(_run_rank, args=(fn, world, free_port(), args), nprocs=world, join=True)
+    context = mp.spawn(_run_rank, args=(fn, world, free_port(), args), nprocs=world, join=False)
+    try:
+        while not context.join():
+            pass
+    finally:
+        # A rank that raised leaves its traceback in a file in the temp directory, which
+        # torch reads into the error raised here and never removes.
+        for path in context.error_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

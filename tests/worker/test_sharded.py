@@ -167,18 +167,43 @@ def test_ranks_run_under_torchrun_without_ray(tmp_path):
     import os
     import subprocess
     import sys
+    import tempfile
     spec = {"steps": 2, "gpt": {"dim": 32, "heads": 2, "layers": 2, "seq_len": 16},
             "global_batch": 4, "data": "random", "device": "cpu", "cpu_threads": 1,
             "embedded": small_embedded_node(size_mib=1)}
     spec["embedded"]["nvme_pool"]["paths"] = [str(tmp_path / "nvme")]
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "-m", "tierstack.worker.jobs.partitioned_job", "--spec", json.dumps(spec)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    # torchrun's agent keeps its per-run log directories (torchelastic_*) in TMPDIR: a short
+    # one of the test's own (the ranks' daemons put their unix sockets there too, and a
+    # socket's path may not exceed 107 characters).
+    with tempfile.TemporaryDirectory(prefix="tsrun-") as tmp:
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "-m", "tierstack.worker.jobs.partitioned_job", "--spec", json.dumps(spec)],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": tmp})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ranks = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     assert ranks[0]["losses"] == ranks[1]["losses"] and all(r["gathered"] > 0 for r in ranks)
+
+
+def _failing_rank(env, message: str) -> None:
+    if env.rank == 1:
+        raise ValueError(message)
+
+
+def test_a_rank_that_raises_fails_the_local_launch_with_its_error_and_leaves_no_file(
+        tmp_path, monkeypatch):
+    """launch_local (tierstack train --ranks without Ray) raises the failing rank's own
+    error; the traceback file torch's spawn keeps for it in the temp directory is gone."""
+    import tempfile
+
+    from tierstack.worker.distributed import launch_local
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(Exception, match="rank one gave up: no data"):
+        launch_local(_failing_rank, 2, "rank one gave up: no data")
+    assert not list(tmp_path.iterdir())
 
 
 def _llama_rank(env, out_dir: str, steps: int) -> None:
