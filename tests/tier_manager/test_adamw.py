@@ -155,15 +155,16 @@ def test_grad_scale_scales_the_gradients(tier_config):
         stepper.close()
 
 
-def _run_steps(config, param_dtype, steps=3, tier="nvme", monkeypatch=None):
-    """`steps` AdamW steps of one block whose tensors are put on `tier`; returns the final
-    bytes of every state tensor and how many blocks were streamed."""
+def _run_steps(config, param_dtype, steps=3, tier="nvme", tile_elements=None):
+    """`steps` AdamW steps of one block whose tensors are put on `tier` (streamed in tiles
+    of at most `tile_elements`); returns the final bytes of every state tensor and how many
+    blocks were streamed."""
     shapes = [(700, 900), (37,), (1000, 300)]
     masters = param_dtype != torch.float32
     g = torch.Generator().manual_seed(5)
     params = [torch.randn(s, generator=g) for s in shapes]
     with TierRegistry(config) as reg:
-        stepper = AdamWStepper(reg)
+        stepper = AdamWStepper(reg, tile_elements=tile_elements)
         try:
             # A gap (a 1 MiB buffer between two parameters) that streaming must copy through.
             p_block, p_off = _pack([params[0].to(param_dtype), torch.zeros(1 << 18).to(param_dtype),
@@ -193,18 +194,15 @@ def _run_steps(config, param_dtype, steps=3, tier="nvme", monkeypatch=None):
             stepper.close()
 
 
+@pytest.mark.parametrize("tile_elements", [100 * 1024, None])
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
 def test_a_step_streamed_through_a_tiny_cpu_pool_is_bit_identical_to_the_whole_block_step(
-        tmp_path, shm_dir, param_dtype, monkeypatch):
+        tmp_path, shm_dir, param_dtype, tile_elements):
     """The block's state (~4 x 3.7 MB, plus 1 MiB of buffer between its parameters) is far
     larger than a 1 MiB CPU pool: the step streams it from NVMe in tiles (made small here
     so that tensors are cut across NVMe blocks and tiles) and writes new versions; the
     result equals, bit for bit, the same steps with everything resident in a large pool."""
     from tierstack.config import CpuPoolConfig, NvmePoolConfig, AioConfig, TierManagerConfig
-    from tierstack.services.tier_manager import adamw as adamw_module
-
-    monkeypatch.setattr(adamw_module, "TILE_ELEMENTS", 100 * 1024)
-    monkeypatch.setattr(adamw_module, "_STREAMED_SPAN", 100 * 1024 * 4)
 
     def config(name, pool):
         return TierManagerConfig(
@@ -213,7 +211,7 @@ def test_a_step_streamed_through_a_tiny_cpu_pool_is_bit_identical_to_the_whole_b
                                      size=256 << 20, aio=AioConfig(block_size=64 << 10)),
             manifest_path=str(tmp_path / f"{name}.sqlite"))
 
-    streamed, n_streamed = _run_steps(config("small", 1 << 20), param_dtype)
+    streamed, n_streamed = _run_steps(config("small", 1 << 20), param_dtype, tile_elements=tile_elements)
     whole, n_whole = _run_steps(config("large", 256 << 20), param_dtype, tier="cpu")
     assert n_streamed == 3 and n_whole == 0
     for key in whole:
@@ -434,3 +432,37 @@ def test_parameters_placed_nvme_stay_in_the_pool_after_their_update_until_the_ne
         reg.release(block.params, info.version)
         _settled(reg, block.params, in_cpu=False)
         stepper.close()
+
+
+def test_a_small_streamed_block_takes_windows_of_its_own_size_not_a_whole_tile(tier_config):
+    """A streamed block's tile is up to 16 MiB of fp32 state per tensor; a block of 64 Ki
+    parameters on NVMe asks the stepper's scratch for windows of its own size (its state
+    plus a disk block at each end), so the daemon's memory for streaming follows the
+    block. (That the tiles give PyTorch's result: the bit-identity test above.)"""
+    from tierstack.services.tier_manager.adamw import _SCRATCH_WINDOWS
+
+    numel = 64 * 1024
+    with TierRegistry(tier_config) as reg:
+        stepper = AdamWStepper(reg)
+        try:
+            assert stepper.tile_elements * 4 > 16 * numel * 4  # the default tile is far larger
+            master = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+            reg.put("s/params", master.to(torch.bfloat16).view(torch.uint8), tier="nvme")
+            reg.put("s/master", master.view(torch.uint8), tier="nvme")
+            reg.put("s/grad", torch.full((numel,), 0.25).to(torch.bfloat16).view(torch.uint8), tier="nvme")
+            block = AdamWBlock("s/params", "s/grad", "s/master", "s/exp_avg", "s/exp_avg_sq",
+                               "bfloat16", "bfloat16", numel * 4, (AdamWSegment(numel, 0, 0, 0),),
+                               state_placement="nvme")
+            stepper.step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.0))
+            assert stepper.streamed_blocks == 1
+            disk_block = reg.durable.pool.block_size
+            assert stepper.scratch_bytes == _SCRATCH_WINDOWS * (numel * 4 + 2 * disk_block)
+            assert not torch.equal(reg.get("s/master").view(torch.float32), master)
+        finally:
+            stepper.close()
+
+
+def test_a_tile_size_that_cuts_between_kernel_vectors_is_refused(tier_config):
+    with TierRegistry(tier_config) as reg:
+        with pytest.raises(InvalidArgumentError, match="multiple of 1024"):
+            AdamWStepper(reg, tile_elements=1000)
