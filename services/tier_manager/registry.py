@@ -516,12 +516,14 @@ class TierRegistry:
 
     def end_update(self, info: TensorInfo, changed: bool, durable: bool = False,
                    written: tuple[NvmeExtent, tuple[int, ...]] | None = None,
-                   read_ahead: bool = False) -> TensorInfo:
+                   read_ahead: bool = False, cpu_copy: CpuBuffer | None = None) -> TensorInfo:
         """Finish `begin_update`: with `changed`, the bytes become a new version of the key
         (its NVMe copy is stale: rewritten now with `durable`, else dropped). `written`:
         the new version's fresh NVMe extent and checksums, for a tensor updated without a
         CPU copy (synced by the caller when `durable`; else synced with its row in the
-        manifest's next group). `read_ahead`: a new version in
+        manifest's next group). `cpu_copy`: with `written`, a CPU-pool buffer the caller
+        filled with the same new bytes, kept as the new version's CPU copy (taken in every
+        case: freed where no new version is installed). `read_ahead`: a new version in
         the CPU pool stays there until it is next fetched and released, as after a
         prefetch hint, even when placed "nvme"."""
         key = info.key
@@ -542,15 +544,22 @@ class TierRegistry:
                     self.durable.free(extent)
                     raise KeyNotFoundError(f"tensor {key!r} was deleted while it was updated")
                 buffer, record.cpu = record.cpu, None  # moves to the new version
+                copied = buffer is None and written is not None and cpu_copy is not None
+                if copied:
+                    buffer, cpu_copy = cpu_copy, None
                 try:
                     return self._install(key, record.dtype, record.shape, record.nbytes, cpu=buffer,
                                          nvme=extent, checksums=checksums,
                                          placement=record.placement, read_ahead=read_ahead,
                                          row_later=written is not None and not durable)
                 except BaseException:
-                    record.cpu = buffer
+                    if copied:
+                        cpu_copy = buffer
+                    else:
+                        record.cpu = buffer
                     raise
         finally:
+            self.free_buffer(cpu_copy)
             with self._lock:
                 done, record.updating = record.updating, None
             if done is not None:

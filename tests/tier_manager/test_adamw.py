@@ -466,3 +466,71 @@ def test_a_tile_size_that_cuts_between_kernel_vectors_is_refused(tier_config):
     with TierRegistry(tier_config) as reg:
         with pytest.raises(InvalidArgumentError, match="multiple of 1024"):
             AdamWStepper(reg, tile_elements=1000)
+
+
+def test_a_streamed_block_s_new_parameters_are_kept_in_the_pool_where_it_has_room(tier_config):
+    """State placed "nvme" is streamed even where the pool has room; the new parameters
+    (rounded from the masters) go to NVMe and, with room for them, also stay in the CPU pool
+    until the next use, so that use reads no disk; they equal the copy on NVMe, and that use
+    sends them out as usual. Without room they are only written (the bit-identity test)."""
+    numel = 256 * 1024
+    with TierRegistry(tier_config) as reg:
+        stepper = AdamWStepper(reg)
+        try:
+            master = torch.randn(numel, generator=torch.Generator().manual_seed(4))
+            reg.put("s/params", master.to(torch.bfloat16).view(torch.uint8), tier="nvme", placement="nvme")
+            reg.put("s/master", master.view(torch.uint8), tier="nvme")
+            reg.put("s/grad", torch.full((numel,), 0.25).to(torch.bfloat16).view(torch.uint8), tier="nvme")
+            block = AdamWBlock("s/params", "s/grad", "s/master", "s/exp_avg", "s/exp_avg_sq",
+                               "bfloat16", "bfloat16", numel * 4, (AdamWSegment(numel, 0, 0, 0),),
+                               state_placement="nvme")
+            stepper.step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.0))
+            assert stepper.streamed_blocks == 1
+            used = reg.stats().cpu_used
+            assert used >= numel * 2  # the parameters' copy, nothing else of the block
+            assert reg.info("s/params").in_cpu and not reg.info("s/master").in_cpu
+            read_before = reg.stats().nvme_bytes_read
+            info, _ = reg.fetch("s/params")  # the forward's use
+            in_pool = reg.get("s/params").clone()
+            assert reg.stats().nvme_bytes_read == read_before  # no disk read for it
+            reg.release("s/params", info.version)
+            _settled(reg, "s/params", in_cpu=False)  # sent out after its use: only NVMe now
+            assert torch.equal(reg.get("s/params"), in_pool)  # the NVMe copy has the same bytes
+            rounded = reg.get("s/master").view(torch.float32).to(torch.bfloat16).view(torch.uint8)
+            assert torch.equal(in_pool, rounded)
+            assert reg.stats().pinned == 0
+        finally:
+            stepper.close()
+
+
+def test_a_streamed_step_that_fails_frees_the_parameters_pool_copy_and_keeps_the_old_version(
+        tier_config, monkeypatch):
+    """A disk error while the new version streams out: the step raises, the old version
+    stays current, and the pool copy made for the new parameters is given back."""
+    from tierstack.errors import StorageIOError
+
+    numel = 256 * 1024
+    with TierRegistry(tier_config) as reg:
+        stepper = AdamWStepper(reg)
+        try:
+            master = torch.randn(numel, generator=torch.Generator().manual_seed(6))
+            reg.put("s/params", master.to(torch.bfloat16).view(torch.uint8), tier="nvme", placement="nvme")
+            reg.put("s/master", master.view(torch.uint8), tier="nvme")
+            reg.put("s/grad", torch.full((numel,), 0.25).to(torch.bfloat16).view(torch.uint8), tier="nvme")
+            block = AdamWBlock("s/params", "s/grad", "s/master", "s/exp_avg", "s/exp_avg_sq",
+                               "bfloat16", "bfloat16", numel * 4, (AdamWSegment(numel, 0, 0, 0),),
+                               state_placement="nvme")
+            before = reg.get("s/params").clone()
+            used = reg.stats().cpu_used
+
+            def broken(*a, **kw):
+                raise StorageIOError("injected: the disk went away")
+
+            monkeypatch.setattr(reg.durable.pool, "write", broken)
+            with pytest.raises(StorageIOError, match="injected"):
+                stepper.step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.0))
+            monkeypatch.undo()
+            assert reg.stats().cpu_used == used and reg.stats().pinned == 0
+            assert torch.equal(reg.get("s/params"), before)
+        finally:
+            stepper.close()
