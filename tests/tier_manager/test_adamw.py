@@ -434,6 +434,18 @@ def test_parameters_placed_nvme_stay_in_the_pool_after_their_update_until_the_ne
         stepper.close()
 
 
+def _streamed_block(reg, numel: int, seed: int, params_placement: str = "auto"):
+    """A bf16 block with fp32 masters whose every tensor is only on NVMe and whose state is
+    placed "nvme" (streamed by the stepper); returns (its masters, its AdamWBlock)."""
+    master = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    reg.put("s/params", master.to(torch.bfloat16).view(torch.uint8), tier="nvme", placement=params_placement)
+    reg.put("s/master", master.view(torch.uint8), tier="nvme")
+    reg.put("s/grad", torch.full((numel,), 0.25).to(torch.bfloat16).view(torch.uint8), tier="nvme")
+    return master, AdamWBlock("s/params", "s/grad", "s/master", "s/exp_avg", "s/exp_avg_sq",
+                              "bfloat16", "bfloat16", numel * 4, (AdamWSegment(numel, 0, 0, 0),),
+                              state_placement="nvme")
+
+
 def test_a_small_streamed_block_takes_windows_of_its_own_size_not_a_whole_tile(tier_config):
     """A streamed block's tile is up to 16 MiB of fp32 state per tensor; a block of 64 Ki
     parameters on NVMe asks the stepper's scratch for windows of its own size (its state
@@ -446,13 +458,7 @@ def test_a_small_streamed_block_takes_windows_of_its_own_size_not_a_whole_tile(t
         stepper = AdamWStepper(reg)
         try:
             assert stepper.tile_elements * 4 > 16 * numel * 4  # the default tile is far larger
-            master = torch.randn(numel, generator=torch.Generator().manual_seed(3))
-            reg.put("s/params", master.to(torch.bfloat16).view(torch.uint8), tier="nvme")
-            reg.put("s/master", master.view(torch.uint8), tier="nvme")
-            reg.put("s/grad", torch.full((numel,), 0.25).to(torch.bfloat16).view(torch.uint8), tier="nvme")
-            block = AdamWBlock("s/params", "s/grad", "s/master", "s/exp_avg", "s/exp_avg_sq",
-                               "bfloat16", "bfloat16", numel * 4, (AdamWSegment(numel, 0, 0, 0),),
-                               state_placement="nvme")
+            master, block = _streamed_block(reg, numel, seed=3, params_placement="auto")
             stepper.step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.0))
             assert stepper.streamed_blocks == 1
             disk_block = reg.durable.pool.block_size
@@ -477,13 +483,7 @@ def test_a_streamed_block_s_new_parameters_are_kept_in_the_pool_where_it_has_roo
     with TierRegistry(tier_config) as reg:
         stepper = AdamWStepper(reg)
         try:
-            master = torch.randn(numel, generator=torch.Generator().manual_seed(4))
-            reg.put("s/params", master.to(torch.bfloat16).view(torch.uint8), tier="nvme", placement="nvme")
-            reg.put("s/master", master.view(torch.uint8), tier="nvme")
-            reg.put("s/grad", torch.full((numel,), 0.25).to(torch.bfloat16).view(torch.uint8), tier="nvme")
-            block = AdamWBlock("s/params", "s/grad", "s/master", "s/exp_avg", "s/exp_avg_sq",
-                               "bfloat16", "bfloat16", numel * 4, (AdamWSegment(numel, 0, 0, 0),),
-                               state_placement="nvme")
+            _, block = _streamed_block(reg, numel, seed=4, params_placement="nvme")
             stepper.step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.0))
             assert stepper.streamed_blocks == 1
             used = reg.stats().cpu_used
@@ -513,13 +513,7 @@ def test_a_streamed_step_that_fails_frees_the_parameters_pool_copy_and_keeps_the
     with TierRegistry(tier_config) as reg:
         stepper = AdamWStepper(reg)
         try:
-            master = torch.randn(numel, generator=torch.Generator().manual_seed(6))
-            reg.put("s/params", master.to(torch.bfloat16).view(torch.uint8), tier="nvme", placement="nvme")
-            reg.put("s/master", master.view(torch.uint8), tier="nvme")
-            reg.put("s/grad", torch.full((numel,), 0.25).to(torch.bfloat16).view(torch.uint8), tier="nvme")
-            block = AdamWBlock("s/params", "s/grad", "s/master", "s/exp_avg", "s/exp_avg_sq",
-                               "bfloat16", "bfloat16", numel * 4, (AdamWSegment(numel, 0, 0, 0),),
-                               state_placement="nvme")
+            _, block = _streamed_block(reg, numel, seed=6, params_placement="nvme")
             before = reg.get("s/params").clone()
             used = reg.stats().cpu_used
 
