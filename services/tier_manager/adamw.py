@@ -60,6 +60,7 @@ from tierstack.services.tier_manager.adamw_kernel import TILE_ELEMENTS, NativeAd
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.extent_header import ExtentMeta
+from tierstack.services.tier_manager.extents import align_up
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent
 from tierstack.services.tier_manager.registry import (TierRegistry, tensor_view, validate_key,
                                                      validate_placement)
@@ -379,7 +380,7 @@ class AdamWStepper:
         pool has room for all of it (and its placement is not "nvme"), else streamed."""
         registry = self.registry
         # A small block's windows hold what it has, not a full tile of scratch.
-        state_elements = -(-max(1, block.state_nbytes // _STATE_ITEMSIZE) // TILE_ALIGN) * TILE_ALIGN
+        state_elements = align_up(max(1, block.state_nbytes // _STATE_ITEMSIZE), TILE_ALIGN)
         held = _Held(block, tile_elements=min(self.tile_elements, state_elements))
         infos = {"params": registry.info(block.params), "grads": registry.info(block.grads)}
         if block.master:
@@ -450,11 +451,9 @@ class AdamWStepper:
         if not nbytes or not self.registry.has_room(nbytes):
             return
         try:
-            buffer = self.registry.allocate_buffer(nbytes)
+            held.copies[name] = self.registry.allocate_buffer(nbytes)
         except CpuPoolFullError:  # the room went meanwhile
-            return
-        if buffer is not None:
-            held.copies[name] = buffer
+            pass
 
     def _source(self, info: TensorInfo, buffer, span: int, writable: bool,
                 overwritten: tuple[tuple[int, int], ...] = (),
@@ -630,9 +629,6 @@ class AdamWStepper:
                     first_error = first_error or e
         for extent, _ in written.values():
             self.registry.durable.free(extent)
-        for buffer in held.copies.values():  # a copy no update took (end_update takes its own)
-            self.registry.free_buffer(buffer)
-        held.copies.clear()
         held.exclusive.clear()
         held.new.clear()
         if first_error is not None:
