@@ -1,7 +1,9 @@
 """A process tree's host memory, as a user's machine feels it, sampled from outside.
 
 Footprint = the sum over every process of the tree of (RSS - RssShmem), plus the bytes
-of tierstack's shared-memory arenas (counted once, however many processes map them).
+of tierstack's shared-memory arenas and of the streamed AdamW's rings (memfds, each
+mapped twice: services/tier_manager/adamw_stream.py), each counted once, however many
+processes or mappings hold it.
 Disk bytes = the tree's read_bytes / write_bytes from /proc/<pid>/io, summed over the
 processes alive at a sample, the most seen kept. A child's bytes move into its parent's
 figures when the parent reaps it, so keeping an exited child's last reading as well
@@ -18,6 +20,7 @@ from pathlib import Path
 from tierstack.process_tree import process_tree
 
 ARENA_GLOB = "tierstack-arena-*"
+SCRATCH_MAP = "/memfd:tierstack-scratch"  # adamw_stream.SCRATCH_NAME, as /proc/<pid>/maps names it
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -49,10 +52,35 @@ def arena_bytes(shm_dir: str = "/dev/shm") -> int:
     return total
 
 
+def mapped_sizes(pids: list[int], name: str, deleted_only: bool = False) -> dict[int, int]:
+    """inode -> the largest mapping, in any of `pids`, of a file whose path holds `name`
+    (`deleted_only`: of files already unlinked)."""
+    sizes: dict[int, int] = {}
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        for line in maps:
+            if name not in line or (deleted_only and not line.endswith("(deleted)")):
+                continue
+            span, _, _, _, inode, *_ = line.split()
+            start, end = (int(x, 16) for x in span.split("-"))
+            sizes[int(inode)] = max(sizes.get(int(inode), 0), end - start)
+    return sizes
+
+
+def scratch_bytes(pids: list[int]) -> int:
+    """Bytes of the rings the processes `pids` map, each ring once (its largest mapping:
+    a ring is mapped twice, back to back, at its full size)."""
+    return sum(mapped_sizes(pids, SCRATCH_MAP).values())
+
+
 def footprint(root: int, shm_dir: str = "/dev/shm") -> int:
     """Bytes of host memory the tree of `root` holds now."""
-    private = sum(_status_kib(p, "VmRSS") - _status_kib(p, "RssShmem") for p in process_tree(root))
-    return private * 1024 + arena_bytes(shm_dir)
+    pids = list(process_tree(root))
+    private = sum(_status_kib(p, "VmRSS") - _status_kib(p, "RssShmem") for p in pids)
+    return private * 1024 + arena_bytes(shm_dir) + scratch_bytes(pids)
 
 
 class Sampler:

@@ -6,8 +6,9 @@ DeepSpeed JSON, used as is), and samples both every 100 ms from this process, as
 outside observer: each one's resident memory less its shared memory (RSS - RssShmem,
 from /proc/<pid>/status), its thread count, and the bytes of the CPU pool's arenas (the
 files in the pool's shm_dir, plus arenas already deleted but still mapped by one of the
-processes, which still hold memory). The footprint is the sum: private memory of the
-daemon and the worker, plus the arenas once.
+processes, which still hold memory), and of the streamed AdamW's rings (memfds). The
+footprint is the sum: private memory of the daemon and the worker, plus the arenas and
+the rings once each.
 
 Figures (the last line printed is one JSON object):
 - footprint_over_budget: the largest footprint sample / the host budget (goal <= 1.0).
@@ -49,6 +50,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from footprint import mapped_sizes, scratch_bytes  # noqa: E402
+
 log = logging.getLogger("bench.memory")
 
 SAMPLE_SECONDS = 0.1
@@ -89,18 +93,8 @@ def arena_bytes(shm_dir: Path, pids: list[int]) -> int:
         except FileNotFoundError:
             continue
         held[st.st_ino] = st.st_blocks * 512
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-        except OSError:
-            continue
-        for line in maps:
-            if ARENA_PREFIX not in line or not line.endswith("(deleted)"):
-                continue
-            span, _, _, _, inode, *_ = line.split()
-            start, end = (int(x, 16) for x in span.split("-"))
-            held.setdefault(int(inode), 0)
-            held[int(inode)] = max(held[int(inode)], end - start)
+    for inode, size in mapped_sizes(pids, ARENA_PREFIX, deleted_only=True).items():
+        held[inode] = max(held.get(inode, 0), size)
     return sum(held.values())
 
 
@@ -139,7 +133,8 @@ class Sampler:
             if d is None or w is None:
                 continue
             arenas = arena_bytes(self.shm_dir, [self.daemon_pid, self.worker_pid])
-            self.footprints.append(d.private + w.private + arenas)
+            rings = scratch_bytes([self.daemon_pid, self.worker_pid])
+            self.footprints.append(d.private + w.private + arenas + rings)
             self.arenas.append(arenas)
             self.daemon_private.append(d.private)
             self.daemon_anon.append(d.rss_anon)

@@ -82,7 +82,7 @@ PATCHES = {
         _wrap(m.AdamWStepper, "_acquire", "acq", lambda self, block, hyper: {"key": block.params}),
         _wrap(m.AdamWStepper, "_update", "upd", lambda self, held, hyper: {
             "key": held.block.params,
-            "streamed": sorted(n for n, s in held.sources.items() if isinstance(s, m._Streamed))}),
+            "streamed": sorted(n for n, s in held.sources.items() if isinstance(s, m.StreamedTensor))}),
         _wrap(m.AdamWStepper, "_give_back", "fin", lambda self, held, *a, **k: {"key": held.block.params}),
         _wrap(m.AdamWStepper, "step", "step", lambda self, blocks, *a, **k: {"keys": [b.params for b in blocks]})),
     "tierstack.worker.layers": lambda m: (

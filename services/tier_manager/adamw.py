@@ -22,27 +22,27 @@ and PyTorch's.
 
 Where the state is. A tensor already in the CPU pool is updated in place. A tensor only
 on NVMe is brought into the pool when the pool has room for the block's missing state;
-otherwise it is streamed: read tile by tile (whole NVMe blocks, checksums verified) into
-a bounded, reused scratch, updated there, and written block by block to a fresh extent
-that becomes its new version once written (a durable step syncs it first; otherwise it
-is synced with its manifest row in the next group: durable.py). So a CPU pool of a few
-MiB trains any block size, only slower, and a crash mid-step leaves the old version
-intact. With masters the
-new parameters are the updated masters rounded, so a streamed step does not read the old
-parameters: only the NVMe blocks that also hold bytes no segment covers (a buffer, slot
-padding), which it copies through.
+otherwise it is streamed (adamw_stream.py): read (whole NVMe blocks, checksums verified)
+into a bounded, reused ring a tile ahead of the kernel, updated there, and written block
+by block behind it to a fresh extent that becomes its new version once written (a
+durable step syncs it first; otherwise it is synced with its manifest row in the next
+group: durable.py). So a CPU pool of a few MiB trains any block size, only slower, and a
+crash mid-step leaves the old version intact. With masters the new parameters are the
+updated masters rounded, so a streamed step does not read the old parameters: only the
+NVMe blocks that also hold bytes no segment covers (a buffer, slot padding), which it
+copies through.
 
 Threads. All kernel calls are made from one thread (`tierstack-adamw`): the native
 kernel's pool works for it, and PyTorch's intra-op pool (an OpenMP team per calling
 thread) exists once; the gRPC handler threads that serve AdamWStep only wait. State is
-held one block ahead on a reader thread and finished blocks are committed on a writer
-thread. Everything a block's update needs is checked before any byte changes, so a bad
+held one block ahead on a reader thread (which starts the block's first reads) and
+finished blocks are committed on a writer thread; a streamed tensor's bytes move on the
+two lanes of its ring. Everything a block's update needs is checked before any byte changes, so a bad
 request changes nothing.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import threading
@@ -57,6 +57,7 @@ import torch
 from tierstack.dtypes import dtype_from_name
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
 from tierstack.services.tier_manager.adamw_kernel import TILE_ELEMENTS, NativeAdamW, Piece, TorchAdamW
+from tierstack.services.tier_manager.adamw_stream import SlotPool, StreamedTensor
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.extent_header import ExtentMeta
@@ -87,6 +88,10 @@ second and tokens/s rose 8-15%. A block's windows are no larger than its state n
 # block streams at once; two blocks' worth lets the next block read while one is written.
 _MAX_STREAMS_PER_BLOCK = 5
 _SCRATCH_WINDOWS = 2 * _MAX_STREAMS_PER_BLOCK
+RING_TILES = 2
+"""Tiles of bytes a stream's ring holds, besides the two disk blocks at a window's ends:
+the tile being updated and the next one being read, while the one before is written out
+(its room is reused as soon as it is written)."""
 _ROOM_WAIT_SECONDS = 600.0
 """The longest a streamed block waits for the blocks ahead of it to free NVMe room."""
 
@@ -101,111 +106,6 @@ class _Resident:
         return self.data[lo:hi]
 
 
-class _Streamed:
-    """A tensor's bytes on NVMe, read whole block by whole block into a scratch window
-    [base, loaded) that only moves forward; with `out`, every block is written to the
-    fresh extent `out` once the window has moved past it, and blocks no tile touches are
-    copied through, so the new version is whole. `source` None reads zeros (new moments).
-    `overwritten`: sorted, disjoint byte ranges that the step writes whole before the
-    window moves past them (parameters rounded from their masters); a block lying inside
-    one is not read, so only blocks holding some byte the step keeps cost a read.
-    Bulk copies here use numpy, not torch: `window` and `finish` run on the stepper's IO
-    threads, which must not start OpenMP teams of their own."""
-
-    def __init__(self, durable: DurableCopies, nbytes: int, source: NvmeExtent | None,
-                 checksums: tuple[int, ...], out: NvmeExtent | None, scratch: torch.Tensor,
-                 meta: ExtentMeta, overwritten: tuple[tuple[int, int], ...] = (),
-                 copy: memoryview | None = None) -> None:
-        assert not overwritten or out is not None, "bytes overwritten in a stream nobody writes"
-        assert copy is None or (out is not None and len(copy) == nbytes), "a copy of what is not written"
-        self.durable, self.nbytes, self.source, self.checksums = durable, nbytes, source, checksums
-        self.out, self.scratch, self.meta, self.overwritten = out, scratch, meta, overwritten
-        # `copy`: a CPU-pool buffer that gets every byte written to `out` as well
-        self.copy = np.frombuffer(copy, dtype=np.uint8) if copy is not None else None
-        self._overwritten_starts = [lo for lo, _ in overwritten]
-        self.label = f"AdamW state {meta.key!r}"
-        self.array = scratch.numpy()
-        self.block = durable.pool.block_size
-        self.base = self.loaded = 0  # the window holds bytes [base, loaded); base block-aligned
-        self.out_checksums: list[int] = []
-
-    def window(self, lo: int, hi: int) -> torch.Tensor:
-        """Bytes [lo, hi) of the tensor; lo never below an earlier window's lo."""
-        target = lo // self.block * self.block
-        if self.loaded < target:  # a gap no tile touches: copy it through (or skip it)
-            self._flush(self.loaded)
-            if self.out is None:
-                self.base = self.loaded = target
-            while self.loaded < target:
-                self._load(min(target, self.base + self._room()))
-                self._flush(self.loaded)
-        self._flush(target)
-        self._load(hi)
-        return self.scratch[lo - self.base:hi - self.base]
-
-    def _room(self) -> int:
-        return (len(self.array) - self.block) // self.block * self.block
-
-    def _load(self, hi: int) -> None:
-        end = min(self.nbytes, -(-hi // self.block) * self.block)
-        if end <= self.loaded:
-            return
-        assert end - self.base <= len(self.array), "a tile spans more than the scratch window"
-        first, last = self.loaded // self.block, -(-end // self.block)
-        if self.source is None:
-            self.array[self.loaded - self.base:end - self.base].fill(0)
-        else:
-            for a, b in self._blocks_to_read(first, last):
-                lo, hi = a * self.block - self.base, min(self.nbytes, b * self.block) - self.base
-                self.durable.pool.read(self.source, memoryview(self.array[lo:hi]),
-                                       list(self.checksums[a:b]), label=self.label, blocks=(a, b))
-        self.loaded = end
-
-    def _blocks_to_read(self, first: int, last: int) -> list[tuple[int, int]]:
-        """Runs [a, b) of the blocks in [first, last) that hold a byte not `overwritten`.
-        The blocks left out keep stale scratch bytes until the step writes them, which it
-        does before they are flushed."""
-        runs: list[tuple[int, int]] = []
-        for j in range(first, last):
-            lo, hi = j * self.block, min(self.nbytes, (j + 1) * self.block)
-            at = bisect.bisect_right(self._overwritten_starts, lo) - 1
-            if at >= 0 and self.overwritten[at][1] >= hi:
-                continue
-            if runs and runs[-1][1] == j:
-                runs[-1] = (runs[-1][0], j + 1)
-            else:
-                runs.append((j, j + 1))
-        return runs
-
-    def _flush(self, upto: int) -> None:
-        """Write (with `out`) and drop the window's bytes below `upto` (block-aligned, or the
-        tensor's end)."""
-        if upto <= self.base:
-            return
-        if self.out is not None:
-            if self.copy is not None:
-                end = min(upto, self.nbytes)
-                self.copy[self.base:end] = self.array[:end - self.base]
-            first, last = self.base // self.block, -(-upto // self.block)
-            self.out_checksums += self.durable.pool.write(
-                self.out, memoryview(self.array[:upto - self.base]), label=self.label,
-                blocks=(first, last))
-        keep = self.loaded - upto
-        if keep > 0:  # the block(s) still in use move to the front (numpy copes with overlap)
-            self.array[:keep] = self.array[upto - self.base:self.loaded - self.base]
-        self.base = upto
-
-    def finish(self, sync: bool) -> tuple[NvmeExtent, tuple[int, ...]]:
-        """Write the rest (what no tile touched is copied through), the headers, and
-        (`sync`, a durable step) sync: the new version, ready to install."""
-        assert self.out is not None
-        while self.base < self.nbytes:
-            self._load(min(self.nbytes, self.base + self._room()))
-            self._flush(self.loaded)
-        self.durable.seal(self.out, self.meta, tuple(self.out_checksums), sync)
-        return self.out, tuple(self.out_checksums)
-
-
 @dataclass
 class _Held:
     """A block's state, acquired: exclusive holds on what changes, a pin on the grads, and
@@ -214,62 +114,21 @@ class _Held:
     block: AdamWBlock
     exclusive: list[TensorInfo] = field(default_factory=list)
     grads: TensorInfo | None = None
-    sources: dict[str, _Resident | _Streamed] = field(default_factory=dict)
+    sources: dict[str, _Resident | StreamedTensor] = field(default_factory=dict)
     infos: dict[str, TensorInfo] = field(default_factory=dict)  # exclusive holds, by name
     new: dict[str, str] = field(default_factory=dict)  # name -> key of moments created streamed
     copies: dict[str, CpuBuffer] = field(default_factory=dict)  # name -> a streamed tensor's pool copy
     tile_elements: int = TILE_ELEMENTS  # the most elements of one of its tiles
+    kernel: NativeAdamW | TorchAdamW | None = None
+    # Its tiles, each with the bytes [lo, hi) it covers in every tensor (and "state": in
+    # the fp32 state tensors), planned when acquired so that the first reads start then.
+    tiles: list[tuple[Tile, dict[str, tuple[int, int]]]] = field(default_factory=list)
 
     @property
     def span(self) -> int:
         """The most bytes of one tensor a tile may span (a tile ends early where a gap,
         such as a large buffer between two parameters, would make it longer)."""
         return self.tile_elements * _STATE_ITEMSIZE
-
-
-class _ScratchPool:
-    """Streaming windows, allocated once and reused: a fresh one per block page-faults its
-    way in each time (~25 ms per 200 MB) and grows the RSS.
-
-    All `limit` windows are made, written whole, at the first request, so the daemon's
-    memory for them counts from the first streamed block and stays the same after it.
-    When all are in use the reader waits for the writer to give one back instead of
-    making more (a slow disk once grew the pool, and the daemon's memory, for as long as
-    the run lasted). The limit must cover one block's streamed tensors
-    (`_MAX_STREAMS_PER_BLOCK`). Windows are of one size in practice (a tile's span and two
-    disk blocks; a block smaller than a tile asks for less); a request of another size
-    replaces a free window of the old one."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._ready = threading.Condition()
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._made = 0
-        self.nbytes = 0
-        """Bytes of the windows that exist, free or in use."""
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._ready:
-            if self._made == 0:
-                self._free[nbytes] = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(self.limit)]
-                self._made = self.limit
-                self.nbytes = self.limit * nbytes
-            while True:
-                if self._free.get(nbytes):
-                    return self._free[nbytes].pop()
-                other = next((size for size, free in self._free.items() if free), None)
-                if other is not None:  # a free window of another size makes room for one
-                    self._free[other].pop()
-                    self.nbytes += nbytes - other
-                    break
-                self._ready.wait()
-        return torch.zeros(nbytes, dtype=torch.uint8)
-
-    def give(self, buffers: list[torch.Tensor]) -> None:
-        with self._ready:
-            for b in buffers:
-                self._free.setdefault(b.numel(), []).append(b)
-            self._ready.notify_all()
 
 
 def _start_all(pool: ThreadPoolExecutor, workers: int) -> None:
@@ -298,13 +157,13 @@ class AdamWStepper:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierstack-adamw-write")
-        # A streamed block's tensors move through the disk side by side: one tensor's window
-        # at a time, each one read, then written, kept the disk at half of what fio moves
-        # at the same mix (the H200's nvme steps: 1.36 vs 2.21 GB/s). Threads for the
-        # updating block's windows and the finishing block's tails; no kernels run here.
-        self._io = ThreadPoolExecutor(2 * _MAX_STREAMS_PER_BLOCK, thread_name_prefix="tierstack-adamw-io")
-        _start_all(self._io, 2 * _MAX_STREAMS_PER_BLOCK)
-        self._scratch = _ScratchPool(_SCRATCH_WINDOWS)
+        # A streamed block's tensors move through the disk side by side, each on lanes of
+        # its own (adamw_stream.py): one tensor at a time kept the disk at half of what fio
+        # moves at the same mix (the H200's nvme steps: 1.36 vs 2.21 GB/s). Threads that
+        # wait for the finishing block's tails and seal them; no kernels run here.
+        self._finishers = ThreadPoolExecutor(_MAX_STREAMS_PER_BLOCK, thread_name_prefix="tierstack-adamw-finish")
+        _start_all(self._finishers, _MAX_STREAMS_PER_BLOCK)
+        self._scratch = SlotPool(_SCRATCH_WINDOWS)
         # Blocks acquired and not yet finished. A streamed tensor's new version goes to a
         # fresh extent and the old one is freed when its block finishes, so a nearly full
         # NVMe pool has room again once the blocks ahead in the pipeline finish.
@@ -432,9 +291,13 @@ class AdamWStepper:
                 held.sources[name] = self._stream(meta, block.state_nbytes, None, (), held.span,
                                                   writable=True)
             _check_sizes(block, {name: _nbytes(s) for name, s in held.sources.items()})
-            if any(isinstance(s, _Streamed) for s in held.sources.values()):
+            if any(isinstance(s, StreamedTensor) for s in held.sources.values()):
                 _check_order(block)
                 self.streamed_blocks += 1
+            held.kernel, held.tiles = self._plan(held)
+            for name, source in held.sources.items():  # the first tile's reads start now
+                if isinstance(source, StreamedTensor) and held.tiles:
+                    source.prefetch(*held.tiles[0][1][name])
         except BaseException:
             self._finish(held, changed=False, durable=False, acquired=False)
             raise
@@ -457,7 +320,7 @@ class AdamWStepper:
 
     def _source(self, info: TensorInfo, buffer, span: int, writable: bool,
                 overwritten: tuple[tuple[int, int], ...] = (),
-                copy: CpuBuffer | None = None) -> _Resident | _Streamed:
+                copy: CpuBuffer | None = None) -> _Resident | StreamedTensor:
         if buffer is not None or info.nbytes == 0:
             return _Resident(tensor_view(self.registry, info, buffer).view(-1).view(torch.uint8))
         extent, checksums = self.registry.location(info)
@@ -468,15 +331,17 @@ class AdamWStepper:
     def _stream(self, meta: ExtentMeta, nbytes: int, source: NvmeExtent | None,
                 checksums: tuple[int, ...], span: int, writable: bool,
                 overwritten: tuple[tuple[int, int], ...] = (),
-                copy: memoryview | None = None) -> _Streamed:
-        """A stream whose window holds a tile's `span` bytes and the disk blocks at its ends."""
+                copy: memoryview | None = None) -> StreamedTensor:
+        """A stream whose ring holds RING_TILES tiles of `span` bytes and the disk blocks
+        at a window's ends."""
         durable = self.registry.durable
         out = self._allocate_out(nbytes, meta) if writable else None
-        scratch = self._scratch.take(span + 2 * durable.pool.block_size)
+        disk_block = durable.pool.block_size
+        slot = self._scratch.take(align_up(RING_TILES * span, disk_block) + 2 * disk_block)
         try:
-            return _Streamed(durable, nbytes, source, checksums, out, scratch, meta, overwritten, copy)
+            return StreamedTensor(durable, nbytes, source, checksums, out, slot, meta, overwritten, copy)
         except BaseException:
-            self._scratch.give([scratch])
+            self._scratch.give([slot])
             if out is not None:
                 durable.free(out)
             raise
@@ -521,41 +386,51 @@ class AdamWStepper:
 
     # ---- updating ----------------------------------------------------------------------
 
-    def _update(self, held: _Held, hyper: AdamWHyper) -> None:
-        """The block's step, tile by tile (on the compute thread)."""
-        block, sources = held.block, held.sources
+    def _plan(self, held: _Held) -> tuple[NativeAdamW | TorchAdamW, list[tuple[Tile, dict[str, tuple[int, int]]]]]:
+        """The kernel that steps the block and its tiles, each with the bytes [lo, hi) it
+        covers in every tensor held."""
+        block = held.block
         p_dtype, g_dtype = dtype_from_name(block.param_dtype), dtype_from_name(block.grad_dtype)
         kernel = self._native if self._native is not None and self._native.covers(p_dtype, g_dtype) \
             else self._torch
-        whole = kernel.max_elements is None and all(isinstance(s, _Resident) for s in sources.values())
+        whole = kernel.max_elements is None and all(isinstance(s, _Resident) for s in held.sources.values())
         elements = min(held.tile_elements, kernel.max_elements or held.tile_elements)
+        tiles = []
         for tile in _tiles(block, p_dtype.itemsize, g_dtype.itemsize, elements, held.span, whole):
             spans = {"params": _span(tile, "param", p_dtype.itemsize),
                      "grads": _span(tile, "grad", g_dtype.itemsize)}
             state_span = _span(tile, "state", _STATE_ITEMSIZE)
-            windows = self._windows(sources, spans, state_span)
+            tiles.append((tile, {name: spans.get(name, state_span) for name in held.sources}
+                          | {"state": state_span}))
+        return kernel, tiles
+
+    def _update(self, held: _Held, hyper: AdamWHyper) -> None:
+        """The block's step, tile by tile (on the compute thread). Streamed tensors read
+        the next tile while the kernel updates this one, and write each tile behind it."""
+        block, sources, kernel = held.block, held.sources, held.kernel
+        p_dtype, g_dtype = dtype_from_name(block.param_dtype), dtype_from_name(block.grad_dtype)
+        streams = {name: s for name, s in sources.items() if isinstance(s, StreamedTensor)}
+        for i, (tile, spans) in enumerate(held.tiles):
+            after = held.tiles[i + 1][1] if i + 1 < len(held.tiles) else None
+            if after is not None:
+                for name, stream in streams.items():
+                    stream.prefetch(*after[name])
+            windows = {name: src.window(*spans[name]) for name, src in sources.items()}
             pieces = []
             for s, first, n in tile:
-                st = (state_span[0], s.state_offset, first, n, _FLOAT)
+                st = (spans["state"][0], s.state_offset, first, n, _FLOAT)
                 pieces.append(Piece(
                     params=_piece(windows["params"], spans["params"][0], s.param_offset, first, n, p_dtype),
                     master=_piece(windows["master"], *st) if block.master else None,
                     grads=_piece(windows["grads"], spans["grads"][0], s.grad_offset, first, n, g_dtype),
                     exp_avg=_piece(windows["exp_avg"], *st), exp_avg_sq=_piece(windows["exp_avg_sq"], *st)))
             kernel.step(pieces, hyper)
-
-    def _windows(self, sources: dict[str, _Resident | _Streamed], spans: dict[str, tuple[int, int]],
-                 state_span: tuple[int, int]) -> dict[str, torch.Tensor]:
-        """Each tensor's window of a tile; streamed tensors' reads and writes side by side."""
-        streamed = [name for name, src in sources.items() if isinstance(src, _Streamed)]
-        pending = {name: self._io.submit(sources[name].window, *spans.get(name, state_span))
-                   for name in streamed} if len(streamed) > 1 else {}
-        try:
-            windows = {name: src.window(*spans.get(name, state_span))
-                       for name, src in sources.items() if name not in pending}
-        finally:
-            futures_wait(pending.values())  # every window settles before anything moves on
-        return windows | {name: future.result() for name, future in pending.items()}
+            del windows, pieces  # no view of a ring outlives its release
+            if after is not None:  # below the next window's first disk block: done with
+                for name, stream in streams.items():
+                    stream.release(after[name][0] // stream.block * stream.block)
+        for stream in streams.values():  # the rest goes out (or is let go) now, not at finish
+            stream.drain() if stream.out is not None else stream.release(stream.nbytes)
 
     # ---- finishing -----------------------------------------------------------------------
 
@@ -573,8 +448,13 @@ class AdamWStepper:
 
     def _give_back(self, held: _Held, changed: bool, durable: bool,
                    release_gradients: bool) -> list[TensorInfo]:
-        streams = {name: s for name, s in held.sources.items() if isinstance(s, _Streamed)}
+        streams = {name: s for name, s in held.sources.items() if isinstance(s, StreamedTensor)}
         held.sources.clear()  # no view of a buffer may outlive its hold
+        # A stream nobody writes has no tail; after a failed update its reads may still be
+        # in flight, into a ring about to be reused and from an extent about to be let go.
+        for stream in streams.values():
+            if stream.out is None:
+                stream.settle() if changed else stream.abort()
         # The gradients go first: while the block's other tensors are still being updated,
         # an allocation that finds the pool full waits for them (see `_acquire`) rather
         # than failing on the gradients' pin.
@@ -588,8 +468,8 @@ class AdamWStepper:
             held.grads = None
         out, first_error = [], None
         written: dict[str, tuple[NvmeExtent, tuple[int, ...]]] = {}
-        # The streams' tails go to the disk side by side (see `_io`).
-        finishing = {name: self._io.submit(stream.finish, durable) if changed else None
+        # The streams' tails are sealed side by side; a failed update's are stopped.
+        finishing = {name: self._finishers.submit(stream.finish, durable) if changed else None
                      for name, stream in streams.items() if stream.out is not None}
         # Every tail settles before any extent is freed or any hold given back: a write
         # still in flight must not land in an extent freed for another tensor.
@@ -597,16 +477,18 @@ class AdamWStepper:
         for name, future in finishing.items():
             try:
                 if future is None:
+                    streams[name].abort()
                     self.registry.durable.free(streams[name].out)
                 else:
                     written[name] = future.result()
             except Exception as e:  # noqa: BLE001 - finish every hold, then report
                 first_error = first_error or e
                 try:
+                    streams[name].abort()
                     self.registry.durable.free(streams[name].out)
                 except Exception:  # noqa: BLE001 - the first error is the one to report
                     pass
-        self._scratch.give([s.scratch for s in streams.values()])
+        self._scratch.give([s.slot for s in streams.values()])
         ok = changed and first_error is None
         by_key = {info.key: name for name, info in held.infos.items()}
         for info in held.exclusive:
@@ -639,7 +521,8 @@ class AdamWStepper:
         self._reader.shutdown(wait=True)
         self._compute.shutdown(wait=True)
         self._writer.shutdown(wait=True)
-        self._io.shutdown(wait=True)
+        self._finishers.shutdown(wait=True)
+        self._scratch.close()
         if self._native is not None:
             self._native.close()
 
@@ -713,7 +596,7 @@ def _param_spans(block: AdamWBlock) -> tuple[tuple[int, int], ...]:
     return tuple(spans)
 
 
-def _nbytes(source: _Resident | _Streamed) -> int:
+def _nbytes(source: _Resident | StreamedTensor) -> int:
     return source.data.numel() if isinstance(source, _Resident) else source.nbytes
 
 

@@ -36,3 +36,25 @@ def test_a_reaped_childs_writes_count_once(tmp_path):
     written = sampler.disk_bytes[1]
     # Both writes once: 32 MiB, and well short of the 56 MiB a second count of the child gives.
     assert 32 * MIB <= written < 44 * MIB, written / MIB
+
+
+def test_the_streamed_adamw_s_rings_count_once_each_though_mapped_twice():
+    """A ring is shared memory (a memfd) mapped twice back to back: RSS - RssShmem leaves
+    it out, so the footprint adds each ring once, at its size."""
+    footprint = load_bench("footprint")
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "from tierstack.services.tier_manager.adamw_stream import MirrorRing\n"
+         "import sys, time\n"
+         "rings = [MirrorRing(3 << 20), MirrorRing(5 << 20)]\n"
+         "print('ready', flush=True)\n"
+         "sys.stdin.read()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert footprint.scratch_bytes([child.pid]) == 8 * MIB
+        assert footprint.footprint(child.pid) >= 8 * MIB
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert footprint.scratch_bytes([child.pid]) == 0  # gone with the process

@@ -448,10 +448,12 @@ def _streamed_block(reg, numel: int, seed: int, params_placement: str = "auto"):
 
 def test_a_small_streamed_block_takes_windows_of_its_own_size_not_a_whole_tile(tier_config):
     """A streamed block's tile is up to 16 MiB of fp32 state per tensor; a block of 64 Ki
-    parameters on NVMe asks the stepper's scratch for windows of its own size (its state
-    plus a disk block at each end), so the daemon's memory for streaming follows the
-    block. (That the tiles give PyTorch's result: the bit-identity test above.)"""
-    from tierstack.services.tier_manager.adamw import _SCRATCH_WINDOWS
+    parameters on NVMe asks the stepper's scratch for rings of its own size (RING_TILES
+    times its state, in whole disk blocks, plus a disk block at each end), so the daemon's
+    memory for streaming follows the block. (That the tiles give PyTorch's result: the
+    bit-identity test above.)"""
+    from tierstack.services.tier_manager.adamw import _SCRATCH_WINDOWS, RING_TILES
+    from tierstack.services.tier_manager.extents import align_up
 
     numel = 64 * 1024
     with TierRegistry(tier_config) as reg:
@@ -462,7 +464,8 @@ def test_a_small_streamed_block_takes_windows_of_its_own_size_not_a_whole_tile(t
             stepper.step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.0))
             assert stepper.streamed_blocks == 1
             disk_block = reg.durable.pool.block_size
-            assert stepper.scratch_bytes == _SCRATCH_WINDOWS * (numel * 4 + 2 * disk_block)
+            ring = align_up(RING_TILES * numel * 4, disk_block) + 2 * disk_block
+            assert stepper.scratch_bytes == _SCRATCH_WINDOWS * ring
             assert not torch.equal(reg.get("s/master").view(torch.float32), master)
         finally:
             stepper.close()
@@ -528,3 +531,73 @@ def test_a_streamed_step_that_fails_frees_the_parameters_pool_copy_and_keeps_the
             assert torch.equal(reg.get("s/params"), before)
         finally:
             stepper.close()
+
+
+def test_a_streamed_block_reads_the_next_tile_and_writes_the_last_while_the_kernel_runs(
+        tier_config, monkeypatch):
+    """The disk works while the kernel does: during every tile's kernel call, each streamed
+    tensor's bytes of the next tile arrive in its ring, and the tile before is written
+    out (a loop that read, then updated, then wrote moved nothing while the kernel ran:
+    there the waits below time out). The result is the whole-block step's (the
+    bit-identity test above); here only when bytes move."""
+    from tierstack.services.tier_manager.adamw_stream import StreamedTensor
+    from tierstack.services.tier_manager.extents import align_up
+
+    numel = 8 * 64 * 1024
+    with TierRegistry(tier_config) as reg:
+        stepper = AdamWStepper(reg, native=False, tile_elements=64 * 1024)
+        held_now, seen = [], []
+        update = AdamWStepper._update
+
+        def keep_held(self, held, hyper):
+            held_now.append(held)
+            return update(self, held, hyper)
+
+        def arrives(ready) -> bool:
+            deadline = time.monotonic() + 10
+            while not ready():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.002)
+            return True
+
+        def watching(pieces, hyper, step=stepper._torch.step):
+            held, i = held_now[-1], len(seen)
+            streams = {n: s for n, s in held.sources.items() if isinstance(s, StreamedTensor)}
+            checks = []
+            if i + 1 < len(held.tiles):  # the next tile comes in now
+                for name, s in streams.items():
+                    end = min(s.nbytes, align_up(held.tiles[i + 1][1][name][1], s.block))
+                    checks.append(arrives(lambda s=s, end=end: s.loaded >= end))
+            if i >= 1:  # the tile before goes out now
+                for name, s in streams.items():
+                    if s.out is not None:
+                        done = held.tiles[i][1][name][0] // s.block * s.block
+                        checks.append(arrives(lambda s=s, done=done: s.base >= done))
+            seen.append(checks)
+            return step(pieces, hyper)
+
+        monkeypatch.setattr(AdamWStepper, "_update", keep_held)
+        monkeypatch.setattr(stepper._torch, "step", watching)
+        try:
+            master, block = _streamed_block(reg, numel, seed=4)
+            stepper.step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.0))
+            assert stepper.streamed_blocks == 1 and len(seen) == 8
+            assert all(seen) and all(all(checks) for checks in seen), seen
+            assert not torch.equal(reg.get("s/master").view(torch.float32), master)
+        finally:
+            stepper.close()
+
+
+def test_a_ring_s_window_across_its_end_is_one_piece_of_the_same_memory():
+    """A ring maps its memory twice, back to back: a window that passes the end goes on
+    at the start, so a tile's bytes are always one piece for the kernel."""
+    from tierstack.services.tier_manager.adamw_stream import MirrorRing
+
+    ring = MirrorRing(3 * 4096)
+    across = ring.window(3 * 4096 - 100, 300)
+    across.copy_(torch.arange(300, dtype=torch.int32).to(torch.uint8))
+    assert torch.equal(ring.window(0, 200), torch.arange(100, 300, dtype=torch.int32).to(torch.uint8))
+    assert torch.equal(ring.window(2 * 3 * 4096 - 100, 100), across[:100])  # offsets wrap
+    with pytest.raises(AssertionError):
+        ring.window(0, 3 * 4096 + 1)

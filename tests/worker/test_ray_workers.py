@@ -44,7 +44,9 @@ def local_ray():
 
 def test_a_ray_start_whose_raylet_misses_the_deadline_is_stopped_and_started_again(caplog):
     """The suite's Ray start failed in CI on a busy machine ("The current node timed out
-    during startup"). A raylet stopped (SIGSTOP) before it registers is that start."""
+    during startup"). A raylet stopped (SIGSTOP) before it registers is that start. Three
+    tries: on a loaded 2-core machine the suite once saw the second, unstopped try miss
+    Ray's 30 s too, and the test is about the retry, not about one start's speed."""
     ray = pytest.importorskip("ray")
     from tierstack.worker.jobs.ray_workers import start_local_ray
     stopped: list[int] = []
@@ -66,14 +68,14 @@ def test_a_ray_start_whose_raylet_misses_the_deadline_is_stopped_and_started_aga
     watcher.start()
     with _environment_kept():
         try:
-            start_local_ray(num_cpus=1, object_store_memory=128 << 20, attempts=2)
+            start_local_ray(num_cpus=1, object_store_memory=128 << 20, attempts=3)
             assert ray.get(ray.remote(lambda: 42).remote()) == 42
         finally:
             done.set()
             ray.shutdown()
     assert stopped, "no raylet was started"
     assert not alive(stopped[0]), "the failed try's raylet was left running"
-    assert "missed its start-up deadline (try 1 of 2" in caplog.text
+    assert "missed its start-up deadline (try 1 of 3" in caplog.text
 
 
 def test_two_cpu_actors_train_like_plain_pytorch_on_the_global_batch(local_ray):
