@@ -74,7 +74,8 @@ class AioConfig:
     queue_depth: int = 8
     """Requests each IO thread keeps in flight."""
     thread_count: int = 1
-    """IO submitter threads; thread_count x queue_depth requests are in flight at most."""
+    """IO submitter threads; thread_count x queue_depth requests are in flight at most (and
+    no more than the engine's staging buffers allow: io_engine.STAGING_BYTES)."""
     engine: str = "auto"
     """'native' (the compiled block-IO loop), 'threads' (Python threads), or 'auto'."""
 

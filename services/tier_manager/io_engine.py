@@ -8,7 +8,8 @@ in os.preadv reached only ~0.85 of fio, each completed request waiting for the G
 Where the native library was not built (no C compiler), the same requests run on a pool
 of Python threads instead, with a warning.
 
-Each thread owns one staging buffer of `block_size` bytes, anonymous memory advised
+Each thread owns one staging buffer of `block_size` bytes (the engine keeps at most
+STAGING_BYTES of them, however deep its aio config: a thread waits for one), anonymous memory advised
 MADV_HUGEPAGE and 2 MiB aligned: a virtio disk splits a request that spans more than
 `max_segments` (254) memory segments, so a 1 MiB request into 4 KiB pages (256 segments)
 becomes two and loses half its throughput, while into one huge page it is a single
@@ -46,6 +47,12 @@ log = logging.getLogger(__name__)
 
 DIRECT_IO_ALIGNMENT = 4096
 HUGE_PAGE = 2 << 20
+STAGING_BYTES = 128 << 20
+"""The most host memory one engine's staging buffers take, whatever its aio depth. Two
+per request in flight made DeepSpeed's `"queue_depth": 32, "thread_count": 8` 512 buffers
+of a 2 MiB huge page each: 1 GiB, all of HOST_OVERHEAD, for a disk that does best at 8 to
+32 in flight (docs/bench/io_h200_run3.txt; aio capped at 8 or 16 in training moved no less,
+docs/bench/vs_deepspeed_h200_ring.txt). With the cap, requests beyond it wait for a buffer."""
 
 
 def block_checksum(data: memoryview | bytes) -> int:
@@ -201,6 +208,10 @@ class IoEngine:
         self.aio = aio
         self.block_size = aio.block_size
         self.workers = aio.thread_count * aio.queue_depth
+        # Buffers (and so threads with a request in flight) the engine keeps: two per
+        # request allowed in flight, within STAGING_BYTES (each takes whole huge pages).
+        self.staging_buffers = max(2, min(2 * self.workers,
+                                          STAGING_BYTES // align_up_to(self.block_size, HUGE_PAGE)))
         self._native = load_native_blockio() if aio.engine != "threads" else None
         if aio.engine == "native" and self._native is None:
             raise StorageIOError(
@@ -215,7 +226,8 @@ class IoEngine:
         if self._native is not None and not self._handle:
             raise StorageIOError("cannot create the native IO engine's semaphore")
         self._executor = (None if self._native is not None else
-                          ThreadPoolExecutor(self.workers, thread_name_prefix="tierstack-io"))
+                          ThreadPoolExecutor(max(1, min(self.workers, self.staging_buffers)),
+                                             thread_name_prefix="tierstack-io"))
         self._local = threading.local()
         self._free_staging: list[StagingBuffer] = []
         self._staging_made = False
@@ -290,7 +302,7 @@ class IoEngine:
         # while another's request is in the kernel (see blockio.c).
         # With other batches running it gets fewer (at least one); the engine's semaphore
         # bounds what is in the kernel either way.
-        staging = self._take_staging(min(2 * self.workers, len(requests)))
+        staging = self._take_staging(min(self.staging_buffers, len(requests)))
         nthreads = len(staging)
         try:
             addresses = np.array([s.array.ctypes.data for s in staging], dtype=np.uint64)
@@ -341,7 +353,7 @@ class IoEngine:
                 # flat, where a set that grew with the busiest moment so far would step
                 # up long after start (more batches at once: AdamW, evictions, loads).
                 self._staging_made = True
-                self._free_staging += [StagingBuffer(self.block_size) for _ in range(2 * self.workers)]
+                self._free_staging += [StagingBuffer(self.block_size) for _ in range(self.staging_buffers)]
             self._staging_lock.wait_for(lambda: self._free_staging)
             taken, self._free_staging = self._free_staging[:n], self._free_staging[n:]
         return taken

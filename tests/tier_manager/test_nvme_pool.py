@@ -208,3 +208,48 @@ def test_a_disk_too_small_for_the_pool_says_so_when_it_fills_and_keeps_what_it_h
         assert out == random_bytes(MiB, 5).tobytes()
     finally:
         pool.close()
+
+
+def test_a_deep_aio_config_keeps_its_staging_within_staging_bytes_and_moves_bytes_right(
+        tmp_path, monkeypatch):
+    """DeepSpeed's `"queue_depth": 32, "thread_count": 8` asked for two staging buffers per
+    request in flight: 512 huge pages, 1 GiB of host memory. The engine keeps at most
+    STAGING_BYTES of them, and batches from several threads at once, far more requests
+    than buffers, still round-trip bit for bit."""
+    from tierstack.services.tier_manager import io_engine
+
+    made = []
+
+    class Counted(io_engine.StagingBuffer):
+        def __init__(self, nbytes):
+            made.append(nbytes)
+            super().__init__(nbytes)
+
+    monkeypatch.setattr(io_engine, "StagingBuffer", Counted)
+    monkeypatch.setattr(io_engine, "STAGING_BYTES", 8 * MiB)  # 4 buffers of a huge page each
+    pool = NvmePool(NvmePoolConfig(
+        paths=[str(tmp_path / "a")], size=64 * MiB,
+        aio=AioConfig(block_size=256 * KiB, queue_depth=32, thread_count=8, engine=ENGINE["name"])))
+    errors = []
+
+    def worker(seed: int) -> None:
+        try:
+            data = random_bytes(4 * MiB + 123, seed)
+            ext = pool.allocate(len(data))
+            crcs = pool.write(ext, data)
+            out = bytearray(len(data))
+            pool.read(ext, memoryview(out), crcs)
+            if out != data.tobytes():
+                errors.append(seed)
+        except Exception as e:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    try:
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert errors == []
+        assert pool.engine.staging_buffers == 4
+        assert 1 <= len(made) <= 4, len(made)
+    finally:
+        pool.close()
