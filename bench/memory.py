@@ -190,8 +190,15 @@ def worker_main(spec: dict) -> None:
             y = torch.randint(0, vocab, (batch, spec["seq_len"]), generator=data)
             start = time.perf_counter()
             loss = engine.train_step(x, y)
-            print(f"step {step} loss {loss:.4f} seconds {time.perf_counter() - start:.4f}", flush=True)
-            if step in (spec["mark"], spec["steps"]):
+            seconds = time.perf_counter() - start
+            idle = step in (spec["mark"], spec["steps"])
+            if idle:
+                # The step's updates overlap the next forward: let them end before the
+                # idle window, or under load a block's NVMe batch (threads of its own)
+                # could last through it and count as a thread the daemon keeps.
+                engine.wait_for_optimizer()
+            print(f"step {step} loss {loss:.4f} seconds {seconds:.4f}", flush=True)
+            if idle:
                 # Idle for the sampler's window after the mark step and the last one: the
                 # two figures compare the daemon in the same state (between steps, the
                 # job open), not mid-step against idle or against a closed job.
