@@ -90,15 +90,34 @@ def fio_gbps(fio: str, path: Path, size: int, rw: str, qd: int, engine: str, iom
 
 
 
-def fio_mix_gbps(fio: str, path: Path, size: int, read_share: float) -> float:
-    """fio's best GB/s at a training step's read/write mix (rw=rw, `read_share` read,
-    sequential 1 MiB direct IO) on a `size`-byte file at `path`, over io_uring and libaio
-    at queue depths 8 and 32; the file is removed after."""
+FIO_MIX_CONFIGS = tuple((engine, qd) for engine in ("io_uring", "libaio") for qd in (8, 32))
+
+
+def fio_mix_runs(fio: str, path: Path, size: int, read_share: float) -> dict[str, float]:
+    """fio's GB/s at a training step's read/write mix (rw=rw, `read_share` read,
+    sequential 1 MiB direct IO) on a `size`-byte file at `path`, one run per engine and
+    queue depth of FIO_MIX_CONFIGS, keyed "engine qdN"; the file is removed after."""
     try:
-        return max(fio_gbps(fio, path, size, "rw", qd, engine, "malloc", read_share=read_share)
-                   for engine in ("io_uring", "libaio") for qd in (8, 32))
+        return {f"{engine} qd{qd}": fio_gbps(fio, path, size, "rw", qd, engine, "malloc",
+                                             read_share=read_share)
+                for engine, qd in FIO_MIX_CONFIGS}
     finally:
         path.unlink(missing_ok=True)
+
+
+def fio_mix_reference(fio: str, path: Path, size: int, read_share: float, reps: int) -> dict:
+    """fio's reference rate at a step's mix: `reps` fio_mix_runs, and the configuration
+    with the best median at its median (`gbps`, `config`). The disk's rate drifts by a
+    quarter between runs minutes apart, so the best of one run's four configurations is
+    the largest of four noisy draws of nearly equal rates, biased upward by the noise
+    itself: the median over runs of each run's best is reported beside (`per_run_best`),
+    with every run's readings (`runs`) and each configuration's median (`by_config`)."""
+    runs = [fio_mix_runs(fio, path, size, read_share) for _ in range(reps)]
+    by_config = {c: statistics.median(run[c] for run in runs) for c in runs[0]}
+    config = max(by_config, key=by_config.get)
+    return {"gbps": by_config[config], "config": config, "by_config": by_config, "runs": runs,
+            "per_run_best": statistics.median(max(run.values()) for run in runs)}
+
 
 class PoolSide:
     """NvmePool + the CPU pool buffers it moves the file between."""

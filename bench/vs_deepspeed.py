@@ -38,7 +38,8 @@ Run on the GPU machine (DeepSpeed carried as a wheel):
 With --fio, tierstack's nvme steps' disk rate (bytes the daemon read and wrote within the
 measured steps / their time; `_all_steps`: every step) is set against fio on --nvme-dir
 at the same read/write mix (rw=rw, rwmixread = the steps' read share, 1 MiB direct IO,
-best of io_uring/libaio at queue depth 8 and 32, median of --fio-reps such runs):
+a file as large as the pool's span; --fio-reps runs of io_uring/libaio at queue depth 8
+and 32, the configuration with the best median at its median):
 `disk_vs_fio_nvme` (deploy/device_env.sh puts a carried .whl/bin/fio on PATH):
   python3 bench/vs_deepspeed.py --modes nvme --sides ts --steps 5 --fio --nvme-dir /var/tmp/vsds
 Where the disk idles: each tierstack run's line has `disk_phases` (per step, the disk's
@@ -254,6 +255,7 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
                         "predicted_step_s": predicted[0] if predicted else None,
                         "nvme_read": stats1.nvme_bytes_read - stats0.nvme_bytes_read,
                         "nvme_written": stats1.nvme_bytes_written - stats0.nvme_bytes_written,
+                        "nvme_span": timeline.nvme_span,
                         "budgets": vars(budgets),
                         # Where each step's time went, as the worker's thread saw it: the
                         # forward's and the optimizer call's seconds (the backward is the
@@ -403,6 +405,7 @@ class _DiskTimeline:
 
         self.client, self.interval = TierManagerClient(address), interval
         self.samples: list[tuple[float, int]] = []  # (perf_counter, bytes read + written)
+        self.nvme_span = 0  # the most bytes the pool held at once: the span its IO covers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="disk-timeline", daemon=True)
 
@@ -410,6 +413,7 @@ class _DiskTimeline:
         while not self._stop.is_set():
             stats = self.client.stats()
             self.samples.append((time.perf_counter(), stats.nvme_bytes_read + stats.nvme_bytes_written))
+            self.nvme_span = max(self.nvme_span, stats.nvme_used)
             self._stop.wait(self.interval)
 
     def __enter__(self) -> "_DiskTimeline":
@@ -568,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fio", nargs="?", const="fio", default=None, metavar="PATH",
                         help="after the runs, fio (this binary, default from PATH) on --nvme-dir "
                              "at tierstack's nvme read/write mix: disk_vs_fio_nvme")
-    parser.add_argument("--fio-gib", type=int, default=8, help="fio's file, GiB")
+    parser.add_argument("--fio-gib", type=int, default=0,
+                        help="fio's file, GiB (default: the span the pool's IO covered)")
     parser.add_argument("--fio-reps", type=int, default=3,
                         help="fio runs at the step's mix; their median is the reference")
     parser.add_argument("--out", help="also write the final JSON here")
@@ -638,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     predicted = []
     for key in sorted(runs):
         for figure in ("tokens_per_s", "step_median", "gpu_peak", "host_peak", "disk_read",
-                       "disk_written", "nvme_read", "nvme_written", "predicted_step_s"):
+                       "disk_written", "nvme_read", "nvme_written", "nvme_span", "predicted_step_s"):
             value = med(key, figure)
             if value is not None:
                 summary[f"{key}.{figure}"] = value
@@ -702,18 +707,24 @@ def _disk_vs_fio(args, ts_runs: list[dict]) -> dict:
     Training: bytes the pool moved within the measured steps (the first --warmup steps,
     which probe and place and create the moments, left out, as for tokens/s) / their
     time; a lower bound on the disk's rate, since a step also computes. The whole run's
-    figure (every step, the pool's counters) is reported beside it. fio: the median of
-    --fio-reps runs, each fio's best of io_uring and libaio at queue depths 8 and 32 (the
-    disk's rate drifts by a quarter between runs minutes apart: one run's best is noise)."""
+    figure (every step, the pool's counters) is reported beside it.
+
+    fio: --fio-reps runs of each engine and queue depth (bench/io.FIO_MIX_CONFIGS) on a
+    file as large as the span the pool's IO covered (the most bytes it held; --fio-gib
+    overrides), and the reference is the configuration with the best median, at its
+    median (bench/io.fio_mix_reference says why not each run's best, which is reported
+    beside as `_per_run_best`). A 4 GiB file was the reference until 2026-12-04; the
+    span is the region of the disk the training's IO actually covers."""
     moved = [(r["nvme_read"], r["nvme_written"], sum(r["step_s"])) for r in ts_runs]
     read, written, seconds = (sum(x[i] for x in moved) for i in range(3))
     if not seconds or not read + written:
         return {"disk_vs_fio_nvme": None}
     share = read / (read + written)
+    span = max((r.get("nvme_span") or 0) for r in ts_runs)
+    size = args.fio_gib << 30 if args.fio_gib else max(1 << 30, -(-span // (1 << 30)) << 30)
     io = bench_io()
-    samples = [io.fio_mix_gbps(args.fio, Path(args.nvme_dir) / "fio-mix", args.fio_gib << 30, share)
-               for _ in range(args.fio_reps)]
-    fio = statistics.median(samples)
+    ref = io.fio_mix_reference(args.fio, Path(args.nvme_dir) / "fio-mix", size, share, args.fio_reps)
+    fio, per_run_best = ref["gbps"], ref["per_run_best"]
     all_steps = (read + written) / seconds / 1e9
     measured = [r for r in ts_runs if len(r.get("step_moved", [])) > args.warmup]
     steady_bytes = sum(sum(r["step_moved"][args.warmup:]) for r in measured)
@@ -721,8 +732,13 @@ def _disk_vs_fio(args, ts_runs: list[dict]) -> dict:
     training = steady_bytes / steady_seconds / 1e9 if steady_seconds else all_steps
     return {"disk_gbps_training_nvme": round(training, 3),
             "disk_gbps_training_nvme_all_steps": round(all_steps, 3),
-            "disk_gbps_fio_mix": round(fio, 3), "disk_gbps_fio_mix_runs": [round(x, 3) for x in samples],
-            "disk_read_share_nvme": round(share, 3), "disk_vs_fio_nvme": round(training / fio, 3),
+            "disk_gbps_fio_mix": round(fio, 3), "disk_fio_mix_config": ref["config"],
+            "disk_gbps_fio_mix_by_config": {c: round(v, 3) for c, v in ref["by_config"].items()},
+            "disk_gbps_fio_mix_runs": [{c: round(v, 3) for c, v in run.items()} for run in ref["runs"]],
+            "disk_gbps_fio_mix_per_run_best": round(per_run_best, 3),
+            "disk_fio_file_bytes": size, "disk_read_share_nvme": round(share, 3),
+            "disk_vs_fio_nvme": round(training / fio, 3),
+            "disk_vs_fio_nvme_per_run_best": round(training / per_run_best, 3),
             "disk_vs_fio_nvme_all_steps": round(all_steps / fio, 3)}
 
 
