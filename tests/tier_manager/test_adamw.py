@@ -383,22 +383,13 @@ def test_a_streamed_step_on_a_nearly_full_nvme_pool_waits_for_the_blocks_ahead_t
 
 
 def test_streamed_tensors_moved_side_by_side_share_the_io_engine_s_kept_staging_buffers(
-        tmp_path, shm_dir, monkeypatch):
+        tmp_path, shm_dir, staging_made):
     """A streamed block's tensors go through the disk side by side, several IO batches at
     once: they share the engine's kept staging set (made once, at the first batch) rather
     than each making and dropping buffers of its own (the daemon's memory stays flat; a
     kept set of 4 here, smaller than the batches at once: 40 buffers were made before)."""
     from tierstack.config import AioConfig, CpuPoolConfig, NvmePoolConfig, TierManagerConfig
-    from tierstack.services.tier_manager import io_engine
 
-    made = []
-
-    class Counted(io_engine.StagingBuffer):
-        def __init__(self, nbytes):
-            made.append(nbytes)
-            super().__init__(nbytes)
-
-    monkeypatch.setattr(io_engine, "StagingBuffer", Counted)
     aio = AioConfig(block_size=64 << 10, queue_depth=2, thread_count=1)
     config = TierManagerConfig(
         cpu_pool=CpuPoolConfig(size=1 << 20, shm_dir=str(shm_dir)),
@@ -409,7 +400,7 @@ def test_streamed_tensors_moved_side_by_side_share_the_io_engine_s_kept_staging_
             pytest.skip("the threads backend stages per thread, not from a kept set")
     _stream_two_steps(config, None)
     kept = 2 * aio.thread_count * aio.queue_depth
-    assert len(made) == kept, len(made)
+    assert len(staging_made) == kept, len(staging_made)
 
 
 def test_parameters_placed_nvme_stay_in_the_pool_after_their_update_until_the_next_use(tier_config):

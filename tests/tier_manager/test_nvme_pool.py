@@ -211,21 +211,13 @@ def test_a_disk_too_small_for_the_pool_says_so_when_it_fills_and_keeps_what_it_h
 
 
 def test_a_deep_aio_config_keeps_its_staging_within_staging_bytes_and_moves_bytes_right(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, staging_made):
     """DeepSpeed's `"queue_depth": 32, "thread_count": 8` asked for two staging buffers per
     request in flight: 512 huge pages, 1 GiB of host memory. The engine keeps at most
     STAGING_BYTES of them, and batches from several threads at once, far more requests
     than buffers, still round-trip bit for bit."""
     from tierstack.services.tier_manager import io_engine
 
-    made = []
-
-    class Counted(io_engine.StagingBuffer):
-        def __init__(self, nbytes):
-            made.append(nbytes)
-            super().__init__(nbytes)
-
-    monkeypatch.setattr(io_engine, "StagingBuffer", Counted)
     monkeypatch.setattr(io_engine, "STAGING_BYTES", 8 * MiB)  # 4 buffers of a huge page each
     pool = NvmePool(NvmePoolConfig(
         paths=[str(tmp_path / "a")], size=64 * MiB,
@@ -250,6 +242,6 @@ def test_a_deep_aio_config_keeps_its_staging_within_staging_bytes_and_moves_byte
         [t.join() for t in threads]
         assert errors == []
         assert pool.engine.staging_buffers == 4
-        assert 1 <= len(made) <= 4, len(made)
+        assert 1 <= len(staging_made) <= 4, len(staging_made)
     finally:
         pool.close()
