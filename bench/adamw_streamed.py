@@ -8,8 +8,9 @@ evicted gradient would be). The first step (which creates the moments) is left o
 figures. Reports the disk's rate during the steps (bytes the pool read and wrote / the
 steps' time) and, with --fio, fio's rate on the same directory at the same read share
 (bench/io.fio_mix_reference, sequential 1 MiB direct IO, --fio-reps runs of io_uring and
-libaio at depths 8 and 32, the best configuration's median): `streamed_vs_fio` (issue 12 item 5 asks >= 0.9 of a training step's). Removes
-its files on every exit. The last line is one JSON object.
+libaio at depths 8 and 32, the best configuration's median): `streamed_vs_fio` (issue 12
+item 5 asks >= 0.9 of a training step's). Removes its files on every exit. The last line
+is one JSON object.
 
 `--in-flight K` steps each block in a call of its own, K calls at a time, as a training
 job's TieredAdamW does (one request per block); by default one call steps all blocks.

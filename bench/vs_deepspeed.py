@@ -74,6 +74,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from footprint import Sampler  # noqa: E402
 from tierstack.process_tree import kill_tree  # noqa: E402
+from tierstack.services.tier_manager.extents import align_up  # noqa: E402
 from tierstack.worker.jobs.run_directory import run_directory  # noqa: E402
 
 MODELS = {
@@ -575,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fio-gib", type=int, default=0,
                         help="fio's file, GiB (default: the span the pool's IO covered)")
     parser.add_argument("--fio-reps", type=int, default=3,
-                        help="fio runs at the step's mix; their median is the reference")
+                        help="fio runs of each configuration at the step's mix; the best "
+                             "configuration's median is the reference")
     parser.add_argument("--out", help="also write the final JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29500, help=argparse.SUPPRESS)
@@ -721,7 +723,7 @@ def _disk_vs_fio(args, ts_runs: list[dict]) -> dict:
         return {"disk_vs_fio_nvme": None}
     share = read / (read + written)
     span = max((r.get("nvme_span") or 0) for r in ts_runs)
-    size = args.fio_gib << 30 if args.fio_gib else max(1 << 30, -(-span // (1 << 30)) << 30)
+    size = args.fio_gib << 30 if args.fio_gib else max(1 << 30, align_up(span, 1 << 30))
     io = bench_io()
     ref = io.fio_mix_reference(args.fio, Path(args.nvme_dir) / "fio-mix", size, share, args.fio_reps)
     fio, per_run_best = ref["gbps"], ref["per_run_best"]

@@ -9,11 +9,11 @@ Where the native library was not built (no C compiler), the same requests run on
 of Python threads instead, with a warning.
 
 Each thread owns one staging buffer of `block_size` bytes (the engine keeps at most
-STAGING_BYTES of them, however deep its aio config: a thread waits for one), anonymous memory advised
-MADV_HUGEPAGE and 2 MiB aligned: a virtio disk splits a request that spans more than
-`max_segments` (254) memory segments, so a 1 MiB request into 4 KiB pages (256 segments)
-becomes two and loses half its throughput, while into one huge page it is a single
-segment. Measured here, staging through these small, reused buffers beat O_DIRECT
+STAGING_BYTES of them, however deep its aio config: a thread waits for one), anonymous
+memory advised MADV_HUGEPAGE and 2 MiB aligned: a virtio disk splits a request that spans
+more than `max_segments` (254) memory segments, so a 1 MiB request into 4 KiB pages (256
+segments) becomes two and loses half its throughput, while into one huge page it is a
+single segment. Measured here, staging through these small, reused buffers beat O_DIRECT
 straight into large payload mappings, hugetlbfs ones included, so every block is staged.
 
 Every block's crc32c is computed by the IO thread on the bytes that go to or come from
