@@ -13,9 +13,14 @@ stored before it in the background (the daemon brings it back from NVMe, a loade
 copies it out) while this block recomputes; each input is deleted as soon as its block's
 backward is done, so none outlives the step.
 
-An input changed in place while its copy may still be running would be stored torn; the
-writer checks the tensor's version counter after the copy and fails the step if it moved
-(the models tierstack wraps never do that: a block's input is the last block's output).
+An input changed in place while its copy may still be running would be stored torn or
+changed. The caller's thread checks the input's version counter when it next waits for the
+write (the next put, or the take) and fails the step if it moved since the put, whether or
+not the change overlapped the copy: the writer thread cannot check it, as an in-place op
+bumps the counter only after its kernel, so one still running would pass unseen. The
+stash keeps the input referenced until then (one input, the one in flight), and a change
+after that cannot reach the stored copy. Models tierstack wraps never change a block's
+input in place (it is the last block's output).
 
 The stash knows nothing of blocks or policies: it stores, reads back and deletes
 tensors in the order the forward put them.
@@ -59,6 +64,9 @@ class ActivationStash:
         self._reads: dict[str, Future] = {}
         self._writes: dict[str, Future] = {}  # until each input is committed
         self._last_write: Future | None = None
+        # The input of the write in flight and its version counter at the put, until the
+        # caller's thread waits for that write (see the module's docstring).
+        self._in_flight: tuple[torch.Tensor, int] | None = None
         # One reader: inputs come back one at a time, each behind a block's recompute.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-activations")
         # One writer: an input goes out while the next block computes.
@@ -87,12 +95,13 @@ class ActivationStash:
         count `entry` live. Waits for the write before it first: one in flight."""
         previous, self._last_write = self._last_write, None
         if previous is not None:
-            previous.result()  # its error, if any, is this step's (raised once)
+            self._wait_for_last(previous)  # its error, if any, is this step's (raised once)
         ready = None
         if data.device.type == "cuda":  # the copy waits for what computes `data`, no more
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(data.device))
         copy = self._copier(data, ready)
+        self._in_flight = (data, data._version)
         self._last_write = self._writes[entry.key] = self._writer.submit(
             self.store.session.write, entry.key, data.numel(), copy, False, placement)
         self.bytes_written += data.numel()
@@ -131,6 +140,7 @@ class ActivationStash:
             self.release(entry)
         self._count = 0
         self._last_write = None
+        self._in_flight = None
 
     def live(self) -> list[StashedInput]:
         return list(self._live)
@@ -143,16 +153,30 @@ class ActivationStash:
     def _written(self, entry: StashedInput) -> None:
         """Wait for `entry`'s write; raise its error (the input is not stored)."""
         write = self._writes.pop(entry.key, None)
-        if write is self._last_write:
-            self._last_write = None  # raised here, not again by the next put
-        if write is not None:
-            write.result()
+        if write is None:
+            return
+        if write is not self._last_write:
+            write.result()  # confirmed unchanged by the put after it
+            return
+        self._last_write = None  # raised here, not again by the next put
+        self._wait_for_last(write)
+
+    def _wait_for_last(self, write: Future) -> None:
+        """Wait for the write in flight; raise its error, or raise if its input was changed
+        in place since its put (the copy may have read it changed). Either way the stash
+        lets go of that input."""
+        held, self._in_flight = self._in_flight, None
+        write.result()
+        if held is not None and held[0]._version != held[1]:
+            raise RuntimeError(
+                "a block's input was changed in place while it was being offloaded to the "
+                "tier manager; offloaded activations need the input unchanged after the "
+                "block's forward: set train.activations.policy to recompute or keep")
 
     def _copier(self, data: torch.Tensor, ready: torch.cuda.Event | None
                 ) -> Callable[[torch.Tensor], None]:
         """The writer thread's fill of a leased pool block with `data` (kept alive by the
         closure until the copy is done, so its memory is not reused under the copy)."""
-        version = data._version
 
         def copy(block: torch.Tensor) -> None:
             if ready is None:
@@ -165,11 +189,6 @@ class ActivationStash:
                 with torch.cuda.stream(stream):
                     block.copy_(data, non_blocking=True)  # the arena is page-locked
                 stream.synchronize()
-            if data._version != version:
-                raise RuntimeError(
-                    "a block's input was changed in place while it was being offloaded to the "
-                    "tier manager; offloaded activations need the input unchanged after the "
-                    "block's forward: set train.activations.policy to recompute or keep")
 
         return copy
 
