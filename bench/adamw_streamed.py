@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import shutil
 import statistics
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,8 +33,10 @@ import torch
 
 from tierstack.config import CpuPoolConfig, NvmePoolConfig, TierManagerConfig
 from tierstack.services.tier_manager.adamw import AdamWStepper
+from tierstack.services.tier_manager.extents import align_up
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
+from tierstack.worker.jobs.run_directory import run_directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_deepspeed import bench_io  # noqa: E402
@@ -65,7 +65,7 @@ def run(args, directory: Path) -> dict:
                 blocks.append(AdamWBlock(f"b{i}/params", f"b{i}/grad", f"b{i}/master", f"b{i}/exp_avg",
                                          f"b{i}/exp_avg_sq", "bfloat16", "bfloat16", state,
                                          (AdamWSegment(numel, 0, 0, 0),), state_placement="nvme"))
-            seconds, read, written = [], 0, 0
+            seconds, read, written, span = [], 0, 0, 0
             for step in range(1, args.steps + 1):
                 for block in blocks:
                     grad = torch.randn(numel, generator=g).to(torch.bfloat16)
@@ -79,6 +79,7 @@ def run(args, directory: Path) -> dict:
                     stepper.step(blocks, hyper)
                 took = time.perf_counter() - start
                 after = reg.stats()
+                span = max(span, before.nvme_used, after.nvme_used)  # the bytes its IO spans
                 print(f"step {step}: {took:.2f} s, read {(after.nvme_bytes_read - before.nvme_bytes_read) / 1e9:.2f} GB, "
                       f"wrote {(after.nvme_bytes_written - before.nvme_bytes_written) / 1e9:.2f} GB", flush=True)
                 if step > 1:  # step 1 creates the moments (nothing to read)
@@ -92,11 +93,13 @@ def run(args, directory: Path) -> dict:
     result = {"blocks": args.blocks, "numel": numel, "steps": args.steps, "in_flight": args.in_flight, "step_s": [round(s, 3) for s in seconds],
               "step_median_s": round(statistics.median(seconds), 3), "read_bytes": read, "written_bytes": written,
               "streamed_gbps": round((read + written) / total / 1e9, 3),
-              "read_share": round(read / (read + written), 3), "kernel": stepper.kernel}
+              "read_share": round(read / (read + written), 3), "kernel": stepper.kernel,
+              "nvme_span": span}
     if args.fio:
-        ref = bench_io().fio_mix_reference(args.fio, directory / "fio-mix", args.fio_gib << 30,
+        size = args.fio_gib << 30 if args.fio_gib else max(1 << 30, align_up(span, 1 << 30))
+        ref = bench_io().fio_mix_reference(args.fio, directory / "fio-mix", size,
                                            result["read_share"], args.fio_reps)
-        result.update(fio_mix_gbps=round(ref["gbps"], 3), fio_mix_config=ref["config"],
+        result.update(fio_gib=size >> 30, fio_mix_gbps=round(ref["gbps"], 3), fio_mix_config=ref["config"],
                       fio_mix_per_run_best=round(ref["per_run_best"], 3),
                       streamed_vs_fio=round(result["streamed_gbps"] / ref["gbps"], 3))
     return result
@@ -107,10 +110,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--numel", type=int, default=1 << 26, help="parameters per block")
     parser.add_argument("--steps", type=int, default=3, help="steps; the first is left out")
-    parser.add_argument("--nvme-dir", default="", help="default: a directory under /var/tmp")
+    parser.add_argument("--nvme-dir", default="", help="where its files go (on the NVMe drive), created if missing; default /var/tmp")
     parser.add_argument("--fio", nargs="?", const="fio", default=None, metavar="PATH",
                         help="fio (this binary, default from PATH) at the steps' read/write mix")
-    parser.add_argument("--fio-gib", type=int, default=4)
+    parser.add_argument("--fio-gib", type=int, default=0,
+                        help="fio's file in GiB; 0: the span the pool's IO covered, rounded up to GiB")
     parser.add_argument("--fio-reps", type=int, default=3, help="fio runs; see bench/io.fio_mix_reference")
     parser.add_argument("--in-flight", type=int, default=0, metavar="K",
                         help="step each block in a call of its own, K calls at a time (as the "
@@ -118,15 +122,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first creates the moments)")
-    if args.nvme_dir:
-        directory = Path(args.nvme_dir)
-        directory.mkdir(parents=True, exist_ok=False)
-    else:
-        directory = Path(tempfile.mkdtemp(prefix="tierstack-adamw-streamed-", dir="/var/tmp"))
-    try:
-        result = run(args, directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    # A fresh directory under --nvme-dir, removed after with the parents it made (the one
+    # mechanism tierstack train uses for its run directory).
+    with run_directory(args.nvme_dir or "/var/tmp", setting="--nvme-dir") as directory:
+        result = run(args, Path(directory))
     print(json.dumps(result))
 
 

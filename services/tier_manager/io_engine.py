@@ -38,6 +38,7 @@ import crc32c
 import numpy as np
 
 from tierstack.config import AioConfig
+from tierstack.services.tier_manager.extents import align_up
 from tierstack.services.tier_manager.native_library import load_native_library
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes
 from tierstack.errors import DataCorruptionError, NvmePoolFullError, StorageIOError, UnsafePathError
@@ -64,7 +65,7 @@ class StagingBuffer:
     """A 2 MiB-aligned anonymous buffer advised to use transparent huge pages."""
 
     def __init__(self, nbytes: int) -> None:
-        span = align_up_to(nbytes, HUGE_PAGE)
+        span = align_up(nbytes, HUGE_PAGE)
         # One huge page more than needed, so that a 2 MiB-aligned span fits inside.
         self._map = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = np.frombuffer(self._map, dtype=np.uint8)
@@ -77,10 +78,6 @@ class StagingBuffer:
         self.array = base[start:start + nbytes]
         self.array[:] = 0  # fault the pages in now, as huge pages where the kernel can
         self.view = memoryview(self.array)
-
-
-def align_up_to(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
 
 
 @dataclass
@@ -211,7 +208,7 @@ class IoEngine:
         # Buffers (and so threads with a request in flight) the engine keeps: two per
         # request allowed in flight, within STAGING_BYTES (each takes whole huge pages).
         self.staging_buffers = max(2, min(2 * self.workers,
-                                          STAGING_BYTES // align_up_to(self.block_size, HUGE_PAGE)))
+                                          STAGING_BYTES // align_up(self.block_size, HUGE_PAGE)))
         self._native = load_native_blockio() if aio.engine != "threads" else None
         if aio.engine == "native" and self._native is None:
             raise StorageIOError(
