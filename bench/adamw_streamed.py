@@ -33,7 +33,6 @@ import torch
 
 from tierstack.config import CpuPoolConfig, NvmePoolConfig, TierManagerConfig
 from tierstack.services.tier_manager.adamw import AdamWStepper
-from tierstack.services.tier_manager.extents import align_up
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
 from tierstack.worker.jobs.run_directory import run_directory
@@ -96,9 +95,10 @@ def run(args, directory: Path) -> dict:
               "read_share": round(read / (read + written), 3), "kernel": stepper.kernel,
               "nvme_span": span}
     if args.fio:
-        size = args.fio_gib << 30 if args.fio_gib else max(1 << 30, align_up(span, 1 << 30))
-        ref = bench_io().fio_mix_reference(args.fio, directory / "fio-mix", size,
-                                           result["read_share"], args.fio_reps)
+        io = bench_io()
+        size = io.fio_file_bytes(span, args.fio_gib)
+        ref = io.fio_mix_reference(args.fio, directory / "fio-mix", size, result["read_share"],
+                                   args.fio_reps)
         result.update(fio_gib=size >> 30, fio_mix_gbps=round(ref["gbps"], 3), fio_mix_config=ref["config"],
                       fio_mix_per_run_best=round(ref["per_run_best"], 3),
                       streamed_vs_fio=round(result["streamed_gbps"] / ref["gbps"], 3))

@@ -29,6 +29,7 @@ import numpy as np
 
 from tierstack.config import GiB, MiB, AioConfig, CpuPoolConfig, NvmePoolConfig, parse_size
 from tierstack.services.tier_manager.cpu_pool import CpuPool
+from tierstack.services.tier_manager.extents import align_up
 from tierstack.services.tier_manager.nvme_pool import NvmePool
 
 BLOCK = 1 * MiB
@@ -103,6 +104,12 @@ def fio_mix_runs(fio: str, path: Path, size: int, read_share: float) -> dict[str
                 for engine, qd in FIO_MIX_CONFIGS}
     finally:
         path.unlink(missing_ok=True)
+
+
+def fio_file_bytes(span: int, gib: int = 0) -> int:
+    """fio's file for a reference at a step's mix: `gib` GiB where given, else as large as
+    the span the pool's IO covered (the most bytes it held), rounded up to whole GiB."""
+    return gib * GiB if gib else max(GiB, align_up(span, GiB))
 
 
 def fio_mix_reference(fio: str, path: Path, size: int, read_share: float, reps: int) -> dict:

@@ -74,7 +74,6 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from footprint import Sampler  # noqa: E402
 from tierstack.process_tree import kill_tree  # noqa: E402
-from tierstack.services.tier_manager.extents import align_up  # noqa: E402
 from tierstack.worker.jobs.run_directory import run_directory  # noqa: E402
 
 MODELS = {
@@ -723,8 +722,8 @@ def _disk_vs_fio(args, ts_runs: list[dict]) -> dict:
         return {"disk_vs_fio_nvme": None}
     share = read / (read + written)
     span = max((r.get("nvme_span") or 0) for r in ts_runs)
-    size = args.fio_gib << 30 if args.fio_gib else max(1 << 30, align_up(span, 1 << 30))
     io = bench_io()
+    size = io.fio_file_bytes(span, args.fio_gib)
     ref = io.fio_mix_reference(args.fio, Path(args.nvme_dir) / "fio-mix", size, share, args.fio_reps)
     fio, per_run_best = ref["gbps"], ref["per_run_best"]
     all_steps = (read + written) / seconds / 1e9
