@@ -63,10 +63,9 @@ class ActivationStash:
         self._live: list[StashedInput] = []  # in forward order; backward takes from the end
         self._reads: dict[str, Future] = {}
         self._writes: dict[str, Future] = {}  # until each input is committed
-        self._last_write: Future | None = None
-        # The input of the write in flight and its version counter at the put, until the
-        # caller's thread waits for that write (see the module's docstring).
-        self._in_flight: tuple[torch.Tensor, int] | None = None
+        # The write in flight, with its input and that input's version counter at the put,
+        # until the caller's thread waits for it (see the module's docstring).
+        self._last_write: tuple[Future, torch.Tensor, int] | None = None
         # One reader: inputs come back one at a time, each behind a block's recompute.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierstack-activations")
         # One writer: an input goes out while the next block computes.
@@ -95,15 +94,15 @@ class ActivationStash:
         count `entry` live. Waits for the write before it first: one in flight."""
         previous, self._last_write = self._last_write, None
         if previous is not None:
-            self._wait_for_last(previous)  # its error, if any, is this step's (raised once)
+            self._wait_for_last(*previous)  # its error, if any, is this step's (raised once)
         ready = None
         if data.device.type == "cuda":  # the copy waits for what computes `data`, no more
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(data.device))
         copy = self._copier(data, ready)
-        self._in_flight = (data, data._version)
-        self._last_write = self._writes[entry.key] = self._writer.submit(
+        write = self._writes[entry.key] = self._writer.submit(
             self.store.session.write, entry.key, data.numel(), copy, False, placement)
+        self._last_write = (write, data, data._version)
         self.bytes_written += data.numel()
         self.bytes_held += data.numel()
         self.peak_bytes_held = max(self.peak_bytes_held, self.bytes_held)
@@ -140,7 +139,6 @@ class ActivationStash:
             self.release(entry)
         self._count = 0
         self._last_write = None
-        self._in_flight = None
 
     def live(self) -> list[StashedInput]:
         return list(self._live)
@@ -155,19 +153,18 @@ class ActivationStash:
         write = self._writes.pop(entry.key, None)
         if write is None:
             return
-        if write is not self._last_write:
+        last = self._last_write
+        if last is None or write is not last[0]:
             write.result()  # confirmed unchanged by the put after it
             return
         self._last_write = None  # raised here, not again by the next put
-        self._wait_for_last(write)
+        self._wait_for_last(*last)
 
-    def _wait_for_last(self, write: Future) -> None:
-        """Wait for the write in flight; raise its error, or raise if its input was changed
-        in place since its put (the copy may have read it changed). Either way the stash
-        lets go of that input."""
-        held, self._in_flight = self._in_flight, None
+    def _wait_for_last(self, write: Future, data: torch.Tensor, version: int) -> None:
+        """Wait for the write in flight; raise its error, or raise if its input `data` was
+        changed in place since its put at `version` (the copy may have read it changed)."""
         write.result()
-        if held is not None and held[0]._version != held[1]:
+        if data._version != version:
             raise RuntimeError(
                 "a block's input was changed in place while it was being offloaded to the "
                 "tier manager; offloaded activations need the input unchanged after the "
@@ -177,7 +174,6 @@ class ActivationStash:
                 ) -> Callable[[torch.Tensor], None]:
         """The writer thread's fill of a leased pool block with `data` (kept alive by the
         closure until the copy is done, so its memory is not reused under the copy)."""
-
         def copy(block: torch.Tensor) -> None:
             if ready is None:
                 block.copy_(data)
