@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -121,6 +122,7 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
     drives = [d for d in drives if not d.exists()]  # the nodes' NVMe pools this test creates
     # ...and their parents (deploy/node.json's /var/tmp/tierstack), where this test makes them
     parents = [Path(p) for p in node_config["nvme_pool"]["paths"] if not Path(p).exists()]
+    config_caches = set(Path(tempfile.gettempdir()).glob("ray-config-*"))
     try:
         up = _run([RAY, "up", "-y", "--no-config-cache", cluster_yaml], env, 420, tmp_path / "up.log")
         assert up.returncode == 0, up.stdout[-4000:]
@@ -155,6 +157,10 @@ def test_ray_up_trains_two_ranks_on_two_nodes_and_ray_down_stops_everything(loca
                 path.unlink(missing_ok=True)
         for suffix in ("state", "lock"):
             Path(f"/tmp/ray/cluster-{name}.{suffix}").unlink(missing_ok=True)
+        # `ray down` caches the resolved config in the temp directory (`ray up` was told
+        # --no-config-cache; `ray down` has no such option): one file per run was left.
+        for cache in set(Path(tempfile.gettempdir()).glob("ray-config-*")) - config_caches:
+            cache.unlink(missing_ok=True)
     assert down.returncode == 0, down.stdout[-4000:]
     deadline = time.monotonic() + 90  # `ray stop` stopped the raylets; the services follow
     while any(_answers(n, cluster, 1.0) or (node_dir(n, cluster) / "ray-node.pid").exists()
