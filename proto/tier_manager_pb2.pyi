@@ -245,16 +245,26 @@ class NodeStats(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., cpu_capacity: _Optional[int] = ..., cpu_used: _Optional[int] = ..., nvme_capacity: _Optional[int] = ..., nvme_used: _Optional[int] = ..., tensors: _Optional[int] = ..., nvme_bytes_read: _Optional[int] = ..., nvme_bytes_written: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., leases: _Optional[int] = ..., pinned: _Optional[int] = ...) -> None: ...
 
 class AdamWSegment(_message.Message):
-    __slots__ = ("numel", "param_offset", "grad_offset", "state_offset")
+    __slots__ = ("numel", "param_offset", "grad_offset", "state_offset", "group")
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     PARAM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     GRAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     STATE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     numel: int
     param_offset: int
     grad_offset: int
     state_offset: int
-    def __init__(self, numel: _Optional[int] = ..., param_offset: _Optional[int] = ..., grad_offset: _Optional[int] = ..., state_offset: _Optional[int] = ...) -> None: ...
+    group: int
+    def __init__(self, numel: _Optional[int] = ..., param_offset: _Optional[int] = ..., grad_offset: _Optional[int] = ..., state_offset: _Optional[int] = ..., group: _Optional[int] = ...) -> None: ...
+
+class AdamWGroup(_message.Message):
+    __slots__ = ("lr", "weight_decay")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    weight_decay: float
+    def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ...) -> None: ...
 
 class AdamWBlock(_message.Message):
     __slots__ = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "param_dtype", "grad_dtype", "state_nbytes", "segments", "state_placement")
@@ -281,7 +291,7 @@ class AdamWBlock(_message.Message):
     def __init__(self, params: _Optional[str] = ..., grads: _Optional[str] = ..., master: _Optional[str] = ..., exp_avg: _Optional[str] = ..., exp_avg_sq: _Optional[str] = ..., param_dtype: _Optional[str] = ..., grad_dtype: _Optional[str] = ..., state_nbytes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[AdamWSegment, _Mapping]]] = ..., state_placement: _Optional[_Union[Placement, str]] = ...) -> None: ...
 
 class AdamWStepRequest(_message.Message):
-    __slots__ = ("blocks", "step", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale", "durable", "release_gradients")
+    __slots__ = ("blocks", "step", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale", "durable", "release_gradients", "groups")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +302,7 @@ class AdamWStepRequest(_message.Message):
     GRAD_SCALE_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[AdamWBlock]
     step: int
     lr: float
@@ -302,7 +313,8 @@ class AdamWStepRequest(_message.Message):
     grad_scale: float
     durable: bool
     release_gradients: bool
-    def __init__(self, blocks: _Optional[_Iterable[_Union[AdamWBlock, _Mapping]]] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_scale: _Optional[float] = ..., durable: _Optional[bool] = ..., release_gradients: _Optional[bool] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[AdamWGroup]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[AdamWBlock, _Mapping]]] = ..., step: _Optional[int] = ..., lr: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_scale: _Optional[float] = ..., durable: _Optional[bool] = ..., release_gradients: _Optional[bool] = ..., groups: _Optional[_Iterable[_Union[AdamWGroup, _Mapping]]] = ...) -> None: ...
 
 class AdamWStepResponse(_message.Message):
     __slots__ = ("updated", "update_seconds", "wait_seconds")

@@ -44,6 +44,7 @@ request changes nothing.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -193,6 +194,7 @@ class AdamWStepper:
         _check_hyper(hyper)
         for block in blocks:
             _check_block(block)
+            _check_groups(block, hyper)
         _check_distinct(blocks)
         result = AdamWResult()
         writes: list[Future] = []
@@ -416,15 +418,16 @@ class AdamWStepper:
                 for name, stream in streams.items():
                     stream.prefetch(*after[name])
             windows = {name: src.window(*spans[name]) for name, src in sources.items()}
-            pieces = []
+            pieces: dict[int, list[Piece]] = {}  # by param group: one kernel call each
             for s, first, n in tile:
                 st = (spans["state"][0], s.state_offset, first, n, _FLOAT)
-                pieces.append(Piece(
+                pieces.setdefault(s.group, []).append(Piece(
                     params=_piece(windows["params"], spans["params"][0], s.param_offset, first, n, p_dtype),
                     master=_piece(windows["master"], *st) if block.master else None,
                     grads=_piece(windows["grads"], spans["grads"][0], s.grad_offset, first, n, g_dtype),
                     exp_avg=_piece(windows["exp_avg"], *st), exp_avg_sq=_piece(windows["exp_avg_sq"], *st)))
-            kernel.step(pieces, hyper)
+            for group, group_pieces in pieces.items():
+                kernel.step(group_pieces, hyper.for_group(group))
             del windows, pieces  # no view of a ring outlives its release
             if after is not None:  # below the next window's first disk block: done with
                 for name, stream in streams.items():
@@ -606,11 +609,25 @@ def _nbytes(source: _Resident | StreamedTensor) -> int:
 def _check_hyper(hyper: AdamWHyper) -> None:
     if hyper.step < 1:
         raise InvalidArgumentError(f"AdamW step must be >= 1 (1 is the first), got {hyper.step}")
-    if not (hyper.lr > 0 and hyper.eps > 0 and hyper.weight_decay >= 0
-            and 0 <= hyper.beta1 < 1 and 0 <= hyper.beta2 < 1 and hyper.grad_scale > 0):
+    # lr 0 is legal: a warm-up schedule starts there (the moments still move).
+    rates = [(hyper.lr, hyper.weight_decay), *hyper.groups]
+    if not (all(math.isfinite(lr) and lr >= 0 and math.isfinite(wd) and wd >= 0 for lr, wd in rates)
+            and hyper.eps > 0 and 0 <= hyper.beta1 < 1 and 0 <= hyper.beta2 < 1
+            and math.isfinite(hyper.grad_scale) and hyper.grad_scale > 0):
         raise InvalidArgumentError(
-            f"AdamW hyperparameters out of range: lr and eps must be > 0, weight_decay >= 0, "
-            f"betas in [0, 1), grad_scale > 0; got {hyper}")
+            f"AdamW hyperparameters out of range: lr and weight_decay (of every group) must be "
+            f"finite and >= 0, eps > 0, betas in [0, 1), grad_scale finite and > 0; got {hyper}")
+
+
+def _check_groups(block: AdamWBlock, hyper: AdamWHyper) -> None:
+    """Every segment's param group is one the request gives hyperparameters for."""
+    count = len(hyper.groups) or 1
+    wrong = sorted({s.group for s in block.segments if s.group >= count})
+    if wrong:
+        raise InvalidArgumentError(
+            f"block {block.params!r}: segments name param groups {wrong} but the request gives "
+            f"{len(hyper.groups)} groups' lr and weight decay (give one per group, or none "
+            f"and group 0 everywhere)")
 
 
 def _check_block(block: AdamWBlock) -> None:

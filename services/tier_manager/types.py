@@ -7,7 +7,7 @@ placement is one of tierstack.tiers.PLACEMENTS.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tierstack.tiers import AUTO, Placement
 
@@ -110,6 +110,7 @@ class AdamWSegment:
     param_offset: int  # in `params`, of dtype param_dtype
     grad_offset: int  # in `grads`, of dtype grad_dtype
     state_offset: int  # in `master`, `exp_avg`, `exp_avg_sq` (float32)
+    group: int = 0  # index into AdamWHyper.groups (0 without groups: the hyper's own)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,16 @@ class AdamWHyper:
     weight_decay: float
     grad_scale: float = 1.0  # gradients are multiplied by this first (global-norm clipping)
     release_gradients: bool = False  # delete each block's gradients once it is updated
+    groups: tuple[tuple[float, float], ...] = ()
+    """(lr, weight_decay) of each param group, indexed by AdamWSegment.group; empty: one
+    group, `lr` and `weight_decay` (an optimizer's groups: e.g. no decay on norms, biases)."""
+
+    def for_group(self, group: int) -> "AdamWHyper":
+        """The hyperparameters of segments in param group `group`."""
+        if not self.groups:
+            return self
+        lr, weight_decay = self.groups[group]
+        return replace(self, lr=lr, weight_decay=weight_decay, groups=())
 
 
 @dataclass

@@ -107,7 +107,8 @@ def adamw_block_pb(block: AdamWBlock) -> pb.AdamWBlock:
         exp_avg_sq=block.exp_avg_sq, param_dtype=block.param_dtype, grad_dtype=block.grad_dtype,
         state_nbytes=block.state_nbytes, state_placement=placement_pb(block.state_placement),
         segments=[pb.AdamWSegment(numel=s.numel, param_offset=s.param_offset,
-                                  grad_offset=s.grad_offset, state_offset=s.state_offset)
+                                  grad_offset=s.grad_offset, state_offset=s.state_offset,
+                                  group=s.group)
                   for s in block.segments])
 
 
@@ -116,7 +117,8 @@ def adamw_block_from(msg: pb.AdamWBlock) -> AdamWBlock:
         params=msg.params, grads=msg.grads, master=msg.master, exp_avg=msg.exp_avg,
         exp_avg_sq=msg.exp_avg_sq, param_dtype=msg.param_dtype, grad_dtype=msg.grad_dtype,
         state_nbytes=msg.state_nbytes, state_placement=placement_from(msg.state_placement),
-        segments=tuple(AdamWSegment(s.numel, s.param_offset, s.grad_offset, s.state_offset)
+        segments=tuple(AdamWSegment(s.numel, s.param_offset, s.grad_offset, s.state_offset,
+                                    s.group)
                        for s in msg.segments))
 
 
@@ -124,13 +126,15 @@ def adamw_request_pb(blocks: list[AdamWBlock], hyper: AdamWHyper, durable: bool)
     return pb.AdamWStepRequest(
         blocks=[adamw_block_pb(b) for b in blocks], step=hyper.step, lr=hyper.lr,
         beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
-        grad_scale=hyper.grad_scale, durable=durable, release_gradients=hyper.release_gradients)
+        grad_scale=hyper.grad_scale, durable=durable, release_gradients=hyper.release_gradients,
+        groups=[pb.AdamWGroup(lr=lr, weight_decay=wd) for lr, wd in hyper.groups])
 
 
 def adamw_request_from(msg: pb.AdamWStepRequest) -> tuple[list[AdamWBlock], AdamWHyper, bool]:
     hyper = AdamWHyper(step=msg.step, lr=msg.lr, beta1=msg.beta1, beta2=msg.beta2, eps=msg.eps,
                        weight_decay=msg.weight_decay, grad_scale=msg.grad_scale or 1.0,
-                       release_gradients=msg.release_gradients)
+                       release_gradients=msg.release_gradients,
+                       groups=tuple((g.lr, g.weight_decay) for g in msg.groups))
     return [adamw_block_from(b) for b in msg.blocks], hyper, msg.durable
 
 

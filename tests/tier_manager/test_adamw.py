@@ -172,6 +172,41 @@ def test_grad_scale_scales_the_gradients(tier_config):
         stepper.close()
 
 
+def test_each_param_group_steps_with_its_own_lr_and_weight_decay_and_lr_zero_is_allowed(tier_config):
+    """A block's tensors in three param groups (as an optimizer's groups: no decay on biases,
+    a warm-up at lr 0) step as torch.optim.AdamW steps the same groups."""
+    groups = ((1e-2, 0.1), (3e-3, 0.0), (0.0, 0.5))
+    with TierRegistry(tier_config) as reg:
+        stepper = AdamWStepper(reg)
+        try:
+            g = torch.Generator().manual_seed(3)
+            params = [torch.randn(s, generator=g) for s in SHAPES]
+            grads = [torch.randn(s, generator=g) for s in SHAPES]
+            block, p_off, _ = _store_block(reg, "grp", params, grads, torch.float32, False)
+            block = AdamWBlock(**{**block.__dict__, "segments": tuple(
+                AdamWSegment(s.numel, s.param_offset, s.grad_offset, s.state_offset, group=i)
+                for i, s in enumerate(block.segments))})
+            stepper.step([block], AdamWHyper(1, 5.0, 0.9, 0.95, 1e-8, 9.0, groups=groups))
+            refs = [p.clone().requires_grad_() for p in params]
+            for ref, grad in zip(refs, grads):
+                ref.grad = grad.clone()
+            ref_opt = torch.optim.AdamW([{"params": [r], "lr": lr, "weight_decay": wd}
+                                         for r, (lr, wd) in zip(refs, groups)],
+                                        betas=(0.9, 0.95), eps=1e-8)
+            _on_this_thread(ref_opt.step)
+            got = _unpack(reg.get(block.params), p_off, SHAPES, torch.float32)
+            for i, (p, ref) in enumerate(zip(got, refs)):
+                torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7,
+                                           msg=lambda m: f"group {i}: {m}")
+            assert torch.equal(got[2], params[2])  # lr 0: the parameters stay as they were
+            wrong = AdamWBlock(**{**block.__dict__, "params": "grp/params"})
+            with pytest.raises(InvalidArgumentError, match="param groups \\[2\\]"):
+                stepper.step([wrong], AdamWHyper(2, 1e-2, 0.9, 0.95, 1e-8, 0.0,
+                                                 groups=groups[:2]))
+        finally:
+            stepper.close()
+
+
 def _run_steps(config, param_dtype, steps=3, tier="nvme", tile_elements=None):
     """`steps` AdamW steps of one block whose tensors are put on `tier` (streamed in tiles
     of at most `tile_elements`); returns the final bytes of every state tensor and how many
