@@ -74,7 +74,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from footprint import Sampler  # noqa: E402
 from tierstack.process_tree import kill_tree  # noqa: E402
-from tierstack.worker.jobs.run_directory import run_directory  # noqa: E402
+from tierstack.worker.run_directory import run_directory  # noqa: E402
 
 MODELS = {
     # The model: 1.345e9 parameters, untied.

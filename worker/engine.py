@@ -12,10 +12,16 @@ pool keeps what fits, the rest goes to NVMe). An offloaded block's other state
 (gradients, moments, masters) goes to `state_tiers`: its override, else the
 `optimizer_state` device, else with its parameters.
 
-Precision: "fp32" end to end, or "bf16": the model computes in bf16 (blocks are stored
-and moved in bf16, half the bytes), while AdamW updates fp32 master weights, kept by the
-tier manager for blocks (kind "master") and on the device for persistent parameters.
-fp16 would also need loss scaling and is refused.
+Precision: "fp32" end to end, or "bf16" / "fp16": the model computes in the low precision
+(blocks are stored and moved in it, half the bytes), while AdamW updates fp32 master
+weights, kept by the tier manager for blocks (kind "master") and on the device for
+persistent parameters. fp16 needs its loss scaled (the caller's, worker/loss_scaler.py):
+`step(loss_scale)` unscales the gradients and skips a step whose gradients overflowed.
+
+Param groups: `param_groups` (torch-style dicts: params, lr, weight_decay, betas, eps) say
+each trainable parameter's hyperparameters; the engine reads them at every step, so a
+learning-rate schedule that moves a group's lr moves it for the device's AdamW and the
+tier manager's alike (AdamWSegment.group).
 
 Activations: `activation_policy` (train.activations.policy) says what each offloaded block
 keeps for its backward: everything ("keep"), its input on the device ("recompute"), its
@@ -51,13 +57,14 @@ from tierstack.worker.chunked_loss import (chunked_cross_entropy, output_head, s
 from tierstack.worker.grad_norm import squared_norm
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.offload import OffloadedBlocks
+from tierstack.worker.param_groups import group_by_name, param_groups_of
 from tierstack.worker.placement import (MiB, BlockPlacement, DeviceFootprint, SavedBytes,
                                         check_policy_fits, place_blocks, under_policy)
 from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def block_tiers(train: TrainConfig, blocks_attr: str, count: int,
@@ -191,7 +198,8 @@ class OffloadEngine:
                  gradient_accumulation_steps: int = 1, buffer_size: int = 0,
                  budgets: Budgets | None = None, may_be_resident: list[bool] | None = None,
                  initialize: Callable[[torch.nn.Module, torch.device], None] = materialize,
-                 activation_policy: str = AUTO, partition_activations: bool = False) -> None:
+                 activation_policy: str = AUTO, partition_activations: bool = False,
+                 param_groups: list[dict] | None = None) -> None:
         """`tiers`: each block's tier (default "auto"); `state_tiers`: the tier of each
         offloaded block's gradients and optimizer state (default: its `tiers` entry).
         `buffer_size`: the most elements a tensor of an offloaded block may have (0: any).
@@ -205,10 +213,13 @@ class OffloadEngine:
         (tierstack.tiers.ACTIVATION_POLICIES; "auto": the placement decides).
         `partition_activations` (train.activations.partition): spread the inputs that go to
         the tier manager over the ranks' tier managers (worker/partitioned_stash.py); one
-        rank has nothing to spread them over and keeps them whole."""
+        rank has nothing to spread them over and keeps them whole.
+        `param_groups`: torch-style groups of the model's trainable parameters with their
+        lr, weight_decay, betas and eps (default: one group, `optimizer`'s); a trainable
+        parameter in no group is refused."""
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision {precision!r} is not supported by the engine; "
-                              f"use one of {', '.join(PRECISIONS)} (fp16 needs loss scaling)")
+                              f"use one of {', '.join(PRECISIONS)}")
         if gradient_clipping < 0:
             raise ConfigError(f"train.gradient_clipping must be >= 0, got {gradient_clipping}")
         if gradient_accumulation_steps < 1:
@@ -217,6 +228,8 @@ class OffloadEngine:
         self.model = model
         self.store = store
         self.precision = precision
+        self.param_groups = param_groups_of(model, optimizer, param_groups)
+        self._group_of = group_by_name(model, self.param_groups)
         self.blocks_attr = blocks_attr
         self.gradient_clipping = gradient_clipping
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -272,17 +285,23 @@ class OffloadEngine:
                                if p.requires_grad]  # offloaded blocks are proxies by now
             model.to(dtype)
         model.to(store.device)
-        self.persistent = [p for p in model.parameters() if p.requires_grad]
+        named_persistent = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.persistent = [p for _, p in named_persistent]
+        persistent_names = [n for n, _ in named_persistent]
         # fp32 masters of the persistent parameters (the parameters themselves in fp32).
         self.persistent_masters = (self.persistent if persistent_fp32 is None else
                                    [m.to(store.device).requires_grad_() for m in persistent_fp32])
         hyper = dict(lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
                      weight_decay=optimizer.weight_decay)
-        self.persistent_optimizer = torch.optim.AdamW(self.persistent_masters, fused=True, **hyper)
+        self.persistent_optimizer = torch.optim.AdamW(
+            self._device_groups(persistent_names, self.persistent_masters) or
+            [{"params": [], "group": 0}], fused=True, **hyper)
         self.block_optimizer = self._make_block_optimizer(optimizer, masters=dtype != torch.float32)
+        self._refresh_rates()
         if self.block_optimizer.asynchronous:
             self.block_optimizer.asynchronous = self._pool_fits_overlap(store)
-        self.blocks.track_grad_norms = gradient_clipping > 0
+        # Norms for clipping, and in fp16 to find an overflow before anything is stepped.
+        self.blocks.track_grad_norms = gradient_clipping > 0 or dtype == torch.float16
         self.budgets = budgets
         self._resident_ok = (list(may_be_resident) if may_be_resident is not None else
                              [t == AUTO for t in tiers])
@@ -291,6 +310,7 @@ class OffloadEngine:
         # Where the loss may stop the model to take it a chunk at a time (None: no head).
         self._head = output_head(model)
         self.footprint: DeviceFootprint | None = None
+        self.last_gradient_norm: float | None = None  # of the last step, where it was computed
         self._placement_pending = bool(budgets is not None and budgets.hbm > 0 and positions)
 
     def _apply_activation_policy(self) -> None:
@@ -329,13 +349,44 @@ class OffloadEngine:
 
     def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool):
         """The offloaded blocks' optimizer (partitioned training brings its own)."""
-        return TieredAdamW(self.blocks, optimizer, masters=masters)
+        prefixes = [f"{self.blocks_attr}.{p}." for p in self.blocks.positions]
+        return TieredAdamW(self.blocks, optimizer, masters=masters,
+                           group_of=lambda i, name: self._group_of[prefixes[i] + name])
+
+    # ---- param groups: each parameter's hyperparameters, read at every step ----------------
+
+    def _device_groups(self, names: list[str], masters: list[torch.Tensor]) -> list[dict]:
+        """torch param groups of the device's AdamW for the parameters `names` (their fp32
+        `masters` stepped), one per param group they are in; each remembers its group."""
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for name, m in zip(names, masters):
+            by_group.setdefault(self._group_of[name], []).append(m)
+        return [{"params": ms, "group": g} for g, ms in sorted(by_group.items())]
+
+    def _refresh_rates(self) -> None:
+        """Carry the param groups' current hyperparameters (a schedule changes lr between
+        steps) to the device's AdamW and the blocks' optimizer."""
+        first = self.param_groups[0]
+        for g, group in enumerate(self.param_groups):
+            if tuple(group["betas"]) != tuple(first["betas"]) or group["eps"] != first["eps"]:
+                raise ConfigError(
+                    f"param group {g} has betas {tuple(group['betas'])} and eps {group['eps']}, "
+                    f"group 0 {tuple(first['betas'])} and {first['eps']}: the tier manager steps "
+                    f"every group of a block with one betas and eps; give the groups the same "
+                    f"betas and eps (lr and weight_decay may differ)")
+        for torch_group in self.persistent_optimizer.param_groups:
+            group = self.param_groups[torch_group["group"]]
+            for name in ("lr", "weight_decay", "eps"):
+                torch_group[name] = group[name]
+            torch_group["betas"] = tuple(group["betas"])
+        self.block_optimizer.set_rates([(g["lr"], g["weight_decay"]) for g in self.param_groups],
+                                       tuple(first["betas"]), first["eps"])
 
     @classmethod
     def from_config(cls, model: torch.nn.Module, store: LayerStore, train: TrainConfig,
                     blocks_attr: str = "blocks", budgets: Budgets | None = None,
                     initialize: Callable[[torch.nn.Module, torch.device], None] = materialize,
-                    ) -> "OffloadEngine":
+                    param_groups: list[dict] | None = None) -> "OffloadEngine":
         """An engine as `train` (precision, optimizer, clipping, accumulation, tiers, the
         params' buffer count and size) says, placing what fits on the device within
         `budgets` (default: the machine's, tierstack/budgets.py)."""
@@ -356,7 +407,7 @@ class OffloadEngine:
                    gradient_accumulation_steps=train.gradient_accumulation_steps,
                    buffer_size=train.params.buffer_size if train.params.tier() != GPU else 0,
                    initialize=initialize, activation_policy=train.activations.policy,
-                   partition_activations=train.activations.partition)
+                   partition_activations=train.activations.partition, param_groups=param_groups)
 
     def zero_grad(self) -> None:
         """Clear gradients: the next backward starts a new accumulation window."""
@@ -367,12 +418,14 @@ class OffloadEngine:
             m.grad = None
         self.blocks.new_gradients()
 
-    def _clip_scale(self) -> float:
-        """The factor torch.nn.utils.clip_grad_norm_ would apply to every gradient."""
+    def _gradient_norm(self) -> float:
+        """The global L2 norm of the window's gradients (inf or NaN where they overflowed),
+        as torch.nn.utils.clip_grad_norm_ computes it."""
         squares = [n for n in self.blocks.grad_sq_norms if n is not None]
         squares += [squared_norm(p.grad) for p in self.persistent if p.grad is not None]
-        total = torch.stack([s.to(self.store.device) for s in squares]).sum().sqrt()
-        return min(1.0, self.gradient_clipping / (total.item() + 1e-6))
+        if not squares:
+            return 0.0
+        return torch.stack([s.to(self.store.device) for s in squares]).sum().sqrt().item()
 
     def _store_deferred_masters(self) -> None:
         """Store the fp32 masters put off at registration for the blocks still offloaded
@@ -383,16 +436,50 @@ class OffloadEngine:
                                           for n, _, _ in self.blocks.trainable(index)}, kind="master")
         self._deferred_masters.clear()
 
-    def step(self) -> None:
-        """The optimizer step after a backward: persistent parameters, then every block."""
+    def step(self, loss_scale: float = 1.0) -> bool:
+        """The optimizer step after a backward: persistent parameters, then every block,
+        at the param groups' current hyperparameters. `loss_scale`: what the loss was
+        multiplied by (fp16); the gradients are divided by it, and a step whose gradients
+        overflowed (inf or NaN anywhere) is skipped: nothing is updated, the gradients are
+        dropped, and False is returned."""
         self._store_deferred_masters()
-        scale = self._clip_scale() if self.gradient_clipping > 0 else 1.0
+        self._refresh_rates()
+        scale = 1.0 / loss_scale
+        self.last_gradient_norm = None
+        if self.gradient_clipping > 0 or self.blocks.track_grad_norms:
+            norm = self._gradient_norm() * scale
+            self.last_gradient_norm = norm
+            if not math.isfinite(norm):
+                self.block_optimizer.abandon_started()
+                self.zero_grad()
+                return False
+            if self.gradient_clipping > 0:
+                scale *= min(1.0, self.gradient_clipping / (norm + 1e-6))
         if scale != 1.0:
             for p in self.persistent:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         self._step_persistent()
         self.block_optimizer.step(scale)
+        return True
+
+    def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
+        """Backward of `loss` (already scaled as the caller wants), its gradients added to
+        the window's. At an accumulation `boundary`, each block's AdamW step may start in
+        the tier manager as soon as its gradients are stored, overlapping the rest of the
+        backward, unless the step needs every gradient first (clipping; fp16's overflow
+        check)."""
+        if boundary and not self.blocks.track_grad_norms:
+            self._refresh_rates()
+            self.blocks.on_gradients = self.block_optimizer.start_block
+        try:
+            loss.backward()
+        except BaseException:
+            # Blocks already stepped keep their update: resume from a checkpoint.
+            self.block_optimizer.abandon_started()
+            raise
+        finally:
+            self.blocks.on_gradients = None
 
     def _step_persistent(self) -> None:
         """AdamW for the parameters on the device. With fp32 masters, one param group at a
@@ -438,21 +525,12 @@ class OffloadEngine:
             self.place(*micro[0])
         self.zero_grad()
         losses = []
-        try:
-            for i, (x, y) in enumerate(micro):
-                loss = self._loss(x, y)
-                losses.append(loss.detach())
-                # A block's step may start inside the backward only once its gradients
-                # are complete (the last micro-batch), and unscaled (no clipping).
-                if i == len(micro) - 1 and self.gradient_clipping == 0:
-                    self.blocks.on_gradients = self.block_optimizer.start_block
-                (loss / len(micro)).backward()
-        except BaseException:
-            # Blocks already stepped keep their update: resume from a checkpoint.
-            self.block_optimizer.abandon_started()
-            raise
-        finally:
-            self.blocks.on_gradients = None
+        for i, (x, y) in enumerate(micro):
+            loss = self._loss(x, y)
+            losses.append(loss.detach())
+            # A block's step may start inside the backward only once its gradients are
+            # complete: the last micro-batch.
+            self.backward(loss / len(micro), boundary=i == len(micro) - 1)
         self.step()
         return torch.stack(losses).mean().item()
 
@@ -464,12 +542,26 @@ class OffloadEngine:
         that policy), then place what fits the HBM budget on the device
         (worker/placement.py). Runs once, before the first step; the probe's gradients are
         thrown away."""
+        return self.place_with(lambda: self._loss(inputs, targets))
+
+    @property
+    def placement_pending(self) -> bool:
+        """Whether the first training forward must measure and place first (`place_with`)."""
+        return self._placement_pending
+
+    def place_with(self, loss: Callable[[], torch.Tensor]) -> BlockPlacement:
+        """`place` for any training forward: `loss()` runs the model's forward on a real
+        micro-batch and returns a scalar to run the backward from (the probe's). The RNG
+        is put back after it, so the step after sees the random numbers (dropout) it would
+        have seen without the probe."""
         self._placement_pending = False
         self.block_optimizer.wait_all()  # the stored state is current before it is read
         policy = self.activation_policy
         recorder, self.store.recorder = self.store.recorder, None  # not part of a trace
         try:
-            self.footprint = self._probe(inputs, targets)
+            devices = [self.store.device] if self.store.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                self.footprint = self._probe(loss)
         except torch.cuda.OutOfMemoryError as e:
             if policy == AUTO:
                 raise
@@ -506,7 +598,7 @@ class OffloadEngine:
                  placement.describe(len(self.blocks.blocks)))
         return placement
 
-    def _probe(self, inputs: torch.Tensor, targets: torch.Tensor) -> DeviceFootprint:
+    def _probe(self, run_loss: Callable[[], torch.Tensor]) -> DeviceFootprint:
         cuda = self.store.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.store.device)
@@ -521,7 +613,7 @@ class OffloadEngine:
         self.blocks.start_probe(self.budgets.hbm // 2)
         try:
             with SavedBytes() as outside:
-                loss = self._loss(inputs, targets)
+                loss = run_loss()
             loss.backward()
         finally:
             self.blocks.measure_activations = False
@@ -594,7 +686,10 @@ class OffloadEngine:
         self.persistent.extend(p for _, p in named)
         if self.persistent_masters is not self.persistent:
             self.persistent_masters.extend(masters)
-        self.persistent_optimizer.add_param_group({"params": masters})
+        prefix = f"{self.blocks_attr}.{self.blocks.positions[index]}."
+        for group in self._device_groups([prefix + n for n, _ in named], masters):
+            self.persistent_optimizer.add_param_group(group)
+        self._refresh_rates()
         if steps:  # the moments exist from the first step on
             moments = {kind: store.read_layer(index, kind) for kind in MOMENTS}
             for (name, _), master in zip(named, masters):

@@ -161,6 +161,13 @@ class _BlockProxy(torch.nn.Module):
         self._engine = (engine,)  # a tuple: not registered as a submodule (no cycle)
         self.index = index
 
+    def train(self, mode: bool = True) -> "_BlockProxy":
+        """model.train() / model.eval() reach the block itself (its dropout), which is not a
+        submodule of the model any more."""
+        super().train(mode)
+        self._engine[0].blocks[self.index].train(mode)
+        return self
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if _needs_grad((args, kwargs)):
             raise InvalidArgumentError(

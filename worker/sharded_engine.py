@@ -106,10 +106,10 @@ class ShardedEngine(OffloadEngine):
     def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool) -> ShardedAdamW:
         return ShardedAdamW(self.blocks, optimizer, masters=masters)
 
-    def _clip_scale(self) -> float:
-        """torch's clip_grad_norm_ factor for the global batch's gradient: the blocks' shards
-        are disjoint (their squares add over the ranks); the persistent gradients are whole
-        and already averaged on every rank."""
+    def _gradient_norm(self) -> float:
+        """The global batch's gradient norm: the blocks' shards are disjoint (their squares
+        add over the ranks); the persistent gradients are whole and already averaged on
+        every rank."""
         store: ShardedLayerStore = self.store
         shards = [store.grad_sq_norms[i] for i in range(len(self.blocks.blocks))
                   if i in store.grad_sq_norms]
@@ -117,13 +117,14 @@ class ShardedEngine(OffloadEngine):
         blocks_sq = store.all_reduce_mean(float(local)) * store.world
         persistent_sq = sum(float(p.grad.float().square().sum()) for p in self.persistent
                             if p.grad is not None)
-        return min(1.0, self.gradient_clipping / ((blocks_sq + persistent_sq) ** 0.5 + 1e-6))
+        return (blocks_sq + persistent_sq) ** 0.5
 
-    def step(self) -> None:
+    def step(self, loss_scale: float = 1.0) -> bool:
         grads = [p.grad for p in self.persistent if p.grad is not None]
         self.store.all_reduce_mean_(grads)
-        super().step()
+        applied = super().step(loss_scale)
         self.store.agree_on_plan()  # the step boundary: every rank switches plans here
+        return applied
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and step on this rank's slice; the global batch's mean loss."""

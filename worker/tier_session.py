@@ -22,11 +22,14 @@ from typing import Callable, TypeVar
 
 import torch
 
-from tierstack.errors import InvalidArgumentError, KeyNotFoundError, TierManagerUnavailableError
+from tierstack.addresses import default_tier_manager_address
+from tierstack.errors import (ConfigError, InvalidArgumentError, KeyNotFoundError,
+                              TierManagerUnavailableError)
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.types import Resident
 from tierstack.tiers import AUTO
 from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.daemon_address import check_reachable
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,14 @@ class TierSession:
 
     def __init__(self, address: str | None, reconnect_timeout: float, pin_for_cuda: bool,
                  job: str = "", keep: bool = False, quota: int = 0) -> None:
+        # A daemon that never answered is a wrong address or one not started: say so in
+        # REACH_SECONDS rather than wait out the reconnect timeout, which is for restarts.
+        try:
+            check_reachable(address or default_tier_manager_address(), "the tier manager at",
+                            "start it (`tierstack tier-manager`), give the address of a running "
+                            "one, or use tierstack.initialize, which starts one itself")
+        except ConfigError as e:
+            raise TierManagerUnavailableError(str(e)) from None
         self.client = TierManagerClient(address, reconnect_timeout)
         self.job, self.keep, self.quota = job, keep, quota
         self.pin_for_cuda = pin_for_cuda

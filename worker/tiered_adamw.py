@@ -26,6 +26,7 @@ import collections
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -50,11 +51,20 @@ class TieredAdamW:
     """AdamW for the parameters of an `OffloadedBlocks`, state kept by the tier manager."""
 
     def __init__(self, blocks: OffloadedBlocks, config: OptimizerConfig | None = None,
-                 masters: bool = False) -> None:
+                 masters: bool = False, group_of: Callable[[int, str], int] | None = None) -> None:
+        """`group_of(block, parameter name)`: the param group of a block's parameter
+        (default: every parameter in group 0); `set_rates` gives each group's lr and
+        weight decay before a step."""
         self.blocks = blocks
         self.masters = masters
         self.config = config or OptimizerConfig()
         self.config.validate("optimizer")
+        self.group_of = group_of or (lambda block, name: 0)
+        # This step's hyperparameters: per param group (lr, weight decay), and the betas
+        # and eps every group shares (the daemon takes one pair per request).
+        self.rates: tuple[tuple[float, float], ...] = ((self.config.lr, self.config.weight_decay),)
+        self.betas: tuple[float, float] = tuple(self.config.betas)
+        self.eps = self.config.eps
         self.steps = 0
         self.update_seconds = 0.0  # daemon time in the AdamW kernel, all steps
         self.wait_seconds = 0.0  # daemon time waiting for state to be read
@@ -109,14 +119,23 @@ class TieredAdamW:
             state_nbytes=state.nbytes, state_placement=store.placement(i, "state"),
             segments=tuple(AdamWSegment(numel=math.prod(shape), param_offset=params[n].offset,
                                         grad_offset=grad[f"{n}.grad"].offset,
-                                        state_offset=offsets[n])
+                                        state_offset=offsets[n], group=self.group_of(i, n))
                            for n, shape, _ in trainable))
 
-    def _run(self, indices: list[int], grad_scale: float, step: int) -> None:
-        beta1, beta2 = self.config.betas
-        hyper = AdamWHyper(step=step, lr=self.config.lr, beta1=beta1, beta2=beta2,
-                           eps=self.config.eps, weight_decay=self.config.weight_decay,
-                           grad_scale=grad_scale, release_gradients=True)
+    def set_rates(self, rates: list[tuple[float, float]], betas: tuple[float, float],
+                  eps: float) -> None:
+        """The next steps' hyperparameters: (lr, weight decay) per param group (a schedule
+        moves lr every step), the betas and eps."""
+        self.rates, self.betas, self.eps = tuple(rates), (float(betas[0]), float(betas[1])), eps
+
+    def _hyper(self, grad_scale: float, step: int) -> AdamWHyper:
+        """The request's hyperparameters, fixed when a block's step is started."""
+        (lr, weight_decay), groups = self.rates[0], self.rates if len(self.rates) > 1 else ()
+        return AdamWHyper(step=step, lr=lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                          weight_decay=weight_decay, grad_scale=grad_scale,
+                          release_gradients=True, groups=groups)
+
+    def _run(self, indices: list[int], hyper: AdamWHyper) -> None:
         start = time.perf_counter()
         result = self.blocks.store.client.adamw_step([self._requests[i] for i in indices], hyper,
                                                      timeout=STEP_TIMEOUT)
@@ -130,7 +149,8 @@ class TieredAdamW:
     def start_block(self, index: int) -> None:
         """Start block `index`'s step now (its gradients of this window are stored)."""
         if index not in self._pending and index not in self.blocks.resident:
-            self._pending[index] = self._pool.submit(self._run, [index], 1.0, self.steps + 1)
+            self._pending[index] = self._pool.submit(self._run, [index],
+                                                     self._hyper(1.0, self.steps + 1))
 
     def step(self, grad_scale: float = 1.0) -> None:
         """One AdamW step for every block, from the gradients of the last backward: the
@@ -155,9 +175,10 @@ class TieredAdamW:
             self.abandon_started()
             raise problem
         self.steps += 1
+        hyper = self._hyper(grad_scale, self.steps)
         for i in offloaded:
             if i not in self._pending:
-                self._pending[i] = self._pool.submit(self._run, [i], grad_scale, self.steps)
+                self._pending[i] = self._pool.submit(self._run, [i], hyper)
         self._in_flight.update(self._pending)
         self._pending = {}
         # The daemon deletes the gradients it used: the next backward starts a new window.

@@ -1,11 +1,11 @@
-"""worker/jobs/run_directory.py on a real filesystem: a run leaves nothing behind."""
+"""worker/run_directory.py on a real filesystem: a run leaves nothing behind."""
 
 from __future__ import annotations
 
 import pytest
 
 from tierstack.errors import ConfigError
-from tierstack.worker.jobs.run_directory import MARKER, run_directory
+from tierstack.worker.run_directory import MARKER, run_directory
 
 
 def test_the_run_directory_and_the_parents_it_made_are_removed(tmp_path):

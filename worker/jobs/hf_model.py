@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tierstack.errors import ConfigError
+from tierstack.worker.model_blocks import find_blocks
 
 log = logging.getLogger(__name__)
 
@@ -229,19 +230,6 @@ def from_config(config, path: str | Path = "") -> HfModel:
         raise ConfigError(f"{where}no causal language model for this config ({e})") from None
     names = {id(m): n for n, m in model.named_modules()}
     return HfModel(model, find_blocks(model), "config", Path(path), None, names)
-
-
-def find_blocks(model: torch.nn.Module) -> str:
-    """The dotted name of the model's decoder blocks: its ModuleList with the most parameters."""
-    best, best_params = "", -1
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
-            params = sum(p.numel() for p in module.parameters())
-            if params > best_params:
-                best, best_params = name, params
-    if not best:
-        raise ConfigError(f"{type(model).__name__} has no list of blocks (a ModuleList) to offload")
-    return best
 
 
 def tokenizer_for(path: str | Path):

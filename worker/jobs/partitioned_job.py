@@ -32,7 +32,7 @@ from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
 from tierstack.worker.distributed import RankEnv, init_process_group, rank_device
 from tierstack.worker.engine import materialize
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
-from tierstack.worker.jobs.run_directory import run_directory
+from tierstack.worker.run_directory import run_directory
 from tierstack.worker.layers import layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.sharded_engine import ShardedEngine

@@ -23,7 +23,7 @@ from tierstack.tiers import AUTO, GPU
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult
-from tierstack.worker.jobs.run_directory import run_directory
+from tierstack.worker.run_directory import run_directory
 
 log = logging.getLogger(__name__)
 console = Console()

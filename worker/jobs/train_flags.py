@@ -11,11 +11,10 @@ import argparse
 from pathlib import Path
 
 from tierstack import arguments as types
-from tierstack.addresses import grpc_target, unix_socket_path
-from tierstack.errors import ConfigError, TierManagerUnavailableError
+from tierstack.errors import ConfigError
+from tierstack.worker.daemon_address import check_reachable
 
 GPT_DEFAULTS = {"dim": 384, "layers": 8, "heads": 6}
-REACH_SECONDS = 2.0  # how long --tier-manager may take to answer before the job gives up
 ENGINE_FILE = "engine.pt"  # worker/checkpoint.py's: a checkpoint directory holds it
 
 
@@ -130,27 +129,6 @@ def check_arguments(args: argparse.Namespace) -> None:
                               f"{', '.join(given)} yet; train on one rank to use them")
     if args.data and not Path(args.data).is_file():
         raise ConfigError(f"--data {args.data}: no such file; give a local text file")
-
-
-def check_reachable(address: str) -> None:
-    """Fail within REACH_SECONDS when no tier manager answers at `address` (a training
-    store would wait a minute for one, which suits a restart, not a typo)."""
-    socket_path = unix_socket_path(grpc_target(address))
-    hint = ("start one (`tierstack tier-manager --listen ADDRESS`) or leave --tier-manager out "
-            "to start an embedded one")
-    if socket_path is not None and not socket_path.exists():
-        raise ConfigError(f"--tier-manager {address}: nothing listens there ({socket_path} does "
-                          f"not exist); {hint}")
-    from tierstack.services.tier_manager.client import TierManagerClient
-
-    client = TierManagerClient(address, reconnect_timeout=REACH_SECONDS)
-    try:
-        client.node()
-    except TierManagerUnavailableError:
-        raise ConfigError(f"--tier-manager {address}: no tier manager answered within "
-                          f"{REACH_SECONDS:.0f} s; {hint}") from None
-    finally:
-        client.close()
 
 
 def run(args: argparse.Namespace) -> int:

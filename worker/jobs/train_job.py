@@ -31,7 +31,7 @@ from tierstack.worker.engine import OffloadEngine, materialize
 from tierstack.worker.jobs import corpus
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.jobs.progress import TrainProgress
-from tierstack.worker.jobs.run_directory import run_directory
+from tierstack.worker.run_directory import run_directory
 from tierstack.worker.layers import LayerStore, layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.training import StepRecord, StopSignal, run_steps

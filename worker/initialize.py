@@ -1,0 +1,266 @@
+"""`tierstack.initialize`: `deepspeed.initialize`'s signature and return value, tierstack's engine.
+
+    engine, optimizer, loader, scheduler = tierstack.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json")
+
+A script written for DeepSpeed runs with its import changed: the config may be a DeepSpeed
+JSON (or tierstack's), the optimizer the config's or the caller's torch AdamW, the
+learning-rate schedule the config's `scheduler`, a torch scheduler, or a callable that
+builds one from the optimizer. The engine (worker/training_engine.py) offers DeepSpeed's
+training surface.
+
+Services: the node's tier manager when one answers (the address given, else
+$TIERSTACK_TIER_MANAGER or the per-user socket), else one started for this job alone (as
+DeepSpeed needs no daemon), its NVMe pool in a directory named after the job under each
+configured NVMe path (the config's nvme_path: several paths stripe), removed with the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tierstack.budgets import measure
+from tierstack.config import TierstackConfig, load_config
+from tierstack.errors import ConfigError
+from tierstack.worker.daemon_address import check_reachable, running_tier_manager
+from tierstack.worker.engine import OffloadEngine, materialize
+from tierstack.worker.layers import LayerStore, layer_tensors
+from tierstack.worker.layout import LayerLayout
+from tierstack.worker.model_blocks import check_blocks, find_blocks
+from tierstack.worker.run_directory import job_directories
+from tierstack.worker.training_engine import TrainingEngine
+
+log = logging.getLogger(__name__)
+
+JOB_ENV = "TIERSTACK_JOB"
+"""The job's name (`tierstack launch` sets it); default: the script's name and pid."""
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int | None = None, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: Any = None, mesh_param: Any = None, config_params: Any = None, *,
+               blocks_attr: str | None = None, tier_manager: str | None = None,
+               job: str | None = None) -> tuple[TrainingEngine, Any, Any, Any]:
+    """(engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize.
+
+    `config` (or `config_params`, or `args.deepspeed_config`): a DeepSpeed or tierstack
+    JSON path or dict. `optimizer`: None (the config's AdamW over `model_parameters`, all
+    trainable parameters by default, param groups allowed), a torch AdamW (its param groups,
+    hyperparameters and all; Adam without weight decay is the same step), or a callable
+    that makes one from the parameters. `lr_scheduler`: a scheduler object, a callable
+    taking the optimizer, or None (the config's `scheduler` section, if any).
+    `training_data`: a dataset, batched by the micro-batch size (shuffled, `collate_fn`).
+    tierstack's own: `blocks_attr` (the ModuleList of blocks to offload; default the one
+    with the most parameters), `tier_manager` (a running daemon's address), `job` (the
+    job's name on the node; default $TIERSTACK_JOB, else the script's name and pid).
+    """
+    del distributed_port, dist_init_required, mesh_param  # one rank: nothing to set up
+    if mpu is not None:
+        raise ConfigError("initialize(mpu=...): model parallelism is not supported; tierstack's "
+                          "ranks are data-parallel")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"initialize needs model=, a torch.nn.Module; got {type(model).__name__}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"initialize: WORLD_SIZE is {os.environ['WORLD_SIZE']}, and several ranks "
+                          f"under initialize are not supported yet; run one rank (tierstack "
+                          f"train --ranks N trains the built-in models partitioned)")
+    raw = _config_dict(args, config, config_params)
+    settings = load_config(raw)
+    train = settings.train
+    groups = _param_groups(model, optimizer, model_parameters, raw)
+    blocks_attr = blocks_attr or find_blocks(model)
+    check_blocks(model, blocks_attr)
+    job = _job_name(job)
+    device = _device()
+    stack = contextlib.ExitStack()
+    try:
+        address = _tier_manager(settings, job, tier_manager, stack)
+        blocks = model.get_submodule(blocks_attr)
+        layer_bytes = max(LayerLayout.of(layer_tensors(b)).nbytes for b in blocks)
+        store = LayerStore(job, device=device, device_budget=train.device_budget_bytes(layer_bytes),
+                           address=address, durable=False)
+        stack.callback(store.close)
+        budgets = _budgets(settings, store)
+        core = OffloadEngine.from_config(model, store, train, blocks_attr, budgets=budgets,
+                                         initialize=materialize, param_groups=groups)
+        stack.callback(core.close)
+        loader = _dataloader(training_data, train.micro_batch_size, collate_fn)
+        scheduler = lr_scheduler
+        engine = TrainingEngine(core, train, loss_scaler=_loss_scaler(train),
+                                training_dataloader=loader, on_close=stack.pop_all().close)
+        if scheduler is None:
+            scheduler = _configured_schedule(engine.optimizer, train)
+        elif callable(scheduler) and not hasattr(scheduler, "step"):
+            scheduler = scheduler(engine.optimizer)
+        engine.lr_scheduler = scheduler
+    except BaseException:
+        stack.close()
+        raise
+    log.info("tierstack.initialize: job %s on %s, blocks %s (%d), %s, budgets %s", job, device,
+             blocks_attr, len(blocks), train.precision, budgets.describe())
+    return engine, engine.optimizer, loader, scheduler
+
+
+# ---- config -----------------------------------------------------------------------------
+
+
+def _config_dict(args: Any, config: Any, config_params: Any) -> dict:
+    """The config as a dict, from `config`, `config_params` or `args.deepspeed_config`."""
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize: give the config once, as config= or config_params=, not both")
+    source = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if source is None:
+        return {}
+    if isinstance(source, dict):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+    raise ConfigError(f"initialize: config must be a JSON file's path or a dict, got "
+                      f"{type(source).__name__}")
+
+
+def _has_optimizer_section(raw: dict) -> bool:
+    return "optimizer" in raw or "optimizer" in raw.get("train", {})
+
+
+def _param_groups(model: torch.nn.Module, optimizer: Any, model_parameters: Any,
+                  raw: dict) -> list[dict] | None:
+    """The param groups the engine steps: the caller's optimizer's (its hyperparameters),
+    or `model_parameters` (with the config's AdamW settings), or None (all trainable)."""
+    if optimizer is not None and _has_optimizer_section(raw):
+        raise ConfigError("initialize: an optimizer is given both in the config ('optimizer') and "
+                          "as optimizer=; keep one of them")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise ConfigError(f"initialize: optimizer must be a torch optimizer or a callable that "
+                              f"makes one from the parameters, got {type(optimizer).__name__}")
+        params = model_parameters if model_parameters is not None else model.parameters()
+        optimizer = optimizer(params)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _check_optimizer(optimizer)
+        return optimizer.param_groups  # the same dicts: a scheduler built on it moves ours
+    if model_parameters is None:
+        return None
+    given = list(model_parameters)
+    if given and isinstance(given[0], tuple):  # named_parameters()
+        given = [p for _, p in given]
+    if given and all(isinstance(g, torch.Tensor) for g in given):
+        return [{"params": given}]
+    return given
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """The caller's optimizer must be AdamW (the step the tier managers run)."""
+    kind = type(optimizer)
+    if kind is torch.optim.Adam:
+        decayed = [g for g in optimizer.param_groups if g.get("weight_decay", 0)]
+        if decayed and not optimizer.param_groups[0].get("decoupled_weight_decay", False):
+            raise ConfigError(
+                "initialize: torch.optim.Adam with weight_decay adds the decay to the gradient "
+                "(L2), which the tier managers' AdamW does not do; use torch.optim.AdamW "
+                "(decoupled decay) or weight_decay 0")
+    elif not issubclass(kind, torch.optim.AdamW):
+        raise ConfigError(
+            f"initialize: the optimizer is {kind.__name__}, and the tier managers run AdamW next to "
+            f"the offloaded state; pass torch.optim.AdamW (or none: the config's optimizer)")
+    for g, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ConfigError(f"initialize: the optimizer's param group {g} sets {flag}=True, "
+                                  f"which the tier managers' AdamW does not do; drop it")
+
+
+def _loss_scaler(train):
+    """fp16's loss scaler (dynamic unless train.fp16.loss_scale is set), else None."""
+    if train.precision != "fp16":
+        return None
+    from tierstack.worker.loss_scaler import DynamicLossScaler
+
+    return DynamicLossScaler(train.fp16)
+
+
+def _configured_schedule(optimizer: torch.optim.Optimizer, train):
+    """The config's learning-rate schedule (DeepSpeed's `scheduler` section), or None."""
+    if not hasattr(train, "lr_schedule"):  # TEMPORARY until the schedules land
+        return None
+    from tierstack.lr_schedules import build_schedule
+
+    return build_schedule(optimizer, train.lr_schedule)
+
+
+def _dataloader(data: Any, micro_batch_size: int, collate_fn: Callable | None):
+    """DeepSpeed's training loader: the dataset in micro-batches, shuffled."""
+    if data is None:
+        return None
+    from torch.utils.data import DataLoader, RandomSampler
+
+    return DataLoader(data, batch_size=micro_batch_size, sampler=RandomSampler(data),
+                      collate_fn=collate_fn)
+
+
+# ---- services and budgets ----------------------------------------------------------------
+
+
+def _job_name(job: str | None) -> str:
+    name = job or os.environ.get(JOB_ENV) or f"{Path(sys.argv[0]).stem or 'python'}-{os.getpid()}"
+    if "/" in name or not name.isprintable() or name.startswith("."):
+        raise ConfigError(f"job name {name!r}: use printable characters, no '/', not starting "
+                          f"with '.'")
+    return name
+
+
+def _device() -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK where torch sees CUDA, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _tier_manager(settings: TierstackConfig, job: str, address: str | None,
+                  stack: contextlib.ExitStack) -> str:
+    """The address of the tier manager the job uses: the one named (it must answer), the
+    node's running one, or one started for this job (stopped with `stack`)."""
+    named = address or settings.tier_manager.listen
+    if named:
+        check_reachable(named, "initialize(tier_manager=)" if address else "tier_manager.listen")
+        return named
+    running = running_tier_manager()
+    if running is not None:
+        log.info("tierstack.initialize: using the node's tier manager at %s", running)
+        return running
+    from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+
+    tm = settings.tier_manager
+    tm.nvme_pool.paths = stack.enter_context(job_directories(tm.nvme_pool.paths, job))
+    tm.manifest_path = os.path.join(tm.nvme_pool.paths[0], "manifest.sqlite")
+    daemon = stack.enter_context(EmbeddedTierManager(tm))
+    log.info("tierstack.initialize: started a tier manager for job %s (NVMe pool at %s)", job,
+             ", ".join(tm.nvme_pool.paths))
+    return daemon.address
+
+
+def _budgets(settings: TierstackConfig, store: LayerStore):
+    """The job's budgets: the config's where stated, else the machine's; the NVMe budget
+    'auto' is what the tier manager's drives hold (it knows them)."""
+    node = store.client.node()
+    limits = dataclasses.replace(measure(None, str(store.device)), nvme=node.nvme_capacity)
+    return settings.budgets.resolve(limits)

@@ -1,0 +1,392 @@
+"""DeepSpeed's training surface over the offload engine: the user's own loop drives it.
+
+`tierstack.initialize` returns a `TrainingEngine`, which a script written for
+`deepspeed.initialize` drives unchanged:
+
+    for batch in loader:
+        loss = my_loss(engine(batch["input_ids"], attention_mask=batch["attention_mask"]), batch)
+        engine.backward(loss)      # / gradient_accumulation_steps, x the fp16 loss scale
+        engine.step()              # an optimizer step at each accumulation boundary
+
+It is the same engine as `tierstack train`'s (worker/engine.py), not a side door: the first
+training forward measures and places what fits the HBM budget, blocks stream with their
+prefetches, each block's AdamW step starts in the tier manager during the last backward of
+a window (unless clipping or fp16's overflow check needs every gradient first), and its
+updates overlap the next forward. What it adds is DeepSpeed's bookkeeping, with DeepSpeed's
+conventions: micro steps and the accumulation boundary, the learning-rate schedule stepped
+after each applied optimizer step, fp16's dynamic loss scale (an overflowed step is
+skipped, the scale lowered), checkpoints by tag with a `latest` file and the caller's
+client state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tierstack.config import TrainConfig
+from tierstack.errors import ConfigError, InvalidArgumentError
+from tierstack.worker import checkpoint
+from tierstack.worker.engine import OffloadEngine
+from tierstack.worker.param_groups import HYPER_KEYS
+
+log = logging.getLogger(__name__)
+
+LATEST_FILE = "latest"  # DeepSpeed's: the tag of the newest checkpoint in a directory
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """The optimizer `initialize` returns: the engine's param groups (the same dicts the
+    engine reads at every step, so any torch LR scheduler built on it drives the tiers'
+    AdamW), with `step()` the engine's optimizer step of the current window. Its AdamW
+    state lives where the engine keeps it (the device, the tier managers), not here."""
+
+    def __init__(self, engine: "TrainingEngine") -> None:
+        groups = engine.core.param_groups
+        super().__init__([dict(g) for g in groups], defaults={k: groups[0][k] for k in HYPER_KEYS})
+        self.param_groups = groups  # one owner of the hyperparameters: the engine's groups
+        self._engine = engine
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """The optimizer step of the window's gradients (engine.step() calls it at each
+        accumulation boundary; a closure is run first, as torch optimizers do)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._engine._apply_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_engine", None) is not None:
+            raise InvalidArgumentError(
+                "the engine's param groups are fixed by initialize(): give every group in "
+                "model_parameters (or the optimizer) passed to tierstack.initialize")
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        """The groups' hyperparameters (the AdamW state is in the engine's checkpoint)."""
+        return {"param_groups": [{k: g[k] for k in g if k != "params"}
+                                 for g in self.param_groups], "state": {}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise InvalidArgumentError(f"the state has {len(saved)} param groups, the engine "
+                                       f"{len(self.param_groups)}; load the state of this model's optimizer")
+        for group, values in zip(self.param_groups, saved):
+            group.update({k: v for k, v in values.items() if k != "params"})
+
+
+class TrainingEngine(torch.nn.Module):
+    """A model trained with its blocks' state in the tiers, driven by the caller's loop
+    (DeepSpeed's DeepSpeedEngine surface). `core` is the offload engine doing the work."""
+
+    def __init__(self, core: OffloadEngine, train: TrainConfig,
+                 lr_scheduler: Any = None, loss_scaler: Any = None,
+                 training_dataloader: Any = None, on_close: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.module = core.model
+        self.core = core
+        self.config = train
+        self.optimizer = EngineOptimizer(self)
+        self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
+            lr_scheduler, "step") else lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.training_dataloader = training_dataloader
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._boundary: bool | None = None
+        self._step_applied = False
+        self._global_grad_norm: float | None = None
+        self._on_close = on_close
+        self._closed = False
+
+    # ---- what DeepSpeed's engine tells ------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.core.store.device
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self.config.micro_batch_size * self.config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    def zero_optimization_stage(self) -> int:
+        return 3
+
+    def get_lr(self) -> list[float]:
+        """Each param group's learning rate now (the next optimizer step's)."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step (before clipping), when it was
+        computed (clipping or fp16); None otherwise."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last accumulation boundary updated the weights (fp16: not after an
+        overflow)."""
+        return self._step_applied
+
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next step() is an optimizer step: every gradient_accumulation_steps-th
+        micro step (or as set_gradient_accumulation_boundary says)."""
+        if self._boundary is not None:
+            return self._boundary
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary = bool(is_boundary)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        """The model's own forward, its own output (any loss computed from it works). The
+        first training forward first measures one forward and backward on this batch and
+        places what fits the HBM budget (the RNG is put back after it)."""
+        if torch.is_grad_enabled():
+            kwargs = _without_cache(self.module, kwargs)
+            if self.module.training and self.core.placement_pending:
+                self.core.place_with(lambda: _probe_loss(self.module(*args, **kwargs)))
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Gradients of `loss`, added to the accumulation window's: the loss is divided by
+        gradient_accumulation_steps (scale_wrt_gas) and multiplied by the fp16 loss scale,
+        as DeepSpeed does. Returns `loss` as given."""
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+            raise InvalidArgumentError(
+                f"engine.backward needs the scalar loss computed from the engine's output (a 0-d "
+                f"tensor that requires grad); got {_describe(loss)}")
+        if retain_graph:
+            raise InvalidArgumentError("engine.backward(retain_graph=True) is not supported: an "
+                                       "offloaded block frees its tensors after its backward")
+        scaled = loss
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
+        self.core.backward(scaled, boundary=self.is_gradient_accumulation_boundary())
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """End a micro step: at an accumulation boundary, the optimizer step (clipping,
+        fp16 unscaling and overflow check), then the learning-rate schedule; every step
+        counts toward the boundary."""
+        if self.is_gradient_accumulation_boundary():
+            self.optimizer.step()  # through the optimizer: torch schedulers see it stepped
+            if self._step_applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        self.micro_steps += 1
+
+    def _apply_step(self) -> None:
+        """The optimizer step of the window (EngineOptimizer.step)."""
+        scale = self.loss_scale()
+        applied = self.core.step(scale)
+        self._global_grad_norm = self.core.last_gradient_norm
+        if self.loss_scaler is not None:
+            applied = self.loss_scaler.update(overflow=not applied) and applied
+        if not applied:
+            self.skipped_steps += 1
+            log.info("step %d skipped: the gradients overflowed at loss scale %g; the scale is "
+                     "now %g", self.global_steps + 1, scale, self.loss_scale())
+        self._step_applied = applied
+        self.core.zero_grad()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the accumulated gradients (after a step they are dropped already)."""
+        self.core.zero_grad()
+
+    def train(self, mode: bool = True) -> "TrainingEngine":
+        super().train(mode)
+        return self
+
+    def eval(self) -> "TrainingEngine":
+        return self.train(False)
+
+    def no_sync(self):
+        """DeepSpeed's: one rank here, no gradient reduction to put off."""
+        return contextlib.nullcontext()
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: Any = None,
+                        client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """The whole training state as `save_dir`/`tag` (default global_step<N>), atomic and
+        verified (worker/checkpoint.py), with `client_state`; `save_latest` points
+        `save_dir`/latest at it."""
+        tag = _checked_tag(f"global_step{self.global_steps}" if tag is None else tag)
+        save_dir = Path(save_dir)
+        state = {
+            "client_state": dict(client_state or {}),
+            "global_steps": self.global_steps, "global_samples": self.global_samples,
+            "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": (self.lr_scheduler.state_dict()
+                             if hasattr(self.lr_scheduler, "state_dict") else None),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
+        checkpoint.save_checkpoint(self.core, save_dir / tag, extra={"engine": state})
+        if save_latest:
+            staged = save_dir / f".{LATEST_FILE}.writing"
+            staged.write_text(tag)
+            staged.replace(save_dir / LATEST_FILE)
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False
+                        ) -> tuple[str | None, dict | None]:
+        """Restore `load_dir`/`tag` (default: the tag in `load_dir`/latest) saved by
+        save_checkpoint; returns (its path, its client_state), or (None, None) when the
+        directory has no `latest` (as DeepSpeed does). Training resumes bit for bit."""
+        load_dir = Path(load_dir)
+        if tag is None:
+            latest = load_dir / LATEST_FILE
+            if not latest.is_file():
+                log.warning("no checkpoint to load: %s has no %r file (save_checkpoint writes "
+                            "it); starting from the model as it is", load_dir, LATEST_FILE)
+                return None, None
+            tag = latest.read_text().strip()
+        path = load_dir / _checked_tag(tag)
+        if not path.is_dir():
+            raise InvalidArgumentError(f"no checkpoint {tag!r} in {load_dir}: {path} does not "
+                                       f"exist; give a tag saved there (or none for the latest)")
+        if not (load_module_strict and load_optimizer_states and load_lr_scheduler_states) or load_module_only:
+            raise InvalidArgumentError(
+                "load_checkpoint restores the whole training state (weights, optimizer, schedule) "
+                "or nothing; call it with the defaults (partial loads are not supported)")
+        extra = checkpoint.load_checkpoint(self.core, path)
+        state = extra.get("engine")
+        if state is None:
+            raise InvalidArgumentError(f"{path} was saved by `tierstack train`, not by an engine "
+                                       f"from tierstack.initialize; resume it with tierstack train")
+        for name in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+            setattr(self, name, state[name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["lr_scheduler"] is not None and hasattr(self.lr_scheduler, "load_state_dict"):
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if state["loss_scaler"] is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        return str(path), state["client_state"]
+
+    def export(self, directory: str | os.PathLike) -> Path:
+        """The weights as safetensors that Hugging Face's from_pretrained loads (with the
+        model's config when it has one); returns the index file."""
+        return checkpoint.export_safetensors(self.core, directory)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "") -> bool:
+        """DeepSpeed's name for exporting the weights: here safetensors shards and their
+        index under `save_dir` (one block in memory at a time, never the whole model)."""
+        self.export(save_dir)
+        return True
+
+    # ---- the end -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the last updates, stop the engine and what initialize started for it."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.core.wait_for_optimizer()
+        finally:
+            if self._on_close is not None:  # what initialize started, the engine first
+                self._on_close()
+            else:
+                try:
+                    self.core.close()
+                finally:
+                    self.core.store.close()
+
+    def __enter__(self) -> "TrainingEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _checked_tag(tag: Any) -> str:
+    """A checkpoint tag as a directory name of its own: no path tricks."""
+    text = str(tag)
+    if not text or text in (".", "..") or "/" in text or "\0" in text or text.startswith("."):
+        raise InvalidArgumentError(f"checkpoint tag {text!r} must be a plain name (no '/', not "
+                                   f"empty, not starting with '.'), e.g. global_step100")
+    return text
+
+
+def _without_cache(model: torch.nn.Module, kwargs: dict) -> dict:
+    """A Hugging Face model trains without its key/value cache (the offloaded blocks'
+    recompute would extend it twice), unless the caller asked otherwise."""
+    if "use_cache" not in kwargs and getattr(getattr(model, "config", None), "use_cache", None):
+        return {**kwargs, "use_cache": False}
+    return kwargs
+
+
+def _probe_loss(output: Any) -> torch.Tensor:
+    """A scalar to run the placement probe's backward from: the output's own loss where it
+    has one (a Hugging Face model given labels), else the mean of its first floating tensor
+    that needs gradients (logits), which back-propagates through every block alike."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss.float()
+    for value in _tensors(output):
+        if value.is_floating_point() and value.requires_grad:
+            return value.float().mean()
+    raise ConfigError(f"the model's output ({type(output).__name__}) holds no tensor that needs "
+                      f"gradients: nothing to train through")
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict) or hasattr(value, "values") and hasattr(value, "keys"):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return (f"a tensor of shape {tuple(value.shape)}"
+                + ("" if value.requires_grad else " that does not require grad"))
+    return type(value).__name__
