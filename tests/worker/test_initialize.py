@@ -1,0 +1,302 @@
+"""tierstack.initialize with a DeepSpeed-style loop of the caller's own, against plain PyTorch
+on the same seed and data: a real tier manager, real offloaded blocks."""
+
+import copy
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tierstack
+from tierstack.errors import ConfigError, InvalidArgumentError, TierManagerUnavailableError
+from tierstack.worker.layers import LayerStore
+
+VOCAB, DIM, LAYERS, ROWS, SEQ = 61, 32, 4, 4, 9
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 2 * DIM)
+        self.down = nn.Linear(2 * DIM, DIM)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, mask=None):
+        h = self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+        if mask is not None:  # padding positions add nothing
+            h = h * mask.unsqueeze(-1)
+        return x + h
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids, mask=None):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
+def _groups(model):
+    """No weight decay on norms and biases, as most scripts do."""
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _my_loss(logits, targets, mask):
+    """A loss of the script's own: label smoothing, padding masked out."""
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none",
+                                label_smoothing=0.1)
+    return (per_token * mask.flatten()).sum() / mask.sum()
+
+
+def _batches(seed, count):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        targets = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        lengths = torch.randint(3, SEQ + 1, (ROWS,), generator=g)
+        mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).float()
+        out.append((ids, targets, mask))
+    return out
+
+
+ACCUMULATION = 2
+CONFIG = {
+    "train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": ACCUMULATION,
+    "gradient_clipping": 0.5,
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                          "offload_optimizer": {"device": "cpu"}},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                               "weight_decay": 0.1}},
+}
+
+
+def _warmup_decay(step: int, warmup: int = 3, total: int = 8) -> float:
+    """The schedule's factor at optimizer step `step` (0 first), written out here."""
+    return (step + 1) / warmup if step < warmup else max(0.0, (total - step) / (total - warmup))
+
+
+def _plain_pytorch(model, batches, steps):
+    """The same training in plain PyTorch: per micro-batch losses, and eval losses after
+    each optimizer step."""
+    optimizer = torch.optim.AdamW(_groups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_decay)
+    losses, evals = [], []
+    for step in range(steps):
+        for ids, targets, mask in batches[step * ACCUMULATION:(step + 1) * ACCUMULATION]:
+            loss = _my_loss(model(ids, mask), targets, mask)
+            (loss / ACCUMULATION).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        evals.append(_evaluate(model, batches[-1]))
+    return losses, evals
+
+
+def _evaluate(model, batch):
+    ids, targets, mask = batch
+    model.eval()
+    with torch.no_grad():
+        loss = _my_loss(model(ids, mask), targets, mask).item()
+    model.train()
+    return loss
+
+
+def _tierstack(model, batches, steps, address, engine=None, start=0, save=None):
+    """The same loop through tierstack.initialize, as a DeepSpeed script writes it."""
+    if engine is None:
+        engine, optimizer, _, _ = tierstack.initialize(
+            model=model, model_parameters=_groups(model), config=CONFIG, tier_manager=address,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_decay))
+    losses, evals = [], []
+    for step in range(start, steps):
+        for ids, targets, mask in batches[step * ACCUMULATION:(step + 1) * ACCUMULATION]:
+            loss = _my_loss(engine(ids, mask), targets, mask)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        evals.append(_evaluate(engine, batches[-1]))
+        if save is not None and step + 1 == save[1]:
+            engine.save_checkpoint(save[0], client_state={"step": step + 1,
+                                                          "rng": torch.get_rng_state()})
+    return engine, losses, evals
+
+
+def test_a_deepspeed_style_loop_trains_as_plain_pytorch(shared_daemon):
+    """Own loss (label smoothing, padding masks), param groups, accumulation, clipping, a
+    warm-up/decay schedule on the returned optimizer, dropout, and eval passes between
+    steps: the same losses as plain PyTorch to 1e-5."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    batches = _batches(1, 6 * ACCUMULATION + 1)
+    torch.manual_seed(7)
+    expected, expected_evals = _plain_pytorch(reference, batches, 6)
+    torch.manual_seed(7)
+    engine, losses, evals = _tierstack(model, batches, 6, shared_daemon.address)
+    try:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(evals), torch.tensor(expected_evals), rtol=1e-5, atol=0)
+        assert engine.global_steps == 6 and engine.micro_steps == 12
+        assert engine.get_lr() == pytest.approx([3e-3 * _warmup_decay(6)] * 2)
+        assert engine.get_global_grad_norm() > 0
+    finally:
+        engine.close()
+
+
+def test_a_checkpoint_saved_mid_run_resumes_bit_for_bit(shared_daemon, tmp_path):
+    """Save at step 3 of 6, then a new engine loads it and trains on: the same losses, bit
+    for bit, as the run that went on (schedule, moments, masters, counters all restored)."""
+    batches = _batches(2, 6 * ACCUMULATION + 1)
+    torch.manual_seed(0)
+    model = Net()
+    torch.manual_seed(3)
+    engine, losses, _ = _tierstack(model, batches, 6, shared_daemon.address,
+                                   save=(tmp_path / "ckpt", 3))
+    engine.close()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
+    torch.manual_seed(1)  # other weights: the checkpoint must bring every value back
+    other = Net()
+    fresh, _, _, _ = tierstack.initialize(
+        model=other, model_parameters=_groups(other), config=CONFIG,
+        tier_manager=shared_daemon.address,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_decay))
+    try:
+        path, client = fresh.load_checkpoint(tmp_path / "ckpt")
+        assert path == str(tmp_path / "ckpt" / "global_step3") and client["step"] == 3
+        assert fresh.global_steps == 3 and fresh.micro_steps == 6
+        assert fresh.get_lr() == pytest.approx([3e-3 * _warmup_decay(3)] * 2)
+        torch.set_rng_state(client["rng"])
+        _, resumed, _ = _tierstack(None, batches, 6, None, engine=fresh, start=3)
+        assert resumed == losses[3 * ACCUMULATION:]
+    finally:
+        fresh.close()
+
+
+def test_the_callers_torch_adamw_is_followed_and_other_optimizers_are_refused(shared_daemon):
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW([{"params": model.blocks.parameters(), "lr": 1e-2},
+                                   {"params": [*model.embed.parameters(), *model.norm.parameters(),
+                                               *model.head.parameters()], "lr": 2e-3}],
+                                  weight_decay=0.05)
+    config = {k: v for k, v in CONFIG.items() if k not in ("optimizer", "gradient_clipping")}
+    config["gradient_accumulation_steps"] = 1
+    engine, returned, loader, schedule = tierstack.initialize(
+        model=model, optimizer=optimizer, config=config, tier_manager=shared_daemon.address)
+    try:
+        assert loader is None and schedule is None
+        assert [g["lr"] for g in returned.param_groups] == [1e-2, 2e-3]
+        ref_opt = torch.optim.AdamW([{"params": reference.blocks.parameters(), "lr": 1e-2},
+                                     {"params": [*reference.embed.parameters(),
+                                                 *reference.norm.parameters(),
+                                                 *reference.head.parameters()], "lr": 2e-3}],
+                                    weight_decay=0.05)
+        for i, (ids, targets, mask) in enumerate(_batches(3, 3)):
+            torch.manual_seed(i)  # the same dropout on both sides
+            loss = _my_loss(engine(ids, mask), targets, mask)
+            engine.backward(loss)
+            engine.step()
+            torch.manual_seed(i)
+            ref_loss = _my_loss(reference(ids, mask), targets, mask)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    finally:
+        engine.close()
+    with pytest.raises(ConfigError, match="SGD"):
+        tierstack.initialize(model=Net(), optimizer=torch.optim.SGD(Net().parameters(), lr=0.1),
+                             config=config, tier_manager=shared_daemon.address)
+    with pytest.raises(ConfigError, match="L2"):
+        tierstack.initialize(model=Net(), optimizer=torch.optim.Adam(Net().parameters(),
+                                                                     weight_decay=0.1),
+                             config=config, tier_manager=shared_daemon.address)
+    with pytest.raises(ConfigError, match="both in the config"):
+        tierstack.initialize(model=Net(), optimizer=torch.optim.AdamW(Net().parameters()),
+                             config=CONFIG, tier_manager=shared_daemon.address)
+
+
+def test_bad_calls_are_refused_in_one_line(shared_daemon, tmp_path):
+    torch.manual_seed(0)
+    with pytest.raises(ConfigError, match="torch.nn.Module"):
+        tierstack.initialize(model="not a model", config=CONFIG)
+    with pytest.raises(ConfigError, match="does not exist"):
+        tierstack.initialize(model=Net(), config=str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="blocks_attr 'embed'"):
+        tierstack.initialize(model=Net(), config=CONFIG, blocks_attr="embed",
+                             tier_manager=shared_daemon.address)
+    engine, _, _, _ = tierstack.initialize(model=Net(), config=CONFIG,
+                                           tier_manager=shared_daemon.address)
+    try:
+        ids, targets, mask = _batches(4, 1)[0]
+        out = engine(ids, mask)
+        with pytest.raises(InvalidArgumentError, match="scalar loss"):
+            engine.backward(out)
+        engine.backward(_my_loss(out, targets, mask))
+        for tag in ("../escape", "a/b", "", ".hidden"):
+            with pytest.raises(InvalidArgumentError, match="plain name"):
+                engine.save_checkpoint(tmp_path / "c", tag=tag)
+        assert not (tmp_path / "escape").exists()
+        assert engine.load_checkpoint(tmp_path / "nothing-here") == (None, None)
+        with pytest.raises(InvalidArgumentError, match="no checkpoint 'nope'"):
+            engine.load_checkpoint(tmp_path, tag="nope")
+    finally:
+        engine.close()
+
+
+def test_an_address_where_nothing_answers_fails_within_two_seconds(tmp_path):
+    for call in (lambda: tierstack.initialize(model=Net(), config=CONFIG,
+                                              tier_manager=f"unix:{tmp_path}/none.sock"),
+                 lambda: LayerStore("j", address=f"unix:{tmp_path}/none.sock"),
+                 lambda: LayerStore("j", address="127.0.0.1:9")):
+        start = time.monotonic()
+        with pytest.raises((ConfigError, TierManagerUnavailableError)) as info:
+            call()
+        assert time.monotonic() - start < 3.0
+        text = str(info.value)
+        assert "\n" not in text and ("none.sock" in text or "127.0.0.1:9" in text)
+
+
+def test_with_no_daemon_one_is_started_in_a_directory_named_by_the_job_under_nvme_path(
+        tmp_path, monkeypatch):
+    """The config's nvme_path is where the job's NVMe pool lives (a directory named after
+    the job, recorded in the run index while it runs); closing removes both."""
+    monkeypatch.setenv("TIERSTACK_TIER_MANAGER", f"unix:{tmp_path}/nobody-here.sock")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    nvme = tmp_path / "my-nvme"
+    config = json.loads(json.dumps(CONFIG))
+    for section in ("offload_param", "offload_optimizer"):
+        config["zero_optimization"][section] = {"device": "nvme", "nvme_path": str(nvme)}
+    engine, _, _, _ = tierstack.initialize(model=Net(), config=config, job="my-job")
+    try:
+        assert (nvme / "my-job").is_dir()
+        assert any(nvme.joinpath("my-job").iterdir())  # the pool's files are there
+        index = list((tmp_path / "state" / "tierstack" / "runs").glob("*.json"))
+        assert [json.loads(p.read_text())["directories"] for p in index] == [[str(nvme / "my-job")]]
+        for ids, targets, mask in _batches(5, 2):
+            engine.backward(_my_loss(engine(ids, mask), targets, mask))
+            engine.step()
+        assert engine.core.store.client.stats().nvme_bytes_written > 0
+    finally:
+        engine.close()
+    assert not nvme.exists()  # made for the run, removed with it
+    assert not list((tmp_path / "state" / "tierstack" / "runs").glob("*.json"))
+    assert os.environ["TIERSTACK_TIER_MANAGER"].endswith("nobody-here.sock")
