@@ -86,6 +86,9 @@ def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | 
         "persistent": engine.model.state_dict(),
         "persistent_optimizer": engine.persistent_optimizer.state_dict(),
         "persistent_masters": [m.detach().cpu() for m in engine.persistent_masters],
+        # The groups' hyperparameters now (a schedule moved their lr) and fp16's loss scale.
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.param_groups],
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "extra": extra or {},
     }, directory / ENGINE_FILE)
     files = {}
@@ -156,6 +159,11 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
         raise InvalidArgumentError(f"{directory} holds no tierstack checkpoint ({ENGINE_FILE} is missing)")
     _verify(directory)
     meta = torch.load(directory / ENGINE_FILE, map_location="cpu", weights_only=False)
+    groups = meta.get("param_groups", engine.param_groups)
+    if len(groups) != len(engine.param_groups):
+        raise InvalidArgumentError(
+            f"checkpoint {directory} has {len(groups)} param groups but the engine "
+            f"{len(engine.param_groups)}; give the engine the param groups it was saved with")
     if meta["blocks"] != len(engine.blocks.blocks):
         raise InvalidArgumentError(
             f"checkpoint {directory} has {meta['blocks']} blocks but the model has "
@@ -175,6 +183,10 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
         for m, saved_master in zip(engine.persistent_masters, meta["persistent_masters"]):
             m.copy_(saved_master)
     optimizer.steps = meta["steps"]
+    for group, saved_group in zip(engine.param_groups, meta.get("param_groups", [])):
+        group.update(saved_group)
+    if engine.loss_scaler is not None and meta.get("loss_scaler") is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     return meta["extra"]
 
 

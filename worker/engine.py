@@ -39,6 +39,7 @@ only the last micro-batch's backward may start the blocks' steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Callable
@@ -46,8 +47,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tierstack.budgets import Budgets, default_budgets, measure
-from tierstack.config import ActivationConfig, OptimizerConfig, TrainConfig
+from tierstack.budgets import Budgets, measure
+from tierstack.config import ActivationConfig, BudgetsConfig, OptimizerConfig, TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
 from tierstack.services.tier_manager.types import NodeInfo
@@ -174,6 +175,15 @@ def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeI
             f"{short / gib:.1f} GiB")
 
 
+def job_budgets(config: BudgetsConfig, store: LayerStore) -> Budgets:
+    """A job's budgets: the config's where stated, else the machine's (measured now); the
+    NVMe budget's ceiling is what the store's tier manager holds on its drives (it knows
+    them). The one place a worker turns budget settings into bytes."""
+    limits = dataclasses.replace(measure(None, str(store.device)),
+                                 nvme=store.client.node().nvme_capacity)
+    return config.resolve(limits)
+
+
 def materialize(module: torch.nn.Module, device) -> None:
     """Give a module built on the meta device real tensors on `device`, initialised by each
     submodule's own `reset_parameters` (a model too large for host memory is built with
@@ -199,7 +209,7 @@ class OffloadEngine:
                  budgets: Budgets | None = None, may_be_resident: list[bool] | None = None,
                  initialize: Callable[[torch.nn.Module, torch.device], None] = materialize,
                  activation_policy: str = AUTO, partition_activations: bool = False,
-                 param_groups: list[dict] | None = None) -> None:
+                 param_groups: list[dict] | None = None, loss_scaler=None) -> None:
         """`tiers`: each block's tier (default "auto"); `state_tiers`: the tier of each
         offloaded block's gradients and optimizer state (default: its `tiers` entry).
         `buffer_size`: the most elements a tensor of an offloaded block may have (0: any).
@@ -216,7 +226,8 @@ class OffloadEngine:
         rank has nothing to spread them over and keeps them whole.
         `param_groups`: torch-style groups of the model's trainable parameters with their
         lr, weight_decay, betas and eps (default: one group, `optimizer`'s); a trainable
-        parameter in no group is refused."""
+        parameter in no group is frozen. `loss_scaler` (fp16: worker/loss_scaler.py): the
+        loss scale train_step multiplies each loss by and steps with."""
         if precision not in PRECISIONS:
             raise ConfigError(f"train.precision {precision!r} is not supported by the engine; "
                               f"use one of {', '.join(PRECISIONS)}")
@@ -229,6 +240,8 @@ class OffloadEngine:
         self.store = store
         self.precision = precision
         self.param_groups = param_groups_of(model, optimizer, param_groups)
+        self.loss_scaler = loss_scaler
+        self.last_step_applied = False  # whether the last step() updated the weights
         self._group_of = group_by_name(model, self.param_groups)
         self.blocks_attr = blocks_attr
         self.gradient_clipping = gradient_clipping
@@ -396,8 +409,12 @@ class OffloadEngine:
         ModuleTiers(train.tier_overrides).check_matches(name for name, _ in model.named_modules())
         node = store.client.node()
         if budgets is None:  # the NVMe budget is the daemon's: it knows its drives
-            budgets = default_budgets(measure(None, str(store.device))).with_(nvme=node.nvme_capacity)
+            budgets = job_budgets(BudgetsConfig(), store)
         check_capacity(model, train.precision, budgets.hbm, node, max(numels, default=0))
+        loss_scaler = None
+        if train.precision == "fp16":
+            from tierstack.worker.loss_scaler import DynamicLossScaler
+            loss_scaler = DynamicLossScaler(train.fp16)
         return cls(model, store, train.optimizer, blocks_attr, budgets=budgets,
                    may_be_resident=may_be_resident(train, blocks_attr, count),
                    prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,
@@ -407,7 +424,8 @@ class OffloadEngine:
                    gradient_accumulation_steps=train.gradient_accumulation_steps,
                    buffer_size=train.params.buffer_size if train.params.tier() != GPU else 0,
                    initialize=initialize, activation_policy=train.activations.policy,
-                   partition_activations=train.activations.partition, param_groups=param_groups)
+                   partition_activations=train.activations.partition, param_groups=param_groups,
+                   loss_scaler=loss_scaler)
 
     def zero_grad(self) -> None:
         """Clear gradients: the next backward starts a new accumulation window."""
@@ -444,6 +462,7 @@ class OffloadEngine:
         dropped, and False is returned."""
         self._store_deferred_masters()
         self._refresh_rates()
+        self.last_step_applied = False
         scale = 1.0 / loss_scale
         self.last_gradient_norm = None
         if self.gradient_clipping > 0 or self.blocks.track_grad_norms:
@@ -461,6 +480,7 @@ class OffloadEngine:
                     p.grad.mul_(scale)
         self._step_persistent()
         self.block_optimizer.step(scale)
+        self.last_step_applied = True
         return True
 
     def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
@@ -525,13 +545,16 @@ class OffloadEngine:
             self.place(*micro[0])
         self.zero_grad()
         losses = []
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         for i, (x, y) in enumerate(micro):
             loss = self._loss(x, y)
             losses.append(loss.detach())
             # A block's step may start inside the backward only once its gradients are
             # complete: the last micro-batch.
-            self.backward(loss / len(micro), boundary=i == len(micro) - 1)
-        self.step()
+            self.backward(loss * (scale / len(micro)), boundary=i == len(micro) - 1)
+        applied = self.step(scale)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=not applied)
         return torch.stack(losses).mean().item()
 
     # ---- placement: budgets in, what lives on the device out -------------------------------

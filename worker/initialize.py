@@ -18,7 +18,6 @@ configured NVMe path (the config's nvme_path: several paths stripe), removed wit
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -28,11 +27,10 @@ from typing import Any, Callable
 
 import torch
 
-from tierstack.budgets import measure
 from tierstack.config import TierstackConfig, load_config
 from tierstack.errors import ConfigError
 from tierstack.worker.daemon_address import check_reachable, running_tier_manager
-from tierstack.worker.engine import OffloadEngine, materialize
+from tierstack.worker.engine import OffloadEngine, job_budgets, materialize
 from tierstack.worker.layers import LayerStore, layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.model_blocks import check_blocks, find_blocks
@@ -91,14 +89,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         store = LayerStore(job, device=device, device_budget=train.device_budget_bytes(layer_bytes),
                            address=address, durable=False)
         stack.callback(store.close)
-        budgets = _budgets(settings, store)
+        budgets = job_budgets(settings.budgets, store)
         core = OffloadEngine.from_config(model, store, train, blocks_attr, budgets=budgets,
                                          initialize=materialize, param_groups=groups)
         stack.callback(core.close)
         loader = _dataloader(training_data, train.micro_batch_size, collate_fn)
         scheduler = lr_scheduler
-        engine = TrainingEngine(core, train, loss_scaler=_loss_scaler(train),
-                                training_dataloader=loader, on_close=stack.pop_all().close)
+        engine = TrainingEngine(core, train, training_dataloader=loader,
+                                on_close=stack.pop_all().close)
         if scheduler is None:
             scheduler = _configured_schedule(engine.optimizer, train)
         elif callable(scheduler) and not hasattr(scheduler, "step"):
@@ -189,15 +187,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                                   f"which the tier managers' AdamW does not do; drop it")
 
 
-def _loss_scaler(train):
-    """fp16's loss scaler (dynamic unless train.fp16.loss_scale is set), else None."""
-    if train.precision != "fp16":
-        return None
-    from tierstack.worker.loss_scaler import DynamicLossScaler
-
-    return DynamicLossScaler(train.fp16)
-
-
 def _configured_schedule(optimizer: torch.optim.Optimizer, train):
     """The config's learning-rate schedule (DeepSpeed's `scheduler` section), or None."""
     if not hasattr(train, "lr_schedule"):  # TEMPORARY until the schedules land
@@ -256,11 +245,3 @@ def _tier_manager(settings: TierstackConfig, job: str, address: str | None,
     log.info("tierstack.initialize: started a tier manager for job %s (NVMe pool at %s)", job,
              ", ".join(tm.nvme_pool.paths))
     return daemon.address
-
-
-def _budgets(settings: TierstackConfig, store: LayerStore):
-    """The job's budgets: the config's where stated, else the machine's; the NVMe budget
-    'auto' is what the tier manager's drives hold (it knows them)."""
-    node = store.client.node()
-    limits = dataclasses.replace(measure(None, str(store.device)), nvme=node.nvme_capacity)
-    return settings.budgets.resolve(limits)

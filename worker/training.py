@@ -63,34 +63,45 @@ class StopSignal:
     make also passes on). Installed only on the main thread (where Python runs signal
     handlers); the old handler is put back on exit."""
 
-    def __init__(self, signum: int = signal.SIGTERM, repeat_seconds: float = 5.0) -> None:
+    def __init__(self, signum: int = signal.SIGTERM, repeat_seconds: float = 5.0,
+                 also: tuple[int, ...] = ()) -> None:
+        """`also`: more signals that stop the same way (SIGINT: Ctrl-C keeps the work too
+        when there is a checkpoint to write); `signum` is the one received once one came."""
         self.signum = signum
+        self.signums = (signum, *also)
         self.repeat_seconds = repeat_seconds
         self.requested = False
         self._first: float | None = None
-        self._previous = None
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopSignal":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(self.signum, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.signums}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(self.signum, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
         if self._first is None:
-            self._first, self.requested = now, True
+            self._first, self.requested, self.signum = now, True, signum
         elif now - self._first >= self.repeat_seconds:  # asked again: stop at once
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # Ctrl-C twice: the interpreter's own stop
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a job ended by the signal received: 128 + its number."""
+        return 128 + self.signum
 
 
 def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], batches: Iterable[Batch],

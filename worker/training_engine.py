@@ -91,8 +91,7 @@ class TrainingEngine(torch.nn.Module):
     """A model trained with its blocks' state in the tiers, driven by the caller's loop
     (DeepSpeed's DeepSpeedEngine surface). `core` is the offload engine doing the work."""
 
-    def __init__(self, core: OffloadEngine, train: TrainConfig,
-                 lr_scheduler: Any = None, loss_scaler: Any = None,
+    def __init__(self, core: OffloadEngine, train: TrainConfig, lr_scheduler: Any = None,
                  training_dataloader: Any = None, on_close: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.module = core.model
@@ -101,7 +100,6 @@ class TrainingEngine(torch.nn.Module):
         self.optimizer = EngineOptimizer(self)
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "step") else lr_scheduler
-        self.loss_scaler = loss_scaler
         self.training_dataloader = training_dataloader
         self.micro_steps = 0
         self.global_steps = 0
@@ -157,6 +155,11 @@ class TrainingEngine(torch.nn.Module):
         """Whether the last accumulation boundary updated the weights (fp16: not after an
         overflow)."""
         return self._step_applied
+
+    @property
+    def loss_scaler(self):
+        """fp16's loss scaler (the engine's), else None."""
+        return self.core.loss_scaler
 
     def loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
@@ -221,7 +224,7 @@ class TrainingEngine(torch.nn.Module):
         applied = self.core.step(scale)
         self._global_grad_norm = self.core.last_gradient_norm
         if self.loss_scaler is not None:
-            applied = self.loss_scaler.update(overflow=not applied) and applied
+            self.loss_scaler.update(overflow=not applied)
         if not applied:
             self.skipped_steps += 1
             log.info("step %d skipped: the gradients overflowed at loss scale %g; the scale is "
@@ -258,10 +261,8 @@ class TrainingEngine(torch.nn.Module):
             "client_state": dict(client_state or {}),
             "global_steps": self.global_steps, "global_samples": self.global_samples,
             "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
-            "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": (self.lr_scheduler.state_dict()
                              if hasattr(self.lr_scheduler, "state_dict") else None),
-            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
         checkpoint.save_checkpoint(self.core, save_dir / tag, extra={"engine": state})
         if save_latest:
@@ -300,11 +301,8 @@ class TrainingEngine(torch.nn.Module):
                                        f"from tierstack.initialize; resume it with tierstack train")
         for name in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
             setattr(self, name, state[name])
-        self.optimizer.load_state_dict(state["optimizer"])
         if state["lr_scheduler"] is not None and hasattr(self.lr_scheduler, "load_state_dict"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if state["loss_scaler"] is not None and self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
         return str(path), state["client_state"]
 
     def export(self, directory: str | os.PathLike) -> Path:

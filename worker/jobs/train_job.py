@@ -16,22 +16,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from tierstack.config import AUTO_SIZE, MiB, TierManagerConfig, TierstackConfig, load_config
+from tierstack.config import (AUTO_SIZE, MiB, NvmePoolConfig, TierManagerConfig, TierstackConfig,
+                              load_config)
+from tierstack.lr_schedules import build_schedule
 from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
-from tierstack.worker.engine import OffloadEngine, materialize
+from tierstack.worker.engine import OffloadEngine, job_budgets, materialize
 from tierstack.worker.jobs import corpus
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.jobs.progress import TrainProgress
-from tierstack.worker.run_directory import run_directory
+from tierstack.worker.run_directory import job_directories
 from tierstack.worker.layers import LayerStore, layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.training import StepRecord, StopSignal, run_steps
@@ -132,18 +134,36 @@ def run(args: argparse.Namespace) -> int:
         from tierstack.worker.jobs.ray_train_job import run as run_on_ray
         return run_on_ray(args, config)
     device = resolve_device(args.device)
+    job = f"train-{os.getpid()}"
     # SIGTERM from here on ends the job after the step in progress, as its last step would
-    # (checkpoint, export, daemons stopped, run directory removed): exit 143.
-    with StopSignal() as stop:
+    # (checkpoint, export, daemons stopped, run directory removed): exit 143. With a
+    # checkpoint to write, Ctrl-C does the same (exit 130); a second Ctrl-C stops at once.
+    also = (signal.SIGINT,) if args.checkpoint_dir else ()
+    with StopSignal(also=also) as stop:
         if args.tier_manager:
-            return _run_in(args, config, device, "", stop)
-        with run_directory(args.nvme_path) as run_dir:
-            return _run_in(args, config, device, run_dir, stop)
+            return _run_in(args, config, device, job, [], stop)
+        bases, setting = nvme_bases(args, config)
+        with job_directories(bases, job, setting) as run_dirs:
+            return _run_in(args, config, device, job, run_dirs, stop)
 
 
-def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.device,
-            run_dir: str, stop: StopSignal) -> int:
-    """The run, with its NVMe directory made (none with --tier-manager)."""
+DEFAULT_NVME_BASE = "/var/tmp/tierstack/train-nvme"
+
+
+def nvme_bases(args: argparse.Namespace, config: TierstackConfig) -> tuple[list[str], str]:
+    """Where the embedded tier manager's NVMe pool goes (each drive gets a directory named
+    after the job), and the setting that said so: --nvme-path, else the config's paths (a
+    DeepSpeed JSON's nvme_path; several stripe), else DEFAULT_NVME_BASE."""
+    if args.nvme_path:
+        return [args.nvme_path], "--nvme-path"
+    if config.tier_manager.nvme_pool.paths != NvmePoolConfig().paths:
+        return list(config.tier_manager.nvme_pool.paths), "tier_manager.nvme_pool.paths"
+    return [DEFAULT_NVME_BASE], "--nvme-path"
+
+
+def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.device, job_name: str,
+            run_dirs: list[str], stop: StopSignal) -> int:
+    """The run, with its NVMe directories made (none with --tier-manager)."""
     accumulation = config.train.gradient_accumulation_steps
     torch.manual_seed(args.seed)
     job = build_job(args, device)
@@ -156,33 +176,36 @@ def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.dev
     tm: TierManagerConfig = config.tier_manager
     if args.cpu_pool_size is not None:
         tm.cpu_pool.size = args.cpu_pool_size
-    if run_dir:
+    if run_dirs:
         # The pools' caps are the config's ('auto' by default: the machine's host and
         # NVMe budgets); they grow to what is stored, so nothing is sized by hand here.
-        tm.nvme_pool.paths = [run_dir]
-        tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
+        tm.nvme_pool.paths = list(run_dirs)
+        tm.manifest_path = os.path.join(run_dirs[0], "manifest.sqlite")
     progress = TrainProgress(args.steps, args.batch_size * args.seq_len, interval=args.log_every)
     micro = f" in {accumulation} micro-batches" if accumulation > 1 else ""
     where = (f"tier manager at {args.tier_manager}" if args.tier_manager else
-             f"CPU pool {_cap(tm.cpu_pool.size)} -> NVMe {_cap(tm.nvme_pool.size)} at {run_dir}")
+             f"CPU pool {_cap(tm.cpu_pool.size)} -> NVMe {_cap(tm.nvme_pool.size)} at "
+             f"{', '.join(run_dirs)}")
     progress.say(f"tierstack train: {job.description} on {device}, batch {args.batch_size}{micro}, "
                  f"{'data ' + args.data if args.data else 'the standard library sources'} as "
                  f"{'tokens' if job.tokenizer else 'bytes'}; block state {_mib(state_bytes)} vs "
                  f"device budget {_mib(budget)} and {where}")
     try:
         if args.tier_manager:
-            return _train(args, job, device, budget, args.tier_manager, data, config, progress, stop)
+            return _train(args, job, job_name, device, budget, args.tier_manager, data, config,
+                          progress, stop)
         if args.no_scheduler:
             with EmbeddedTierManager(tm) as daemon:
-                return _train(args, job, device, budget, daemon.address, data, config, progress, stop)
+                return _train(args, job, job_name, device, budget, daemon.address, data, config,
+                              progress, stop)
         # The embedded single-node default: a scheduler, and a tier manager registered
         # with it; the job reports its first iteration and follows the plans it gets.
         from tierstack.services.scheduler.embedded import EmbeddedScheduler
         with EmbeddedScheduler(config.scheduler) as scheduler:
             tm.scheduler_address, tm.node_id = scheduler.address, LOCAL_NODE
             with EmbeddedTierManager(tm) as daemon:
-                return _train(args, job, device, budget, daemon.address, data, config, progress,
-                              stop, scheduler.address)
+                return _train(args, job, job_name, device, budget, daemon.address, data, config,
+                              progress, stop, scheduler.address)
     finally:
         progress.close()
 
@@ -220,18 +243,20 @@ def _signature(args: argparse.Namespace, job: Job, precision: str) -> dict:
             "batch_size": args.batch_size, "data": args.data or "stdlib"}
 
 
-def _train(args, job: Job, device: torch.device, budget: int, address: str,
+def _train(args, job: Job, job_name: str, device: torch.device, budget: int, address: str,
            data: corpus.ByteBatches, config: TierstackConfig, progress: TrainProgress,
            stop: StopSignal, scheduler: str = "") -> int:
-    store = LayerStore(f"train-{uuid.uuid4().hex[:8]}", device=device, device_budget=budget,
-                       address=address, durable=False)
+    store = LayerStore(job_name, device=device, device_budget=budget, address=address,
+                       durable=False)
     engine = follower = None
     try:
         engine = OffloadEngine.from_config(job.model, store, config.train, job.blocks_attr,
+                                           budgets=job_budgets(config.budgets, store),
                                            initialize=job.initialize)
+        schedule = build_schedule(engine, config.train.lr_schedule)
         start, signature = 0, _signature(args, job, config.train.precision)
         if args.resume:
-            start = _resume(args, engine, data, signature)
+            start = _resume(args, engine, data, signature, schedule)
             progress.done = progress.first = start
             progress.say(f"resumed from {args.checkpoint_dir} after step {start}")
         if scheduler:  # records the first iteration's layer uses for the trace
@@ -243,7 +268,8 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
 
         def save(step: int) -> None:
             save_checkpoint(engine, args.checkpoint_dir,
-                            extra={**signature, "step": step, "data_state": data.state()})
+                            extra={**signature, "step": step, "data_state": data.state(),
+                                   "lr_schedule": schedule.state_dict() if schedule else None})
 
         # The trace is of the second step when there is one: the first also probes the
         # placement and creates the optimizer state.
@@ -268,7 +294,13 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
 
         first, began = store.client.stats(), time.perf_counter()
         batches = iter(data.next, None)  # endless: next() never returns None
-        steps = run_steps(engine.train_step, batches, device, args.steps - start,
+        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+            loss = engine.train_step(inputs, targets)
+            if schedule is not None and engine.last_step_applied:  # DeepSpeed's convention
+                schedule.step()
+            return loss
+
+        steps = run_steps(train_step, batches, device, args.steps - start,
                           counters=lambda: _counters(store), on_step=report, stop=stop)
         # The last step's updates run behind it (until the next forward would need them):
         # the run's time and traffic count them.
@@ -280,7 +312,7 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
         if stop.requested:
             progress.say(f"stopped by {stop.name} after step {done} of {args.steps}")
         if not steps:  # stopped before its first step: nothing new to save or report
-            return 143
+            return stop.exit_code
         if args.checkpoint_dir:
             save(done)
             progress.say(f"checkpoint: {args.checkpoint_dir} (step {done})")
@@ -295,7 +327,7 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
             f"NVMe read {_volume(end.nvme_bytes_read - first.nvme_bytes_read)}, "
             f"written {_volume(end.nvme_bytes_written - first.nvme_bytes_written)}; "
             f"device budget peak {_mib(store.budget.peak)} of {_mib(store.budget.capacity)}")
-        return 143 if stop.requested else 0
+        return stop.exit_code if stop.requested else 0
     finally:
         if follower is not None:
             follower.close()
@@ -304,9 +336,13 @@ def _train(args, job: Job, device: torch.device, budget: int, address: str,
         store.close()
 
 
-def _resume(args, engine: OffloadEngine, data: corpus.ByteBatches, signature: dict) -> int:
-    """Load the checkpoint into the engine and the data order; the steps it had done."""
+def _resume(args, engine: OffloadEngine, data: corpus.ByteBatches, signature: dict,
+            schedule) -> int:
+    """Load the checkpoint into the engine, the schedule and the data order; the steps it
+    had done."""
     extra = load_checkpoint(engine, args.checkpoint_dir)
+    if schedule is not None and extra.get("lr_schedule") is not None:
+        schedule.load_state_dict(extra["lr_schedule"])
     differs = {k: (extra.get(k), v) for k, v in signature.items() if extra.get(k) != v}
     if differs:
         raise ConfigError(f"--resume: {args.checkpoint_dir} was saved with " + ", ".join(
