@@ -758,9 +758,18 @@ def load_config(source: dict | str | os.PathLike | None = None) -> TierstackConf
             raise ConfigError(f"config file {path} does not exist") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-    from tierstack.deepspeed_config import is_deepspeed_config, translate_deepspeed
-    if is_deepspeed_config(data):
-        data = translate_deepspeed(data)
+    from tierstack.deepspeed_config import is_deepspeed_config, translate
+    if not is_deepspeed_config(data):
+        return _load(data)
+    translation = translate(data)  # its own errors name the user's keys already
+    try:
+        return _load(translation.config)
+    except ConfigError as e:  # a translated key named as the user wrote it
+        raise ConfigError(translation.in_user_keys(str(e))) from None
+
+
+def _load(data: dict) -> TierstackConfig:
+    """A tierstack config dict built, validated and its budgets applied."""
     config = _build(TierstackConfig, data, "")
     config.validate()
     apply_budgets(config)
