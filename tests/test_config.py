@@ -101,7 +101,7 @@ def test_a_deepspeed_zero_infinity_config_is_accepted_as_is(caplog):
     (lambda d: d.update(train_batch_size=17), "train_batch_size 17"),
     (lambda d: d["zero_optimization"].update(stage3_magic=1), "unknown DeepSpeed key zero_optimization.stage3_magic"),
     (lambda d: d["aio"].update(use_gds=True), "aio.use_gds"),
-    (lambda d: d.update(scheduler={"type": "WarmupLR"}), "scheduler"),
+    (lambda d: d.update(scheduler={"type": "LRRangeTest"}), "scheduler.type LRRangeTest"),
     (lambda d: d["optimizer"]["params"].update(amsgrad=True), "optimizer.params.amsgrad true is not supported"),
     (lambda d: d["optimizer"]["params"].update(maximize=True), "optimizer.params.maximize true is not supported"),
     (lambda d: d["zero_optimization"]["offload_param"].update(device="tape"), "zero_optimization.offload_param.device: 'tape'"),
@@ -251,7 +251,7 @@ def test_buffer_size_limits_only_when_stated():
     (lambda d: d["zero_optimization"].update(offload_param="nvme"),
      r"^zero_optimization.offload_param: expected an object such as \{\"device\": \"nvme\""),
     (lambda d: d.update(train_batch_size="auto"),
-     r"^train_batch_size: 'auto' is filled in by the Hugging Face Trainer .* write a number"),
+     r'^train_batch_size: "auto" is the Hugging Face Trainer\'s placeholder.* write a value$'),
     (lambda d: d["zero_optimization"].update(offlaod_param={}),
      r"^unknown DeepSpeed key zero_optimization.offlaod_param; did you mean zero_optimization.offload_param\?$"),
     (lambda d: d["aio"].update(queue_dept=8), r"did you mean aio.queue_depth\?$"),
@@ -285,3 +285,36 @@ def test_a_deepspeed_file_may_say_use_gds_false_and_carry_tierstack_budgets():
     assert config.tier_manager.nvme_pool.size == 200 * GiB  # the NVMe budget caps the pool
     assert config.tier_manager.cpu_pool.size == 4 * GiB  # host less HOST_OVERHEAD
     assert config.tier_manager.nvme_pool.paths == ["/local_nvme"]  # nvme_path honoured
+
+
+def test_fp16_loss_scaling_and_a_schedule_in_tierstacks_own_format():
+    config = load_config({"train": {
+        "precision": "fp16",
+        "fp16": {"loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 50,
+                 "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 0.5},
+        "lr_schedule": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}})
+    fp16 = config.train.fp16
+    assert (fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window) == (0.0, 12, 50)
+    assert (fp16.hysteresis, fp16.consecutive_hysteresis, fp16.min_loss_scale) == (3, True, 0.5)
+    assert config.train.precision == "fp16"
+    assert config.train.lr_schedule.params == {"warmup_num_steps": 10}
+    assert load_config().train.lr_schedule.type == "none"  # no schedule unless asked
+    from tierstack.config import config_dict
+    assert load_config(config_dict(config)) == config
+
+
+@pytest.mark.parametrize("fp16,message", [
+    ({"loss_scale": -1}, r"^train.fp16.loss_scale must be 0 \(dynamic\) or a positive static scale"),
+    ({"initial_scale_power": 65}, r"^train.fp16.initial_scale_power must be between 0 and 64"),
+    ({"initial_scale_power": 16.5}, r"^train.fp16.initial_scale_power: expected an integer"),
+    ({"loss_scale_window": 0}, r"^train.fp16.loss_scale_window must be at least 1, got 0"),
+    ({"hysteresis": 0}, r"^train.fp16.hysteresis must be at least 1, got 0"),
+    ({"min_loss_scale": 0}, r"^train.fp16.min_loss_scale must be positive"),
+    ({"min_loss_scale": 1024, "initial_scale_power": 8},
+     r"^train.fp16.min_loss_scale 1024.0 is above the initial scale 2\*\*8"),
+    ({"consecutive_hysteresis": 1}, r"^train.fp16.consecutive_hysteresis: expected true or false"),
+    ({"los_scale": 0}, r"^unknown config key train.fp16.los_scale; did you mean train.fp16.loss_scale\?"),
+])
+def test_bad_loss_scaling_is_refused_naming_the_key(fp16, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({"train": {"precision": "fp16", "fp16": fp16}})

@@ -13,6 +13,7 @@ import torch
 
 from tests.worker.test_offload import TinyGPT
 from tierstack.config import load_config
+from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine
@@ -96,3 +97,139 @@ def test_a_deepspeed_json_trains_unmodified(tmp_path, device):
         assert stats.evictions == 0 and stats.nvme_bytes_read == 0 and stats.cpu_used > 0
         # the layouts only: a few KiB each (a data block and its self-describing header)
         assert stats.nvme_used * 10 < stats.cpu_used, stats
+
+
+# ---- the translation alone: scheduler, fp16, "auto", and errors in the user's keys -------
+
+def _ds(**sections) -> dict:
+    """A small DeepSpeed cpu-offload file with `sections` added or replaced."""
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": dict(HYPER)},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                  "offload_optimizer": {"device": "cpu"}},
+            "aio": {"block_size": 1048576, "queue_depth": 8},
+            **sections}
+
+
+def test_a_deepspeed_scheduler_section_is_train_lr_schedule():
+    from tierstack.lr_schedules import WarmupDecayLR, build_schedule
+    params = {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10,
+              "total_num_steps": 1e3, "warmup_type": "linear"}
+    schedule = load_config(_ds(scheduler={"type": "WarmupDecayLR", "params": params})).train.lr_schedule
+    assert (schedule.type, schedule.params) == ("WarmupDecayLR", params)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=HYPER["lr"])
+    built = build_schedule(opt, schedule)
+    assert isinstance(built, WarmupDecayLR) and built.total_num_steps == 1000
+    # DeepSpeed's WarmupLR with no params at all: its defaults.
+    assert load_config(_ds(scheduler={"type": "WarmupLR"})).train.lr_schedule.params == {}
+
+
+def test_fp16_enabled_gives_a_config_with_deepspeeds_loss_scaling():
+    config = load_config(_ds(fp16={"enabled": True}))
+    fp16 = config.train.fp16
+    assert config.train.precision == "fp16"
+    assert (fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window) == (0.0, 16, 1000)
+    assert (fp16.hysteresis, fp16.consecutive_hysteresis, fp16.min_loss_scale) == (2, False, 1.0)
+    written = {"enabled": True, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 12,
+               "loss_scale_window": 500, "hysteresis": 4, "consecutive_hysteresis": True,
+               "min_loss_scale": 0.25, "fp16_master_weights_and_grads": False}
+    fp16 = load_config(_ds(fp16=written)).train.fp16
+    assert (fp16.initial_scale_power, fp16.loss_scale_window, fp16.hysteresis) == (12, 500, 4)
+    assert fp16.consecutive_hysteresis is True and fp16.min_loss_scale == 0.25
+    static = load_config(_ds(fp16={"enabled": True, "loss_scale": 128})).train.fp16
+    assert static.loss_scale == 128.0
+    # A disabled section still loads (the Hugging Face stock file carries one): fp32.
+    assert load_config(_ds(fp16={"enabled": False, "loss_scale": 0})).train.precision == "fp32"
+
+
+@pytest.mark.parametrize("key,where", [
+    ("bf16.enabled", lambda d: d.update(bf16={"enabled": "auto"})),
+    ("fp16.enabled", lambda d: d.update(fp16={"enabled": "auto", "loss_scale": 0})),
+    ("optimizer.params.lr", lambda d: d["optimizer"]["params"].update(lr="auto")),
+    ("scheduler.params.warmup_num_steps",
+     lambda d: d.update(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}})),
+    ("zero_optimization.reduce_bucket_size",
+     lambda d: d["zero_optimization"].update(reduce_bucket_size="auto")),
+    ("gradient_clipping", lambda d: d.update(gradient_clipping="auto")),
+])
+def test_auto_anywhere_is_refused_in_one_line_naming_the_key(key, where):
+    data = _ds()
+    where(data)
+    with pytest.raises(ConfigError, match=rf'^{key}: "auto" is the Hugging Face Trainer\'s '
+                                          rf'placeholder.*tierstack.hf_deepspeed.fill_auto.*'
+                                          rf'write a value$') as err:
+        load_config(data)
+    assert "\n" not in str(err.value)
+
+
+def test_auto_in_tierstacks_own_sections_of_a_deepspeed_file_is_theirs():
+    config = load_config(_ds(budgets={"hbm": "auto", "host": "auto"},
+                             tier_manager={"cpu_pool": {"size": "auto"}}))
+    assert config.budgets.hbm == "auto" and config.tier_manager.cpu_pool.size == "auto"
+
+
+@pytest.mark.parametrize("change,message", [
+    # Errors raised while validating the translated config, in the user's keys:
+    (lambda d: d["zero_optimization"]["offload_param"].update(buffer_count=0),
+     r"^zero_optimization.offload_param.buffer_count must be at least 1, got 0$"),
+    (lambda d: d["optimizer"]["params"].update(betas=[0.9]),
+     r"^optimizer.params.betas must be two numbers in \[0, 1\)"),
+    (lambda d: d["optimizer"]["params"].update(lr=-1),
+     r"^optimizer.params: lr and eps must be positive"),
+    (lambda d: d["aio"].update(block_size=1000), r"^aio.block_size: 1000 is not a positive multiple"),
+    (lambda d: d["aio"].update(intra_op_parallelism=0),
+     r"^aio.intra_op_parallelism: 0 must be between 1 and 1024$"),
+    (lambda d: d.update(train_micro_batch_size_per_gpu=0),
+     r"^train_micro_batch_size_per_gpu must be at least 1, got 0$"),
+    (lambda d: d.update(gradient_accumulation_steps=0), r"^gradient_accumulation_steps must be at least 1"),
+    (lambda d: d.update(gradient_clipping=-1.0), r"^gradient_clipping must be >= 0$"),
+    (lambda d: d.update(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 0}}),
+     r"^scheduler.params.warmup_num_steps: expected an integer >= 1, got 0$"),
+    (lambda d: d.update(scheduler={"type": "WarmupDecayLR", "params": {"warmup_max_l": 1}}),
+     r"^unknown config key scheduler.params.warmup_max_l of WarmupDecayLR; did you mean "
+     r"scheduler.params.warmup_max_lr\?$"),
+    (lambda d: d.update(scheduler={"type": "WarmupDecayLR"}),
+     r"^scheduler.params.total_num_steps: WarmupDecayLR needs it"),
+    (lambda d: d.update(scheduler={"type": "WarmupLr"}),
+     r"^scheduler.type: 'WarmupLr' is not a learning-rate schedule.*did you mean WarmupLR\?\)$"),
+    (lambda d: d.update(fp16={"enabled": True, "hysteresis": 0}), r"^fp16.hysteresis must be at least 1"),
+    (lambda d: d.update(fp16={"enabled": True, "initial_scale_power": 16.5}),
+     r"^fp16.initial_scale_power: expected an integer, got 16.5$"),
+    (lambda d: d.update(tier_overrides={"model.layers": "tape"}), r"^tier_overrides"),
+    # ... and the translation's own:
+    (lambda d: d.update(fp16={"enabled": True, "auto_cast": True}), r"^fp16.auto_cast: casting"),
+    (lambda d: d.update(fp16={"enabled": True, "fp16_master_weights_and_grads": True}),
+     r"^fp16.fp16_master_weights_and_grads: tierstack keeps fp32 master weights"),
+    (lambda d: d.update(fp16={"enabled": True, "loss_scal": 0}),
+     r"^unknown DeepSpeed key fp16.loss_scal; did you mean fp16.loss_scale\?$"),
+    (lambda d: d.update(bf16={"enabled": "yes"}), r"^bf16.enabled: expected true or false, got 'yes'$"),
+    (lambda d: d.update(scheduler={"type": "OneCycle", "param": {}}),
+     r"^unknown DeepSpeed key scheduler.param; did you mean scheduler.params\?$"),
+    (lambda d: d.update(scheduler={"params": {}}), r"^scheduler.type is missing"),
+    (lambda d: d.update(checkpoint={"use_node_local_storage": True}),
+     r"^checkpoint.use_node_local_storage: rank 0 writes one checkpoint"),
+])
+def test_every_error_names_the_deepspeed_key_the_user_wrote(change, message):
+    data = _ds()
+    change(data)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(data)
+    assert "train." not in str(err.value) and "tier_manager." not in str(err.value)
+
+
+def test_features_left_off_are_accepted():
+    config = load_config(_ds(checkpoint={"use_node_local_storage": False},
+                             fp16={"enabled": False, "auto_cast": False}))
+    assert config.train.precision == "fp32"
+
+
+def test_only_translated_keys_are_renamed_in_a_message():
+    from tierstack.deepspeed_config import translate
+    translation = translate(_ds(zero_optimization={
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/a"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/b"}}))
+    assert translation.in_user_keys("train.params.device x; budgets.host y; e.g. 1.5 GiB") == \
+        "zero_optimization.offload_param.device x; budgets.host y; e.g. 1.5 GiB"
+    assert translation.in_user_keys("tier_manager.nvme_pool.paths: z") == (
+        "zero_optimization.offload_param.nvme_path and "
+        "zero_optimization.offload_optimizer.nvme_path: z")

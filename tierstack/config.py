@@ -7,9 +7,11 @@ human sizes ("4GiB", "512MB", 1048576).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import typing
@@ -451,6 +453,68 @@ class ActivationConfig:
                 f"'nvme' or 'auto', or partition to false")
 
 
+@dataclass
+class LRScheduleConfig:
+    """The learning-rate schedule: DeepSpeed's `scheduler` section (tierstack/lr_schedules.py
+    has the formulas). The schedule steps after each optimizer step, as DeepSpeed's does."""
+
+    type: str = "none"
+    """'none' (train.optimizer.lr throughout) or one of DeepSpeed's schedules: WarmupLR,
+    WarmupDecayLR, WarmupCosineLR, OneCycle."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """That schedule's parameters under DeepSpeed's names, e.g. {"warmup_num_steps": 100,
+    "total_num_steps": 1000} for WarmupDecayLR."""
+
+    def validate(self, prefix: str) -> None:
+        from tierstack.lr_schedules import NONE, check_params, check_type
+        check_type(self.type, f"{prefix}.type")
+        if self.type != NONE:
+            check_params(self.type, self.params, f"{prefix}.params")
+        elif self.params:
+            raise ConfigError(f"{prefix}.params: given, but {prefix}.type is 'none' (no "
+                              f"schedule); name the schedule or drop the params")
+
+
+@dataclass
+class LossScaleConfig:
+    """fp16 loss scaling (DeepSpeed's `fp16` section), used when train.precision is 'fp16'
+    (worker/loss_scaler.py). A step whose gradients overflow is skipped; with dynamic
+    scaling the scale then halves, and doubles again after loss_scale_window clean steps."""
+
+    loss_scale: float = 0.0
+    """0: dynamic scaling; any other value: this static scale."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Steps without an overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """Overflows that only skip their step before one halves the scale: the hysteresis-th
+    overflow since the start or the last rise halves it, and so does every one after it
+    until the scale rises again."""
+    consecutive_hysteresis: bool = False
+    """Count those overflows in a row only: every clean step refills the hysteresis."""
+    min_loss_scale: float = 1.0
+    """The dynamic scale never goes below this; an overflow at it stops training."""
+
+    def validate(self, prefix: str) -> None:
+        if not 0 <= self.loss_scale < math.inf:
+            raise ConfigError(f"{prefix}.loss_scale must be 0 (dynamic) or a positive static "
+                              f"scale, got {self.loss_scale}")
+        if not 0 <= self.initial_scale_power <= 64:
+            raise ConfigError(f"{prefix}.initial_scale_power must be between 0 and 64 (the "
+                              f"scale starts at 2**power; 16 is DeepSpeed's default), got "
+                              f"{self.initial_scale_power}")
+        for name in ("loss_scale_window", "hysteresis"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{prefix}.{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.min_loss_scale < math.inf:
+            raise ConfigError(f"{prefix}.min_loss_scale must be positive, got {self.min_loss_scale}")
+        if self.loss_scale == 0 and self.min_loss_scale > 2 ** self.initial_scale_power:
+            raise ConfigError(
+                f"{prefix}.min_loss_scale {self.min_loss_scale} is above the initial scale "
+                f"2**{self.initial_scale_power}; lower it or raise {prefix}.initial_scale_power")
+
+
 DEVICE_BUDGET_LAYERS = 3
 """The device budget, in offloaded layers' worth, when none is given."""
 
@@ -466,8 +530,8 @@ class TrainConfig:
     """Micro-batches per optimizer step: the engine's train_step splits each batch's rows
     into this many equal parts, accumulates their gradients and steps once."""
     precision: str = "fp32"
-    """'fp32' end to end, or 'bf16' on the device with fp32 masters ('fp16' is accepted by
-    the loader but refused by the engine: it would need loss scaling)."""
+    """'fp32' end to end, or 'bf16' or 'fp16' on the device with fp32 masters ('fp16' with
+    loss scaling: train.fp16)."""
     gradient_clipping: float = 0.0
     """Clip the global gradient norm to this (0: no clipping)."""
     device_budget: int = 0
@@ -480,6 +544,8 @@ class TrainConfig:
     tier_overrides: dict[str, str] = field(default_factory=dict)
     """Module name pattern -> tier ('gpu', 'cpu', 'nvme') of all that module's state,
     parameters and optimizer state alike, e.g. "model.layers[3-]": "nvme"."""
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    fp16: LossScaleConfig = field(default_factory=LossScaleConfig)
 
     def device_budget_bytes(self, layer_bytes: int) -> int:
         """The device budget in bytes, for a model whose offloaded layers are `layer_bytes`."""
@@ -497,6 +563,8 @@ class TrainConfig:
         self.optimizer_state.validate(f"{prefix}.optimizer_state")
         self.optimizer.validate(f"{prefix}.optimizer")
         self.activations.validate(f"{prefix}.activations")
+        self.lr_schedule.validate(f"{prefix}.lr_schedule")
+        self.fp16.validate(f"{prefix}.fp16")
         from tierstack.module_tiers import ModuleTiers
         ModuleTiers(self.tier_overrides, f"{prefix}.tier_overrides")  # checks every pattern
 
@@ -638,6 +706,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
                     isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
                 raise ConfigError(f"{key}: expected an object of strings, got {value!r}")
             kwargs[name] = dict(value)
+        elif hint == dict[str, Any]:  # checked by its section (a schedule's params)
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise ConfigError(f"{key}: expected an object, got {value!r}")
+            kwargs[name] = copy.deepcopy(value)
         else:  # pragma: no cover - a field type this loader was not taught
             raise TypeError(f"config loader cannot read field {key} of type {hint}")
     return cls(**kwargs)
@@ -686,9 +758,18 @@ def load_config(source: dict | str | os.PathLike | None = None) -> TierstackConf
             raise ConfigError(f"config file {path} does not exist") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-    from tierstack.deepspeed_config import is_deepspeed_config, translate_deepspeed
-    if is_deepspeed_config(data):
-        data = translate_deepspeed(data)
+    from tierstack.deepspeed_config import is_deepspeed_config, translate
+    if not is_deepspeed_config(data):
+        return _load(data)
+    translation = translate(data)  # its own errors name the user's keys already
+    try:
+        return _load(translation.config)
+    except ConfigError as e:  # a translated key named as the user wrote it
+        raise ConfigError(translation.in_user_keys(str(e))) from None
+
+
+def _load(data: dict) -> TierstackConfig:
+    """A tierstack config dict built, validated and its budgets applied."""
     config = _build(TierstackConfig, data, "")
     config.validate()
     apply_budgets(config)

@@ -16,6 +16,13 @@ manager over the ranks' nodes in proportion to their pools (worker/partitioned_s
 Inputs kept on the device (no cpu_checkpointing, and an HBM budget that holds them) stay
 whole, as DeepSpeed's do without model parallelism; one rank keeps everything whole.
 
+`scheduler` is train.lr_schedule (DeepSpeed's schedules: tierstack/lr_schedules.py), the
+`fp16` section's loss-scaling keys are train.fp16. An `"auto"` value is the Hugging Face
+Trainer's placeholder: its integration fills it in (tierstack/hf_deepspeed.py does the same
+for a Trainer run); anywhere else it is refused, naming the key. Every error, including the
+ones raised while the translated config is validated, names the key the user wrote
+(`DeepSpeedTranslation.in_user_keys`), never the tierstack key it became.
+
 Offload sections: `device` (none, cpu, nvme) and `nvme_path` in both; `buffer_count`,
 `buffer_size` and `max_in_cpu` of offload_param mean what they mean in DeepSpeed (see
 tierstack/config.py's ParamOffloadConfig). offload_optimizer has no max_in_cpu in
@@ -25,6 +32,8 @@ DeepSpeed, so its nvme state gets tierstack's default: the CPU pool keeps what f
 from __future__ import annotations
 
 import logging
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierstack.config import suggest
@@ -50,8 +59,7 @@ _DECIDED_BY_TIERSTACK = {
     "zero_optimization.round_robin_gradients", "zero_optimization.ignore_unused_parameters",
     "zero_optimization.offload_optimizer.fast_init", "zero_optimization.offload_optimizer.pipeline_read",
     "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_optimizer.pipeline",
-    "aio.single_submit", "aio.overlap_events", "fp16.loss_scale_window", "fp16.hysteresis",
-    "fp16.min_loss_scale", "fp16.initial_scale_power", "fp16.loss_scale",
+    "aio.single_submit", "aio.overlap_events",
     # DeepSpeed sizes a contiguous buffer for its checkpoints with these; the tier
     # manager's pools hold tierstack's, and every offloaded block is checkpointed.
     "activation_checkpointing.contiguous_memory_optimization",
@@ -61,7 +69,14 @@ _DECIDED_BY_TIERSTACK = {
 
 # Features tierstack does not have: refusing beats ignoring.
 _REFUSED = {
-    "scheduler": "learning-rate schedulers are not supported yet; drop 'scheduler' and set optimizer.params.lr",
+    "fp16.auto_cast": "casting the model's inputs to fp16 is not supported; pass fp16 inputs "
+                      "(token ids need no cast) and set it false or drop it",
+    "fp16.fp16_master_weights_and_grads": "tierstack keeps fp32 master weights and gradients "
+                                          "(its AdamW steps them); set it false or drop it",
+    "checkpoint.use_node_local_storage": "rank 0 writes one checkpoint that every rank reads, "
+                                         "so its directory must be one every rank sees; set it "
+                                         "false or drop it (Hugging Face sets it for "
+                                         "save_on_each_node)",
     "zero_optimization.offload_optimizer.ratio": "partial optimizer offload (ratio) is not supported",
     "zero_optimization.zero_quantized_weights": "quantized weights are not supported",
     "zero_optimization.zero_hpz_partition_size": "hierarchical partitioning is not supported",
@@ -81,20 +96,18 @@ def _section(value: Any, key: str, example: str) -> dict:
 
 
 def _number(value: Any, key: str) -> int | float:
-    """A DeepSpeed count or size: a number (DeepSpeed files write 1e8); 'auto' is the
-    Hugging Face Trainer's placeholder, which it fills in before DeepSpeed reads the file."""
-    if value == "auto":
-        raise ConfigError(f"{key}: 'auto' is filled in by the Hugging Face Trainer before "
-                          f"DeepSpeed reads the file; tierstack reads the file as is: write a "
-                          f"number, or drop the key")
+    """A DeepSpeed count or size: a number (DeepSpeed files write 1e8)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def _screened(key: str, decided: list[str]) -> bool:
-    """True for a key left to tierstack (noted in `decided`); raises for a refused one."""
+def _screened(key: str, decided: list[str], value: Any = True) -> bool:
+    """True for a key left to tierstack (noted in `decided`) or a refused one set false;
+    raises for a refused one set otherwise."""
     if key in _REFUSED:
+        if value is False:  # a feature left off is what tierstack does
+            return True
         raise ConfigError(f"{key}: {_REFUSED[key]}")
     if key in _DECIDED_BY_TIERSTACK:
         decided.append(key)
@@ -106,146 +119,292 @@ def is_deepspeed_config(data: dict) -> bool:
     return isinstance(data, dict) and "zero_optimization" in data
 
 
+# Sections of tierstack's own that a DeepSpeed file may carry: read as tierstack reads them.
+_TIERSTACK_SECTIONS = ("tier_overrides", "device_budget", "budgets", "tier_manager")
+AUTO = "auto"
+
+
+def refuse_auto(ds: dict) -> None:
+    """One line naming the first DeepSpeed key whose value is still "auto"."""
+    for key, value in _leaves(ds, ""):
+        if value == AUTO:
+            raise ConfigError(
+                f'{key}: "auto" is the Hugging Face Trainer\'s placeholder, filled in from its '
+                f'TrainingArguments (a Trainer run through tierstack fills it the same way: '
+                f'tierstack.hf_deepspeed.fill_auto); anywhere else write a value')
+
+
+def _leaves(node: Any, key: str):
+    """(dotted key, value) of every value in a DeepSpeed dict, list items under their key."""
+    if isinstance(node, dict):
+        for name, value in node.items():
+            if not key and name in _TIERSTACK_SECTIONS:
+                continue  # their "auto"s are tierstack's own (budgets, pool sizes)
+            yield from _leaves(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list):
+        for value in node:
+            yield from _leaves(value, key)
+    else:
+        yield key, node
+
+
+_DOTTED_KEY = re.compile(r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+
+
+@dataclass
+class DeepSpeedTranslation:
+    """A DeepSpeed config as tierstack's config dict, and the user's key behind each part."""
+
+    config: dict
+    user_keys: dict[str, str] = field(default_factory=dict)
+    """Translated dotted key (or section) -> the DeepSpeed key it came from."""
+
+    def in_user_keys(self, message: str) -> str:
+        """`message` with each translated key in it named as the user wrote it."""
+        def user_key(match: re.Match) -> str:
+            key = match.group(0)
+            parts = key.split(".")
+            for n in range(len(parts), 0, -1):  # the longest translated prefix
+                prefix = ".".join(parts[:n])
+                if prefix in self.user_keys:
+                    return self.user_keys[prefix] + key[len(prefix):]
+            return key
+        return _DOTTED_KEY.sub(user_key, message)
+
+
+def translate_deepspeed(ds: dict) -> dict:
+    """A tierstack config dict from a DeepSpeed config dict; errors name the DeepSpeed key."""
+    return translate(ds).config
+
+
+def translate(ds: dict) -> DeepSpeedTranslation:
+    """A DeepSpeed config dict translated, with the map back to the user's keys."""
+    refuse_auto(ds)
+    return _Translator().run(ds)
+
+
 # The offload keys translated into train.params / train.optimizer_state, beyond device.
 _OFFLOAD_KEYS = {
     "zero_optimization.offload_param": ("buffer_count", "buffer_size", "max_in_cpu"),
     "zero_optimization.offload_optimizer": (),
 }
+_OFFLOAD_INTO = {"zero_optimization.offload_param": "params",
+                 "zero_optimization.offload_optimizer": "optimizer_state"}
+_LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                    "consecutive_hysteresis", "min_loss_scale")
 
 
-def _offload(section: Any, key: str, nvme_paths: list[str], decided: list[str]) -> dict:
-    section = _section(section, key, '{"device": "nvme", "nvme_path": "/local_nvme"}')
-    out: dict[str, Any] = {}
-    for name, value in section.items():
-        full = f"{key}.{name}"
-        if _screened(full, decided):
-            continue
-        if name == "device":
-            if value is not None and value not in OFFLOAD_DEVICES:
-                raise ConfigError(f"{full}: {value!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
-            out["device"] = "none" if value is None else value
-        elif name == "nvme_path":
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"{full}: expected a directory path, got {value!r}")
-            if value not in nvme_paths:
-                nvme_paths.append(value)
-        elif name in _OFFLOAD_KEYS[key]:
-            # DeepSpeed files write counts as 1e8; a whole float is the integer it names.
-            out[name] = _number(value, full)
-        else:
-            raise ConfigError(f"unknown DeepSpeed key {full}; "
-                              f"{suggest(name, _known_offload_keys(key), key + '.')}")
-    if out.get("device") == "nvme" and "nvme_path" not in section:
-        raise ConfigError(f"{key}.device is 'nvme' but {key}.nvme_path is missing: name the "
-                          f"directory on the NVMe drive")
-    return out
+class _Translator:
+    """One translation's state: the tierstack sections built so far, the keys left to
+    tierstack, and where each translated key came from."""
 
+    def __init__(self):
+        self.train: dict[str, Any] = {}
+        self.nvme_paths: dict[str, str] = {}  # directory -> the user's key that named it
+        self.aio: dict[str, Any] = {}
+        self.decided: list[str] = []
+        self.keys: dict[str, str] = {}  # translated key -> the user's
 
-def translate_deepspeed(ds: dict) -> dict:
-    """A tierstack config dict from a DeepSpeed config dict; errors name the DeepSpeed key."""
-    train: dict[str, Any] = {}
-    tier_manager: dict[str, Any] = {}
-    nvme_paths: list[str] = []
-    aio: dict[str, Any] = {}
-    decided = []
-    tierstack_sections: dict[str, Any] = {}
-    precision = "fp32"
-    for name, value in ds.items():
-        if _screened(name, decided):
-            continue
-        if name == "zero_optimization":
-            value = _section(value, name, '{"stage": 3, "offload_param": {"device": "cpu"}}')
-            for zname, zvalue in value.items():
-                full = f"zero_optimization.{zname}"
-                if _screened(full, decided):
-                    continue
-                if zname == "stage":
-                    if isinstance(zvalue, bool) or not isinstance(zvalue, int):
-                        raise ConfigError(f"zero_optimization.stage: expected the number 3, got "
-                                          f"{zvalue!r} ({type(zvalue).__name__}); write 3 without quotes")
-                    if zvalue != 3:
-                        raise ConfigError(
-                            f"zero_optimization.stage is {zvalue}: tierstack partitions parameters, "
-                            f"gradients and optimizer states (stage 3); set it to 3")
-                elif zname == "offload_param":
-                    train["params"] = _offload(zvalue, full, nvme_paths, decided)
-                elif zname == "offload_optimizer":
-                    train["optimizer_state"] = _offload(zvalue, full, nvme_paths, decided)
-                else:
-                    raise ConfigError(f"unknown DeepSpeed key {full}; "
-                                      f"{suggest(zname, _ZERO_KEYS, 'zero_optimization.')}")
-        elif name == "aio":
-            value = _section(value, name, '{"block_size": 1048576, "queue_depth": 8}')
-            for aname, avalue in value.items():
-                full = f"aio.{aname}"
-                if _screened(full, decided):
-                    continue
-                if aname in ("block_size", "queue_depth", "thread_count"):
-                    aio[aname] = _number(avalue, full)  # honoured as written, thread_count included
-                elif aname == "intra_op_parallelism":
-                    aio["thread_count"] = _number(avalue, full)
-                elif aname == "use_gds":
-                    # GPUDirect Storage (disk -> GPU, skipping host memory) is not there:
-                    # false asks for what tierstack does; true is refused by name.
-                    if avalue is not False:
-                        raise ConfigError(
-                            "aio.use_gds: GPUDirect Storage is not supported (the NVMe pool reads "
-                            "through the CPU pool); set it to false or drop it")
-                else:
-                    raise ConfigError(f"unknown DeepSpeed key {full}; {suggest(aname, _AIO_KEYS, 'aio.')}")
-        elif name == "activation_checkpointing":
-            train["activations"] = _activation_checkpointing(value, decided)
-        elif name == "train_micro_batch_size_per_gpu":
-            train["micro_batch_size"] = _number(value, name)
-        elif name == "gradient_accumulation_steps":
-            train["gradient_accumulation_steps"] = _number(value, name)
-        elif name == "train_batch_size":
-            batch = _number(value, name)  # below: checked against, or divided into, micro x accum
-        elif name == "gradient_clipping":
-            train["gradient_clipping"] = _number(value, name)
-        elif name in ("bf16", "fp16"):
-            value = _section(value, name, '{"enabled": true}')
-            for k in value:
-                full = f"{name}.{k}"
-                if k != "enabled" and full not in _DECIDED_BY_TIERSTACK:
-                    raise ConfigError(f"unknown DeepSpeed key {full}")
-            if value.get("enabled"):
-                if precision != "fp32":
-                    raise ConfigError("bf16.enabled and fp16.enabled are both true; choose one")
-                precision = name
-        elif name == "optimizer":
-            train["optimizer"] = _optimizer(value)
-        elif name in ("tier_overrides", "device_budget"):
-            train[name] = value  # tierstack's own additions are welcome in a DeepSpeed file
-        elif name in ("budgets", "tier_manager"):
-            tierstack_sections[name] = value
-        else:
-            raise ConfigError(f"unknown DeepSpeed key {name}; {suggest(name, _TOP_KEYS)}")
-    train["precision"] = precision
-    if "train_batch_size" in ds:
-        # DeepSpeed: train_batch_size = micro batch x accumulation x data-parallel ranks.
-        micro = train.get("micro_batch_size", 1)
-        accum = train.get("gradient_accumulation_steps", 1)
+    def put(self, section: dict, name: str, value: Any, translated: str, user: str) -> None:
+        section[name] = value
+        self.keys[translated] = user
+
+    def run(self, ds: dict) -> DeepSpeedTranslation:
+        tierstack_sections: dict[str, Any] = {}
+        precision, precision_key = "fp32", ""
+        for name, value in ds.items():
+            if _screened(name, self.decided, value):
+                continue
+            if name == "zero_optimization":
+                self.zero_optimization(value)
+            elif name == "aio":
+                self.aio_section(value)
+            elif name == "activation_checkpointing":
+                self.train["activations"] = _activation_checkpointing(value, self.decided)
+                self.keys["train.activations"] = name
+                self.keys["train.activations.policy"] = f"{name}.cpu_checkpointing"
+                self.keys["train.activations.partition"] = f"{name}.partition_activations"
+            elif name == "train_micro_batch_size_per_gpu":
+                self.put(self.train, "micro_batch_size", _number(value, name),
+                         "train.micro_batch_size", name)
+            elif name in ("gradient_accumulation_steps", "gradient_clipping"):
+                self.put(self.train, name, _number(value, name), f"train.{name}", name)
+            elif name == "train_batch_size":
+                pass  # checked against, or divided into, micro x accumulation: batch_size()
+            elif name in ("bf16", "fp16"):
+                if self.precision_section(name, value):
+                    if precision != "fp32":
+                        raise ConfigError("bf16.enabled and fp16.enabled are both true; choose one")
+                    precision, precision_key = name, f"{name}.enabled"
+            elif name == "optimizer":
+                self.train["optimizer"] = _optimizer(value)
+                self.keys["train.optimizer"] = "optimizer.params"
+                self.keys["train.optimizer.type"] = "optimizer.type"
+            elif name == "scheduler":
+                self.train["lr_schedule"] = _scheduler(value)
+                self.keys["train.lr_schedule"] = name
+            elif name == "checkpoint":
+                self.checkpoint(value)
+            elif name in ("tier_overrides", "device_budget"):
+                # tierstack's own additions are welcome in a DeepSpeed file
+                self.put(self.train, name, value, f"train.{name}", name)
+            elif name in ("budgets", "tier_manager"):
+                tierstack_sections[name] = value
+            else:
+                raise ConfigError(f"unknown DeepSpeed key {name}; {suggest(name, _TOP_KEYS)}")
+        self.train["precision"] = precision
+        if precision_key:
+            self.keys["train.precision"] = precision_key
+        self.batch_size(ds)
+        if self.decided:
+            log.info("DeepSpeed settings decided by tierstack instead: %s", ", ".join(self.decided))
+        return DeepSpeedTranslation(self.assemble(tierstack_sections), self.keys)
+
+    def zero_optimization(self, value: Any) -> None:
+        value = _section(value, "zero_optimization", '{"stage": 3, "offload_param": {"device": "cpu"}}')
+        for zname, zvalue in value.items():
+            full = f"zero_optimization.{zname}"
+            if _screened(full, self.decided, zvalue):
+                continue
+            if zname == "stage":
+                if isinstance(zvalue, bool) or not isinstance(zvalue, int):
+                    raise ConfigError(f"zero_optimization.stage: expected the number 3, got "
+                                      f"{zvalue!r} ({type(zvalue).__name__}); write 3 without quotes")
+                if zvalue != 3:
+                    raise ConfigError(
+                        f"zero_optimization.stage is {zvalue}: tierstack partitions parameters, "
+                        f"gradients and optimizer states (stage 3); set it to 3")
+            elif full in _OFFLOAD_INTO:
+                into = f"train.{_OFFLOAD_INTO[full]}"
+                self.train[_OFFLOAD_INTO[full]] = self.offload(zvalue, full, into)
+            else:
+                raise ConfigError(f"unknown DeepSpeed key {full}; "
+                                  f"{suggest(zname, _ZERO_KEYS, 'zero_optimization.')}")
+
+    def offload(self, section: Any, key: str, into: str) -> dict:
+        section = _section(section, key, '{"device": "nvme", "nvme_path": "/local_nvme"}')
+        out: dict[str, Any] = {}
+        self.keys[into] = key
+        for name, value in section.items():
+            full = f"{key}.{name}"
+            if _screened(full, self.decided, value):
+                continue
+            if name == "device":
+                if value is not None and value not in OFFLOAD_DEVICES:
+                    raise ConfigError(f"{full}: {value!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
+                self.put(out, "device", "none" if value is None else value, f"{into}.device", full)
+            elif name == "nvme_path":
+                if not isinstance(value, str) or not value:
+                    raise ConfigError(f"{full}: expected a directory path, got {value!r}")
+                self.nvme_paths.setdefault(value, full)
+            elif name in _OFFLOAD_KEYS[key]:
+                # DeepSpeed files write counts as 1e8; a whole float is the integer it names.
+                self.put(out, name, _number(value, full), f"{into}.{name}", full)
+            else:
+                raise ConfigError(f"unknown DeepSpeed key {full}; "
+                                  f"{suggest(name, _known_offload_keys(key), key + '.')}")
+        if out.get("device") == "nvme" and "nvme_path" not in section:
+            raise ConfigError(f"{key}.device is 'nvme' but {key}.nvme_path is missing: name the "
+                              f"directory on the NVMe drive")
+        return out
+
+    def aio_section(self, value: Any) -> None:
+        value = _section(value, "aio", '{"block_size": 1048576, "queue_depth": 8}')
+        into = "tier_manager.nvme_pool.aio"
+        for aname, avalue in value.items():
+            full = f"aio.{aname}"
+            if _screened(full, self.decided, avalue):
+                continue
+            if aname in ("block_size", "queue_depth", "thread_count"):
+                # honoured as written, thread_count included
+                self.put(self.aio, aname, _number(avalue, full), f"{into}.{aname}", full)
+            elif aname == "intra_op_parallelism":
+                self.put(self.aio, "thread_count", _number(avalue, full), f"{into}.thread_count", full)
+            elif aname == "use_gds":
+                # GPUDirect Storage (disk -> GPU, skipping host memory) is not there:
+                # false asks for what tierstack does; true is refused by name.
+                if avalue is not False:
+                    raise ConfigError(
+                        "aio.use_gds: GPUDirect Storage is not supported (the NVMe pool reads "
+                        "through the CPU pool); set it to false or drop it")
+            else:
+                raise ConfigError(f"unknown DeepSpeed key {full}; {suggest(aname, _AIO_KEYS, 'aio.')}")
+
+    def precision_section(self, name: str, value: Any) -> bool:
+        """Whether bf16 / fp16 is enabled; fp16's loss scaling becomes train.fp16."""
+        value = _section(value, name, '{"enabled": true}')
+        enabled = value.get("enabled", False)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"{name}.enabled: expected true or false, got {enabled!r}")
+        loss_scaling: dict[str, Any] = {}
+        for k, v in value.items():
+            full = f"{name}.{k}"
+            if k == "enabled" or _screened(full, self.decided, v):
+                continue
+            if name == "fp16" and k in _LOSS_SCALE_KEYS:
+                loss_scaling[k] = v if k == "consecutive_hysteresis" else _number(v, full)
+            else:
+                known = ("enabled", *_LOSS_SCALE_KEYS, "auto_cast", "fp16_master_weights_and_grads") \
+                    if name == "fp16" else ("enabled",)
+                raise ConfigError(f"unknown DeepSpeed key {full}; {suggest(k, known, name + '.')}")
+        if name == "fp16":
+            self.put(self.train, "fp16", loss_scaling, "train.fp16", "fp16")
+        return enabled
+
+    def checkpoint(self, value: Any) -> None:
+        value = _section(value, "checkpoint", '{"use_node_local_storage": false}')
+        for k, v in value.items():
+            full = f"checkpoint.{k}"
+            if not _screened(full, self.decided, v):
+                raise ConfigError(f"unknown DeepSpeed key {full}; "
+                                  f"{suggest(k, ('use_node_local_storage',), 'checkpoint.')}")
+
+    def batch_size(self, ds: dict) -> None:
+        """DeepSpeed: train_batch_size = micro batch x accumulation x data-parallel ranks."""
+        if "train_batch_size" not in ds:
+            return
+        batch = _number(ds["train_batch_size"], "train_batch_size")
+        micro = self.train.get("micro_batch_size", 1)
+        accum = self.train.get("gradient_accumulation_steps", 1)
         if batch % (micro * accum):
             raise ConfigError(
                 f"train_batch_size {batch} is not a multiple of "
                 f"train_micro_batch_size_per_gpu x gradient_accumulation_steps ({micro} x {accum})")
-        if "micro_batch_size" not in train:
+        if "micro_batch_size" not in self.train:
             # The rank count is not known here; with one rank the micro batch is the rest.
-            train["micro_batch_size"] = batch // accum
-    if nvme_paths:
-        # Both offload sections' directories: the NVMe pool stripes every tensor over them.
-        tier_manager["nvme_pool"] = {"paths": nvme_paths}
-    if aio:
-        tier_manager.setdefault("nvme_pool", {})["aio"] = aio
-    if decided:
-        log.info("DeepSpeed settings decided by tierstack instead: %s", ", ".join(decided))
-    out: dict[str, Any] = {"train": train, **tierstack_sections}
-    if tier_manager:  # the DeepSpeed keys win over a tier_manager section of the same file
-        own = dict(out.get("tier_manager", {}))
-        own_nvme = {**own.get("nvme_pool", {}), **tier_manager.get("nvme_pool", {})}
-        out["tier_manager"] = {**own, **tier_manager, "nvme_pool": own_nvme}
-    return out
+            self.put(self.train, "micro_batch_size", batch // accum, "train.micro_batch_size",
+                     "train_batch_size")
+
+    def assemble(self, tierstack_sections: dict) -> dict:
+        tier_manager: dict[str, Any] = {}
+        if self.nvme_paths:
+            # Both offload sections' directories: the NVMe pool stripes every tensor over them.
+            tier_manager["nvme_pool"] = {"paths": list(self.nvme_paths)}
+            self.keys["tier_manager.nvme_pool.paths"] = " and ".join(dict.fromkeys(self.nvme_paths.values()))
+        if self.aio:
+            tier_manager.setdefault("nvme_pool", {})["aio"] = self.aio
+        out: dict[str, Any] = {"train": self.train, **tierstack_sections}
+        if tier_manager:  # the DeepSpeed keys win over a tier_manager section of the same file
+            own = dict(out.get("tier_manager", {}))
+            own_nvme = {**own.get("nvme_pool", {}), **tier_manager.get("nvme_pool", {})}
+            out["tier_manager"] = {**own, **tier_manager, "nvme_pool": own_nvme}
+        return out
+
+
+def _scheduler(section: Any) -> dict:
+    """train.lr_schedule from DeepSpeed's scheduler section (its params checked there)."""
+    section = _section(section, "scheduler", '{"type": "WarmupLR", "params": {"warmup_num_steps": 100}}')
+    for name in section:
+        if name not in ("type", "params"):
+            raise ConfigError(f"unknown DeepSpeed key scheduler.{name}; "
+                              f"{suggest(name, ('type', 'params'), 'scheduler.')}")
+    if "type" not in section:
+        raise ConfigError("scheduler.type is missing: name the schedule (WarmupLR, WarmupDecayLR, "
+                          "WarmupCosineLR or OneCycle)")
+    if section["type"] == "LRRangeTest":
+        raise ConfigError("scheduler.type LRRangeTest: the learning-rate range test is not "
+                          "supported; use WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle")
+    return {"type": section["type"], "params": section.get("params", {})}
 
 
 def _activation_checkpointing(section: Any, decided: list[str]) -> dict:
@@ -312,7 +471,7 @@ def _optimizer(section: Any) -> dict:
 _TOP_KEYS = ("zero_optimization", "aio", "activation_checkpointing",
              "train_micro_batch_size_per_gpu", "train_batch_size",
              "gradient_accumulation_steps", "gradient_clipping", "bf16", "fp16", "optimizer",
-             "tier_overrides", "device_budget", "budgets", "tier_manager",
+             "scheduler", "checkpoint", "tier_overrides", "device_budget", "budgets", "tier_manager",
              *(k for k in _DECIDED_BY_TIERSTACK | set(_REFUSED) if "." not in k))
 _ZERO_KEYS = ("stage", "offload_param", "offload_optimizer",
               *(k.split(".", 1)[1] for k in _DECIDED_BY_TIERSTACK | set(_REFUSED)
