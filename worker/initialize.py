@@ -189,8 +189,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def _configured_schedule(optimizer: torch.optim.Optimizer, train):
     """The config's learning-rate schedule (DeepSpeed's `scheduler` section), or None."""
-    if not hasattr(train, "lr_schedule"):  # TEMPORARY until the schedules land
-        return None
     from tierstack.lr_schedules import build_schedule
 
     return build_schedule(optimizer, train.lr_schedule)
