@@ -300,3 +300,118 @@ def test_with_no_daemon_one_is_started_in_a_directory_named_by_the_job_under_nvm
     assert not nvme.exists()  # made for the run, removed with it
     assert not list((tmp_path / "state" / "tierstack" / "runs").glob("*.json"))
     assert os.environ["TIERSTACK_TIER_MANAGER"].endswith("nobody-here.sock")
+
+
+FP16_CONFIG = {
+    "train_micro_batch_size_per_gpu": ROWS,
+    "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                          "offload_optimizer": {"device": "cpu"}},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
+    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 10, "hysteresis": 1,
+             "loss_scale_window": 2},
+}
+
+
+def _fp16_reference_step(model, masters, optimizer, batch, scale):
+    """Plain PyTorch mixed precision, written out: fp16 forward and backward of the scaled
+    loss, fp32 masters stepped with the unscaled gradients, the model rounded from them."""
+    ids, targets, mask = batch
+    loss = _my_loss(model(ids, mask.half()).float(), targets, mask)
+    (loss * scale).backward()
+    for p, m in zip(model.parameters(), masters):
+        m.grad = p.grad.float() / scale
+        p.grad = None
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), masters):
+            p.copy_(m)
+    return loss.item()
+
+
+def test_fp16_trains_with_dynamic_loss_scaling_and_an_overflow_skips_its_step(shared_daemon):
+    """fp16 as DeepSpeed runs it: the loss is scaled (2^10 here), gradients unscaled into fp32
+    masters; a step whose gradients overflow changes no weight, lowers the scale and does
+    not step the schedule; clean steps raise it again after loss_scale_window."""
+    torch.manual_seed(0)
+    model = Net().eval()  # no dropout: the two sides draw no random numbers
+    reference = copy.deepcopy(model).half()
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.0)
+    engine, _, _, schedule = tierstack.initialize(model=model, config=FP16_CONFIG,
+                                                  tier_manager=shared_daemon.address)
+    try:
+        assert engine.fp16_enabled() and engine.loss_scale() == 1024.0
+        engine.eval()  # no dropout (the engine trains all the same)
+        batches = _batches(6, 5)
+        scales = []
+        for batch in batches[:3]:
+            ids, targets, mask = batch
+            expected = _fp16_reference_step(reference, masters, ref_opt, batch, engine.loss_scale())
+            loss = _my_loss(engine(ids, mask.half()).float(), targets, mask)
+            engine.backward(loss)
+            engine.step()
+            assert loss.item() == pytest.approx(expected, rel=2e-3)
+            assert engine.was_step_applied()
+            scales.append(engine.loss_scale())
+        # DeepSpeed's rule: raised once loss_scale_window (2) iterations after the last
+        # overflow (none: iteration -1) were clean, i.e. after the third.
+        assert scales == [1024.0, 1024.0, 2048.0]
+        before = {k: v.clone() for k, v in engine.core.store.read_layer(0).items()}
+        ids, targets, mask = batches[3]
+        loss = _my_loss(engine(ids, mask.half()).float(), targets, mask)
+        engine.backward(loss * float("inf"))  # the gradients overflow
+        engine.step()
+        assert not engine.was_step_applied() and engine.skipped_steps == 1
+        assert engine.loss_scale() == 1024.0 and engine.global_steps == 4
+        after = engine.core.store.read_layer(0)
+        assert all(torch.equal(before[k], after[k]) for k in before)  # no weight moved
+        ids, targets, mask = batches[4]  # and training goes on
+        expected = _fp16_reference_step(reference, masters, ref_opt, batches[4], 1024.0)
+        loss = _my_loss(engine(ids, mask.half()).float(), targets, mask)
+        engine.backward(loss)
+        engine.step()
+        assert engine.was_step_applied() and loss.item() == pytest.approx(expected, rel=2e-3)
+    finally:
+        engine.close()
+
+
+def test_the_configs_warmup_decay_schedule_moves_the_lr_of_every_group_as_deepspeed_does(
+        shared_daemon):
+    """A DeepSpeed JSON's `scheduler` section: WarmupDecayLR with DeepSpeed's parameter
+    names, stepped by engine.step() after each optimizer step; the losses are plain
+    PyTorch's with the same schedule on a torch AdamW."""
+    from tierstack.lr_schedules import WarmupDecayLR
+
+    params = {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3,
+              "total_num_steps": 8, "warmup_type": "linear"}
+    config = {**CONFIG, "scheduler": {"type": "WarmupDecayLR", "params": params}}
+    torch.manual_seed(0)
+    model = Net().eval()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(_groups(reference), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    ref_schedule = WarmupDecayLR(ref_opt, **params)
+    engine, optimizer, _, schedule = tierstack.initialize(
+        model=model, model_parameters=_groups(model), config=config,
+        tier_manager=shared_daemon.address)
+    try:
+        engine.eval()  # no dropout on either side
+        assert isinstance(schedule, WarmupDecayLR) and engine.lr_scheduler is schedule
+        lrs, ref_lrs = [], []
+        batches = _batches(7, 5 * ACCUMULATION)
+        for step in range(5):
+            for ids, targets, mask in batches[step * ACCUMULATION:(step + 1) * ACCUMULATION]:
+                loss = _my_loss(engine(ids, mask), targets, mask)
+                engine.backward(loss)
+                engine.step()
+                ref_loss = _my_loss(reference(ids, mask), targets, mask)
+                (ref_loss / ACCUMULATION).backward()
+                assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+            ref_opt.step()
+            ref_schedule.step()
+            ref_opt.zero_grad()
+            lrs.append(engine.get_lr())
+            ref_lrs.append([g["lr"] for g in ref_opt.param_groups])
+        assert lrs == ref_lrs and lrs[0] != lrs[2]  # the lr moved, alike on both sides
+    finally:
+        engine.close()
