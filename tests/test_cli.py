@@ -476,3 +476,73 @@ def test_jobs_lists_a_nodes_jobs_and_deletes_one(daemon, capsys):
     assert cli.main(["jobs", "--tier-manager", daemon.address, "--delete", "pretrain", "--force"]) == 0
     assert "job pretrain: 0 tensors deleted" in capsys.readouterr().out
     worker.close()
+
+
+def test_train_honours_a_deepspeed_jsons_nvme_path_schedule_and_fp16(tmp_path):
+    """The JSON's nvme_path holds the job's pool (a directory named by the job, removed at
+    the end), its scheduler moves the lr, fp16 trains with loss scaling."""
+    nvme = tmp_path / "ds-nvme"
+    ds = {"train_micro_batch_size_per_gpu": 2,
+          "zero_optimization": {"stage": 3,
+                                "offload_param": {"device": "nvme", "nvme_path": str(nvme),
+                                                  "max_in_cpu": 0},
+                                "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
+          "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2,
+                                                            "total_num_steps": 4,
+                                                            "warmup_max_lr": 3e-3}},
+          "fp16": {"enabled": True, "initial_scale_power": 8}}
+    out = _train_cli(tmp_path, ds, "--steps", "4", "--layers", "2", "--dim", "32", "--heads", "2",
+                     "--seq-len", "16", "--no-scheduler", "--log-every", "0")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert re.search(rf"NVMe up to .* at {re.escape(str(nvme))}/train-\d+", out.stdout), out.stdout[:800]
+    assert "done: 4 steps" in out.stdout and _nvme_volumes(out.stdout) > (0, 0)
+    assert not nvme.exists()
+
+
+def test_train_with_a_stated_hbm_budget_on_a_machine_without_one_names_the_budget(tmp_path):
+    """budgets reach the job: an HBM budget on a CPU-only machine is refused by name."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: any HBM budget up to its memory is fine")
+    out = _train_cli(tmp_path, {"budgets": {"hbm": "1GiB"}}, "--steps", "1", "--layers", "2",
+                     "--dim", "32", "--heads", "2", "--seq-len", "16", "--no-scheduler",
+                     "--nvme-path", str(tmp_path / "n"), timeout=300)
+    assert out.returncode == 2, out.stdout[-1000:] + out.stderr[-1000:]
+    assert "budgets.hbm is 1.0 GiB but the device's memory is 0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_ctrl_c_with_a_checkpoint_dir_checkpoints_at_the_step_in_progress(tmp_path):
+    """Ctrl-C (SIGINT to the job's process group) with --checkpoint-dir ends the job as
+    SIGTERM does: after the step in progress, a checkpoint at that step, exit 130."""
+    import signal
+    import threading
+
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierstack.cli", "train", "--steps", "100000", "--layers", "2",
+         "--dim", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--no-scheduler",
+         "--log-every", "0", "--nvme-path", str(nvme), "--checkpoint-dir", str(ckpt)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "COLUMNS": "200"})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while sum(line.startswith("step ") for line in list(lines)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-2000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130, err[-2000:]
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = "".join(lines)
+    stopped = re.search(r"stopped by SIGINT after step (\d+) of 100000", out)
+    assert stopped, out[-2000:]
+    assert f"checkpoint: {ckpt} (step {stopped.group(1)})" in out
+    assert (ckpt / "engine.pt").exists() and not nvme.exists()

@@ -23,7 +23,8 @@ from tierstack.tiers import AUTO, GPU
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult
-from tierstack.worker.run_directory import run_directory
+from tierstack.worker.jobs.train_flags import nvme_bases
+from tierstack.worker.run_directory import job_directories
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -43,6 +44,13 @@ def check_train_config(train: TrainConfig) -> None:
             f"train.gradient_accumulation_steps is {train.gradient_accumulation_steps}: "
             f"partitioned training (--ranks, --address) does not accumulate over micro-batches "
             f"yet; set it to 1 and give the global batch with --batch-size")
+    if train.lr_schedule.type != "none":
+        raise ConfigError(f"train.lr_schedule {train.lr_schedule.type!r} (DeepSpeed: scheduler; "
+                          f"--lr-schedule): partitioned training (--ranks, --address) has no "
+                          f"learning-rate schedule yet; train on one rank, or drop the schedule")
+    if train.precision == "fp16":
+        raise ConfigError("train.precision 'fp16': partitioned training (--ranks, --address) has no "
+                          "loss scaling yet; use bf16 or fp32, or train on one rank")
     placed = [f"train.params.device {train.params.device!r} (max_in_cpu {train.params.max_in_cpu})"
               if train.params.tier() != AUTO else "",
               f"train.optimizer_state.device {train.optimizer_state.device!r}"
@@ -83,9 +91,10 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
         tm.cpu_pool.size = args.cpu_pool_size
     if tm.nvme_pool.size != "auto":  # a stated cap: at least 1 GiB ('auto': the disk's room)
         tm.nvme_pool.size = max(tm.nvme_pool.size, 1024 * MiB)
-    with run_directory(args.nvme_path) as run_dir:
-        tm.nvme_pool.paths = [run_dir]
-        tm.manifest_path = os.path.join(run_dir, "manifest.sqlite")
+    bases, setting = nvme_bases(args, tm)
+    with job_directories(bases, f"train-{os.getpid()}", setting) as run_dirs:
+        tm.nvme_pool.paths = list(run_dirs)
+        tm.manifest_path = os.path.join(run_dirs[0], "manifest.sqlite")
         start_local_ray(max(args.ranks, os.cpu_count() or 1), EMBEDDED_OBJECT_STORE, log_to_driver=True)
         try:
             if args.tier_manager:

@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from tierstack import arguments as types
+from tierstack.config import NvmePoolConfig, TierManagerConfig
 from tierstack.errors import ConfigError
 from tierstack.worker.daemon_address import check_reachable
 
@@ -34,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"GPT attention heads, dividing --dim (default {GPT_DEFAULTS['heads']})")
     model.add_argument("--seq-len", type=types.positive_int, default=128,
                        help="tokens per training sequence (default 128)")
-    model.add_argument("--precision", choices=["fp32", "bf16"],
-                       help="default: the config's train.precision (fp32)")
+    model.add_argument("--precision", choices=["fp32", "bf16", "fp16"],
+                       help="default: the config's train.precision (fp32); fp16 scales the loss "
+                            "dynamically (the config's train.fp16)")
 
     data = parser.add_argument_group("data and steps")
     data.add_argument("--data", metavar="FILE",
@@ -48,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="rows per optimizer step; default: the config's train.micro_batch_size x "
                            "train.gradient_accumulation_steps (8 x 1)")
     data.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
+    data.add_argument("--lr", type=types.positive_float, default=None,
+                      help="peak learning rate (default: the config's train.optimizer.lr, 1e-3)")
+    data.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default=None,
+                      help="a linear warm-up over --warmup-steps, then the lr held (constant), "
+                           "decayed linearly to 0 at --steps (linear) or along a cosine to 0 "
+                           "(cosine); default: the config's train.lr_schedule (none)")
+    data.add_argument("--warmup-steps", type=types.non_negative_int, default=None,
+                      help="steps of linear warm-up from 0 with --lr-schedule (default 0)")
 
     tiers = parser.add_argument_group("where the state lives")
     tiers.add_argument("--config", help="a tierstack or DeepSpeed JSON config (default: blocks' "
@@ -60,9 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="cap on the embedded tier manager's CPU pool, or 'auto' (default: "
                             "the config's tier_manager.cpu_pool.size, 'auto': the host budget's "
                             "share; the pool grows to what is stored, never past the cap)")
-    tiers.add_argument("--nvme-path", default="/var/tmp/tierstack/train-nvme",
-                       help="directory for the embedded tier manager's NVMe pool; a fresh "
-                            "subdirectory is used and removed (default /var/tmp/tierstack/train-nvme)")
+    tiers.add_argument("--nvme-path", default=None,
+                       help="directory for the embedded tier manager's NVMe pool; a subdirectory "
+                            "named after the job is used and removed (default: the config's "
+                            "NVMe paths, e.g. a DeepSpeed JSON's nvme_path, else "
+                            "/var/tmp/tierstack/train-nvme)")
 
     services = parser.add_argument_group("services and ranks")
     services.add_argument("--tier-manager", metavar="ADDRESS",
@@ -96,6 +108,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default 10; a last line always comes at the end)")
 
 
+DEFAULT_NVME_BASE = "/var/tmp/tierstack/train-nvme"
+
+
+def nvme_bases(args: argparse.Namespace, tm: TierManagerConfig) -> tuple[list[str], str]:
+    """Where the embedded tier manager's NVMe pool goes (each drive gets a directory named
+    after the job), and the setting that said so: --nvme-path, else the config's paths (a
+    DeepSpeed JSON's nvme_path; several stripe), else DEFAULT_NVME_BASE."""
+    if args.nvme_path:
+        return [args.nvme_path], "--nvme-path"
+    if tm.nvme_pool.paths != NvmePoolConfig().paths:
+        return list(tm.nvme_pool.paths), "tier_manager.nvme_pool.paths"
+    return [DEFAULT_NVME_BASE], "--nvme-path"
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse contradicting or impossible flags with one line each, before anything starts."""
     gpt_flags = [f"--{k}" for k in GPT_DEFAULTS if getattr(args, k) is not None]
@@ -112,6 +138,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ConfigError(f"--dim {args.dim} does not split into --heads {args.heads} equal "
                               f"attention heads; use --heads {near}, or a --dim that is a multiple "
                               f"of {args.heads} (e.g. {args.heads * max(1, args.dim // args.heads)})")
+    if args.warmup_steps is not None and args.lr_schedule is None:
+        raise ConfigError("--warmup-steps needs --lr-schedule (constant, linear or cosine): the "
+                          "warm-up is the start of a schedule")
     if args.resume and not args.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir: the directory of the checkpoint to "
                           "continue from")

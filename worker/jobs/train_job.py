@@ -23,9 +23,8 @@ from typing import Callable
 
 import torch
 
-from tierstack.config import (AUTO_SIZE, MiB, NvmePoolConfig, TierManagerConfig, TierstackConfig,
-                              load_config)
-from tierstack.lr_schedules import build_schedule
+from tierstack.config import AUTO_SIZE, MiB, TierManagerConfig, TierstackConfig, load_config
+from tierstack.lr_schedules import build_schedule, schedule_for_cli
 from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
@@ -33,6 +32,7 @@ from tierstack.worker.engine import OffloadEngine, job_budgets, materialize
 from tierstack.worker.jobs import corpus
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.jobs.progress import TrainProgress
+from tierstack.worker.jobs.train_flags import nvme_bases
 from tierstack.worker.run_directory import job_directories
 from tierstack.worker.layers import LayerStore, layer_tensors
 from tierstack.worker.layout import LayerLayout
@@ -121,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
         config.train.params.max_in_cpu = config.train.optimizer_state.max_in_cpu = 0
     if args.precision:
         config.train.precision = args.precision
+    if args.lr is not None:
+        config.train.optimizer.lr = args.lr
+    if args.lr_schedule is not None:  # the flags' schedule replaces the config's
+        config.train.lr_schedule = schedule_for_cli(args.lr_schedule, config.train.optimizer.lr,
+                                                    args.warmup_steps or 0, args.steps)
     accumulation = config.train.gradient_accumulation_steps
     if args.batch_size is None:
         args.batch_size = config.train.micro_batch_size * accumulation
@@ -142,23 +147,9 @@ def run(args: argparse.Namespace) -> int:
     with StopSignal(also=also) as stop:
         if args.tier_manager:
             return _run_in(args, config, device, job, [], stop)
-        bases, setting = nvme_bases(args, config)
+        bases, setting = nvme_bases(args, config.tier_manager)
         with job_directories(bases, job, setting) as run_dirs:
             return _run_in(args, config, device, job, run_dirs, stop)
-
-
-DEFAULT_NVME_BASE = "/var/tmp/tierstack/train-nvme"
-
-
-def nvme_bases(args: argparse.Namespace, config: TierstackConfig) -> tuple[list[str], str]:
-    """Where the embedded tier manager's NVMe pool goes (each drive gets a directory named
-    after the job), and the setting that said so: --nvme-path, else the config's paths (a
-    DeepSpeed JSON's nvme_path; several stripe), else DEFAULT_NVME_BASE."""
-    if args.nvme_path:
-        return [args.nvme_path], "--nvme-path"
-    if config.tier_manager.nvme_pool.paths != NvmePoolConfig().paths:
-        return list(config.tier_manager.nvme_pool.paths), "tier_manager.nvme_pool.paths"
-    return [DEFAULT_NVME_BASE], "--nvme-path"
 
 
 def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.device, job_name: str,
