@@ -144,6 +144,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _jobs(args: argparse.Namespace) -> int:
     """List the jobs a tier manager holds state for, or delete one's tensors."""
+    if args.clean:
+        return _clean_dead_runs()
     from tierstack.services.tier_manager.client import TierManagerClient
 
     client = TierManagerClient(args.tier_manager, reconnect_timeout=10)
@@ -161,6 +163,21 @@ def _jobs(args: argparse.Namespace) -> int:
                  else "open" if j.workers else f"deleted in {j.delete_in_seconds:.0f} s")
         quota = f", quota {j.quota_bytes / 2**20:.0f} MiB" if j.quota_bytes else ""
         print(f"{j.job:24} {j.tensors:8d} {j.bytes / 2**20:10.1f} {j.workers:7d}  {state}{quota}")
+    return 0
+
+
+def _clean_dead_runs() -> int:
+    """Remove what runs that were killed left on the disks (tierstack/run_index.py)."""
+    from tierstack.run_index import dead_runs, remove_dead_run
+
+    dead = dead_runs()
+    for index, record in dead:
+        size = record.nbytes()
+        remove_dead_run(index, record)
+        print(f"job {record.job} (pid {record.pid}): removed {', '.join(record.directories)} "
+              f"({size / GiB:.2f} GiB)")
+    if not dead:
+        print("no killed run left state behind")
     return 0
 
 
@@ -225,12 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = sub.add_parser("jobs", help="list the jobs a tier manager keeps state for, or delete one's",
                           description="A job's tensors go when its last worker does, unless it "
                                       "asked to keep them; this lists every job on the node and "
-                                      "deletes one's tensors on request.")
+                                      "deletes one's tensors on request. --clean removes what "
+                                      "killed runs left on the disks.")
     jobs.add_argument("--tier-manager", metavar="ADDRESS",
                       help="the tier manager (default: $TIERSTACK_TIER_MANAGER or the per-user socket)")
     jobs.add_argument("--delete", metavar="JOB", help="delete this job's tensors now")
     jobs.add_argument("--force", action="store_true",
                       help="with --delete: even while workers hold the job open")
+    jobs.add_argument("--clean", action="store_true",
+                      help="remove the NVMe state that killed runs left on this machine's disks "
+                           "(`tierstack doctor` lists it)")
     jobs.set_defaults(func=_jobs)
 
     ray_node = sub.add_parser("ray-node", help="this Ray node's tierstack services (started by deploy/cluster.yaml)",

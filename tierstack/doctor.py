@@ -34,6 +34,7 @@ from tierstack.budgets import (GiB, PoolCaps, _cgroup_memory, _meminfo, availabl
 from tierstack.budgets import measure as measure_machine
 from tierstack.config import AUTO_SIZE, MiB, TierManagerConfig, TierstackConfig, load_config
 from tierstack.errors import ConfigError
+from tierstack.run_index import dead_runs
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +338,26 @@ def memory_check(config: TierstackConfig, pool: int) -> list[Check]:
 # ---- the GPU --------------------------------------------------------------------------------
 
 
+def left_by_dead_runs_check(now: float | None = None) -> Check:
+    """What runs that were killed left on the disks (their NVMe pools): path, size, age."""
+    dead = dead_runs()
+    if not dead:
+        return Check("runs left behind", OK, "no killed run left state behind")
+    now = time.time() if now is None else now
+    described = "; ".join(
+        f"job {r.job} (pid {r.pid}, {_age(now - r.started)} ago): {', '.join(r.directories)}, "
+        f"{r.nbytes() / GiB:.2f} GiB" for _, r in dead)
+    return Check("runs left behind", WARN, f"{len(dead)} run(s) that ended without cleaning up "
+                 f"left their NVMe state: {described}", "`tierstack jobs --clean` removes it")
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 def gpu_checks(measure: bool) -> list[Check]:
     """Each CUDA device, its PCIe link, and (measuring) pinned copies next to the link."""
     try:
@@ -410,6 +431,7 @@ def checks(config: TierstackConfig, measure: bool = True, gpu: bool = True) -> l
         has_gpu = any(c.name.startswith("GPU ") for c in gpu_found)
         found += gpu_found
     found.append(memlock_check(caps.cpu, has_gpu or not gpu))
+    found.append(left_by_dead_runs_check())
     if measure:
         for path in paths:
             if all(c.status != FAIL for c in found if c.name.startswith(f"NVMe path {path}")):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tierstack.errors import ConfigError
@@ -81,3 +83,46 @@ def test_runs_under_two_bases_in_one_new_parent_leave_nothing_whichever_ends_fir
     assert sorted(p.name for p in parent.iterdir()) == [MARKER, "train-nvme"]
     first.__exit__(None, None, None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_runs_directories_are_reported_by_doctor_and_removed_by_jobs_clean(tmp_path):
+    """SIGKILL gives a run no chance to clean up: its directory stays, the run index names
+    it, `tierstack doctor` reports it (path, size, age) and `tierstack jobs --clean`
+    removes it; a live run's directory is never touched."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    script = ("import sys, time\n"
+              "from tierstack.worker.run_directory import job_directories\n"
+              "with job_directories([sys.argv[1]], sys.argv[2]) as (d,):\n"
+              "    open(d + '/data', 'wb').write(b'x' * 1048576)\n"
+              "    print(d, flush=True)\n"
+              "    time.sleep(600)\n")
+    runs = {}
+    for job in ("dead-job", "live-job"):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "base"), job],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        runs[job] = (proc, proc.stdout.readline().strip())
+    dead, live = runs["dead-job"], runs["live-job"]
+    try:
+        os.kill(dead[0].pid, signal.SIGKILL)
+        dead[0].wait()
+        doctor = subprocess.run([sys.executable, "-m", "tierstack.cli", "doctor", "--quick"],
+                                capture_output=True, text=True, env=env, timeout=120)
+        line = next(l for l in doctor.stdout.splitlines() if "runs left behind" in l)
+        assert "job dead-job" in line and dead[1] in line and "live-job" not in line
+        assert "tierstack jobs --clean" in doctor.stdout
+        clean = subprocess.run([sys.executable, "-m", "tierstack.cli", "jobs", "--clean"],
+                               capture_output=True, text=True, env=env, timeout=60)
+        assert clean.returncode == 0 and f"removed {dead[1]}" in clean.stdout, clean.stderr
+        assert not Path(dead[1]).exists() and Path(live[1]).exists()
+        index = list((tmp_path / "state" / "tierstack" / "runs").glob("*.json"))
+        assert [json.loads(p.read_text())["job"] for p in index] == ["live-job"]
+    finally:
+        live[0].send_signal(signal.SIGINT)  # the with block ends: the live run cleans up
+        live[0].wait(timeout=30)
+    assert not Path(live[1]).exists()
