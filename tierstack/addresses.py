@@ -16,6 +16,8 @@ from tierstack.errors import InvalidArgumentError
 
 TIER_MANAGER_ENV = "TIERSTACK_TIER_MANAGER"
 SCHEDULER_ENV = "TIERSTACK_SCHEDULER"
+JOB_ENV = "TIERSTACK_JOB"
+"""A job's name on its node (`tierstack launch` sets it; tierstack.initialize reads it)."""
 SECURITY_DIR_ENV = "TIERSTACK_SECURITY_DIR"
 """A directory with the cluster's token, cert.pem, key.pem and ca.pem (config.SecurityConfig)."""
 

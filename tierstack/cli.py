@@ -200,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(train)
     train.set_defaults(func=run_train)
 
+    launch = sub.add_parser("launch", help="run your own training script (tierstack.initialize) "
+                                           "with the node's services around it",
+                            description=_doc("tierstack.worker.jobs.launch"))
+    from tierstack.worker.jobs.launch import add_arguments as add_launch, run as run_launch
+    add_launch(launch)
+    launch.set_defaults(func=run_launch)
+
     doctor = sub.add_parser("doctor", help="check this machine: NVMe paths, memory, pinning, GPU, bandwidth",
                             description=_doc("tierstack.doctor"))
     from tierstack.doctor import add_arguments as add_doctor_arguments

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from tierstack.addresses import JOB_ENV
 from tierstack.config import TierstackConfig, load_config
 from tierstack.errors import ConfigError
 from tierstack.worker.daemon_address import check_reachable, running_tier_manager
@@ -39,8 +40,6 @@ from tierstack.worker.training_engine import TrainingEngine
 
 log = logging.getLogger(__name__)
 
-JOB_ENV = "TIERSTACK_JOB"
-"""The job's name (`tierstack launch` sets it); default: the script's name and pid."""
 
 
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
