@@ -124,14 +124,18 @@ _TIERSTACK_SECTIONS = ("tier_overrides", "device_budget", "budgets", "tier_manag
 AUTO = "auto"
 
 
+def auto_keys(ds: dict) -> list[str]:
+    """The DeepSpeed keys whose value is "auto" (tierstack's own sections left out)."""
+    return [key for key, value in _leaves(ds, "") if value == AUTO]
+
+
 def refuse_auto(ds: dict) -> None:
     """One line naming the first DeepSpeed key whose value is still "auto"."""
-    for key, value in _leaves(ds, ""):
-        if value == AUTO:
-            raise ConfigError(
-                f'{key}: "auto" is the Hugging Face Trainer\'s placeholder, filled in from its '
-                f'TrainingArguments (a Trainer run through tierstack fills it the same way: '
-                f'tierstack.hf_deepspeed.fill_auto); anywhere else write a value')
+    for key in auto_keys(ds)[:1]:
+        raise ConfigError(
+            f'{key}: "auto" is the Hugging Face Trainer\'s placeholder, filled in from its '
+            f'TrainingArguments (a Trainer run through tierstack fills it the same way: '
+            f'tierstack.hf_deepspeed.fill_auto); anywhere else write a value')
 
 
 def _leaves(node: Any, key: str):
