@@ -219,8 +219,12 @@ def test_every_error_names_the_deepspeed_key_the_user_wrote(change, message):
 
 def test_features_left_off_are_accepted():
     config = load_config(_ds(checkpoint={"use_node_local_storage": False},
-                             fp16={"enabled": False, "auto_cast": False}))
+                             fp16={"enabled": False, "auto_cast": False},
+                             flops_profiler={"enabled": False, "profile_step": 1},
+                             tensorboard={"enabled": False}))
     assert config.train.precision == "fp32"
+    with pytest.raises(ConfigError, match=r"^flops_profiler: use bench/train.py"):
+        load_config(_ds(flops_profiler={"enabled": True}))
 
 
 def test_only_translated_keys_are_renamed_in_a_message():

@@ -3,7 +3,8 @@
 Every DeepSpeed key is in one of three tables below: translated (it means the same
 thing here), decided by tierstack (a knob whose job tierstack does itself: the scheduler
 from measured bandwidth, the tier manager's pools; accepted, logged once), or refused (a
-feature tierstack does not have: an error naming the key, never a silent no-op).
+feature tierstack does not have: an error naming the key, never a silent no-op; set to
+false, or a section with "enabled": false, it asks for nothing and is accepted).
 Anything else is an unknown key.
 
 `activation_checkpointing` becomes train.activations: `cpu_checkpointing` true sends every
@@ -103,11 +104,11 @@ def _number(value: Any, key: str) -> int | float:
 
 
 def _screened(key: str, decided: list[str], value: Any = True) -> bool:
-    """True for a key left to tierstack (noted in `decided`) or a refused one set false;
-    raises for a refused one set otherwise."""
+    """True for a key left to tierstack (noted in `decided`) or a refused feature turned
+    off; raises for a refused one turned on."""
     if key in _REFUSED:
-        if value is False:  # a feature left off is what tierstack does
-            return True
+        if value is False or (isinstance(value, dict) and value.get("enabled") is False):
+            return True  # a feature left off is what tierstack does
         raise ConfigError(f"{key}: {_REFUSED[key]}")
     if key in _DECIDED_BY_TIERSTACK:
         decided.append(key)
@@ -124,14 +125,18 @@ _TIERSTACK_SECTIONS = ("tier_overrides", "device_budget", "budgets", "tier_manag
 AUTO = "auto"
 
 
+def auto_keys(ds: dict) -> list[str]:
+    """The DeepSpeed keys whose value is "auto" (tierstack's own sections left out)."""
+    return [key for key, value in _leaves(ds, "") if value == AUTO]
+
+
 def refuse_auto(ds: dict) -> None:
     """One line naming the first DeepSpeed key whose value is still "auto"."""
-    for key, value in _leaves(ds, ""):
-        if value == AUTO:
-            raise ConfigError(
-                f'{key}: "auto" is the Hugging Face Trainer\'s placeholder, filled in from its '
-                f'TrainingArguments (a Trainer run through tierstack fills it the same way: '
-                f'tierstack.hf_deepspeed.fill_auto); anywhere else write a value')
+    for key in auto_keys(ds)[:1]:
+        raise ConfigError(
+            f'{key}: "auto" is the Hugging Face Trainer\'s placeholder, filled in from its '
+            f'TrainingArguments (a Trainer run through tierstack fills it the same way: '
+            f'tierstack.hf_deepspeed.fill_auto); anywhere else write a value')
 
 
 def _leaves(node: Any, key: str):

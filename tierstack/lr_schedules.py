@@ -174,7 +174,7 @@ def _set_lrs(groups: list[dict], lrs: list[float]) -> list:
     return [group["lr"] for group in groups]
 
 
-class _Schedule:
+class LRSchedule:
     """What the schedules share: the iteration, stepping, and a state of one number."""
 
     def __init__(self, optimizer: Any, last_batch_iteration: int):
@@ -240,7 +240,7 @@ class _Warmup:
         return iteration / self.warmup_num_steps
 
 
-class WarmupLR(_Schedule):
+class WarmupLR(LRSchedule):
     """From warmup_min_lr up to warmup_max_lr (default: each group's lr) over
     warmup_num_steps iterations, then warmup_max_lr."""
 
@@ -298,7 +298,7 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, float(self.total_num_steps - self.last_batch_iteration) / decay_steps)
 
 
-class WarmupCosineLR(_Schedule):
+class WarmupCosineLR(LRSchedule):
     """Each group's lr times a ratio: from warmup_min_ratio up to 1 over warmup_num_steps,
     then a cosine down to cos_min_ratio at total_num_steps, and cos_min_ratio after."""
 
@@ -342,7 +342,7 @@ class WarmupCosineLR(_Schedule):
         return [lr * ratio for lr in self.org_lrs]
 
 
-class OneCycle(_Schedule):
+class OneCycle(LRSchedule):
     """DeepSpeed's 1Cycle: the lr up from cycle_min_lr to cycle_max_lr over
     cycle_first_step_size iterations and back down over cycle_second_step_size (optionally
     in stairs), then decayed by decay_lr_rate every decay_step_size; with cycle_momentum,
@@ -446,13 +446,13 @@ class OneCycle(_Schedule):
                 group["betas"] = betas
 
 
-SCHEDULES: dict[str, type[_Schedule]] = {
+SCHEDULES: dict[str, type[LRSchedule]] = {
     "WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
     "OneCycle": OneCycle,
 }
 
 
-def build_schedule(optimizer: Any, config: LRScheduleConfig) -> _Schedule | None:
+def build_schedule(optimizer: Any, config: LRScheduleConfig) -> LRSchedule | None:
     """The schedule `config` names, driving `optimizer`'s param groups; None for 'none'."""
     if config.type == NONE:
         return None
