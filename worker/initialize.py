@@ -109,6 +109,16 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, engine.optimizer, loader, scheduler
 
 
+def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
+    """deepspeed.init_distributed: one rank needs no process group, so this checks that the
+    job is one rank and does nothing else (a DeepSpeed script calls it unchanged)."""
+    del dist_backend, kwargs
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ConfigError(f"init_distributed: WORLD_SIZE is {world}, and several ranks under "
+                          f"tierstack.initialize are not supported yet; run one rank")
+
+
 # ---- config -----------------------------------------------------------------------------
 
 
