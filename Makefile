@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench-io bench-ensure-layer bench-train bench-scheduler bench-partitioned proto clean system-packages
+.PHONY: run test docs docs-reference bench-io bench-ensure-layer bench-train bench-scheduler bench-partitioned proto clean system-packages
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c \
           services/tier_manager/native/adamw.c
@@ -61,6 +61,14 @@ bench-scheduler: $(STAMP)
 
 bench-partitioned: $(STAMP)
 	$(PY) bench/partitioned.py
+
+# The documentation site (docs/, mkdocs.yml) into site/; a broken link fails the build.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+# Regenerate docs/reference/configuration.md from the config schema (a test checks it).
+docs-reference: $(STAMP)
+	$(PY) -m tierstack.config_reference > docs/reference/configuration.md
 
 # Regenerate proto/*_pb2*.py from proto/*.proto (a test fails when they are out of date).
 proto: $(STAMP)

@@ -81,8 +81,15 @@ def main() -> None:
         engine.core.wait_for_optimizer()
     drain = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if cuda else 0
+    extra = {}
+    if hasattr(engine, "core"):  # where tierstack's time went: its daemon's AdamW, its waits
+        optimizer_ = engine.core.block_optimizer
+        extra = {"adamw_update_s": optimizer_.update_seconds, "adamw_wait_s": optimizer_.wait_seconds,
+                 "stall_s": engine.core.store.stall_seconds,
+                 "placement": engine.core.placement.describe(len(engine.core.blocks.blocks))
+                 if engine.core.placement is not None else None}
     print("RESULT " + json.dumps({"step_s": times, "losses": losses, "lrs": lrs, "drain_s": drain,
-                                  "gpu_peak": peak, "tokens_per_step": micro * args.seq}), flush=True)
+                                  "gpu_peak": peak, "tokens_per_step": micro * args.seq, **extra}), flush=True)
     if hasattr(engine, "close"):
         engine.close()
 

@@ -1,14 +1,16 @@
-"""Every code block of README.md runs, so the README cannot drift from the code.
+"""Every code block of README.md and docs/ runs, so the documentation cannot drift from the code.
 
 Python and shell blocks are executed on the CPU, each in a fresh process, in a scratch
-directory holding what the README presumes a user has there: `.venv/bin` (this
-interpreter's), `ds_config.json` (a DeepSpeed JSON), `./my-llama` (a tiny LLaMA config
-directory) and `notes.txt`. A running scheduler and a tier manager registered with it as
-node "node0" are found the way a user's would be: $TIERSTACK_SCHEDULER and
-$TIERSTACK_TIER_MANAGER. JSON blocks are loaded as tierstack configs.
+directory holding what a fresh clone has (`examples/`, `.venv/bin`: this interpreter's).
+README blocks run with nothing started for them: no daemon, no $TIERSTACK_TIER_MANAGER
+(what they need they start themselves, as a new user's would). Blocks of docs/ may also
+presume `ds_config.json` (a DeepSpeed JSON), `./my-llama` (a tiny LLaMA config directory),
+`notes.txt`, and a running scheduler with a tier manager registered with it as node
+"node0", found as a user's would be: $TIERSTACK_SCHEDULER and $TIERSTACK_TIER_MANAGER
+(the guides say to start them first). JSON blocks are loaded as tierstack configs.
 
 An HTML comment right before a block tells this test how to run it, in view of anyone
-reading the README's source:
+reading the source:
 
     <!-- readme-test
     skip: why this block cannot run here (printed)
@@ -35,6 +37,7 @@ from tierstack.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
 BLOCK_SECONDS = 240
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -48,6 +51,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128
 
 @dataclass
 class Block:
+    path: Path
     line: int
     lang: str
     code: str
@@ -57,12 +61,16 @@ class Block:
 
     @property
     def name(self) -> str:
-        return f"README.md:{self.line}:{self.lang}"
+        return f"{self.path.relative_to(ROOT)}:{self.line}:{self.lang}"
+
+    @property
+    def in_readme(self) -> bool:
+        return self.path == README
 
 
-def readme_blocks() -> list[Block]:
-    """The fenced blocks of README.md with a language, each with its readme-test comment."""
-    lines = README.read_text().splitlines()
+def readme_blocks(path: Path = README) -> list[Block]:
+    """The fenced blocks of a page with a language, each with its readme-test comment."""
+    lines = path.read_text().splitlines()
     blocks, marker, i = [], None, 0
     while i < len(lines):
         line = lines[i]
@@ -80,7 +88,7 @@ def readme_blocks() -> list[Block]:
                 code.append(lines[i])
                 i += 1
             if lang:
-                block = Block(start, lang, "\n".join(code) + "\n")
+                block = Block(path, start, lang, "\n".join(code) + "\n")
                 for entry in marker or []:
                     key, _, value = entry.partition(":")
                     if key == "skip":
@@ -91,7 +99,7 @@ def readme_blocks() -> list[Block]:
                         old, _, new = value.strip().partition(" => ")
                         block.replace.append((old, new))
                     else:
-                        raise AssertionError(f"README.md:{start}: unknown readme-test key {key!r}")
+                        raise AssertionError(f"{path}:{start}: unknown readme-test key {key!r}")
                 blocks.append(block)
             marker = None
         elif line.strip():
@@ -100,15 +108,15 @@ def readme_blocks() -> list[Block]:
     return blocks
 
 
-BLOCKS = readme_blocks()
+BLOCKS = [b for page in [README, *DOCS] for b in readme_blocks(page)]
 
 
 def test_the_readme_has_code_to_run_and_says_why_it_skips_any():
-    langs = [b.lang for b in BLOCKS]
-    assert langs.count("python") >= 3 and langs.count("bash") >= 4
-    skipped = [b for b in BLOCKS if b.skip]
-    assert all(len(b.skip) > 20 for b in skipped)  # a reason, not a shrug
-    assert len(skipped) <= 3, [b.name for b in skipped]
+    readme = [b for b in BLOCKS if b.in_readme]
+    assert [b.lang for b in readme].count("python") >= 1
+    assert [b.lang for b in readme].count("bash") >= 3
+    assert len([b for b in readme if b.skip]) <= 1, [b.name for b in readme if b.skip]
+    assert all(len(b.skip) > 20 for b in BLOCKS if b.skip)  # a reason, not a shrug
 
 
 def _free_port() -> int:
@@ -142,21 +150,35 @@ def services(tmp_path_factory):
         shutil.rmtree(shm, ignore_errors=True)
 
 
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    """The directory a README block runs in, with what the README presumes is there."""
-    (tmp_path / ".venv").mkdir()
-    (tmp_path / ".venv" / "bin").symlink_to(Path(sys.executable).parent)
-    (tmp_path / "ds_config.json").write_text(json.dumps(DS_CONFIG))
-    (tmp_path / "my-llama").mkdir()
-    (tmp_path / "my-llama" / "config.json").write_text(json.dumps(TINY_LLAMA))
-    (tmp_path / "notes.txt").write_text(README.read_text())
-    return tmp_path
+def _workdir(tmp_path: Path, block: Block) -> Path:
+    """The directory a block runs in: what a fresh clone has, and for docs/ pages what
+    their guides presume is there too."""
+    workdir = tmp_path / "clone"
+    workdir.mkdir()
+    (workdir / ".venv").mkdir()
+    (workdir / ".venv" / "bin").symlink_to(Path(sys.executable).parent)
+    (workdir / "examples").symlink_to(ROOT / "examples")
+    if not block.in_readme:
+        (workdir / "ds_config.json").write_text(json.dumps(DS_CONFIG))
+        (workdir / "my-llama").mkdir()
+        (workdir / "my-llama" / "config.json").write_text(json.dumps(TINY_LLAMA))
+        (workdir / "notes.txt").write_text(README.read_text())
+    return workdir
+
+
+def _fresh_user_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a user who started nothing: no tierstack service addresses, a
+    default socket nobody listens on, a state directory of their own."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TIERSTACK_TIER_MANAGER", "TIERSTACK_SCHEDULER")}
+    env["TIERSTACK_TIER_MANAGER"] = f"unix:{tmp_path}/nobody-listens-here.sock"
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    return env
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang in ("python", "bash")],
                          ids=lambda b: b.name)
-def test_readme_block_runs(block: Block, services, workdir: Path, tmp_path: Path):
+def test_readme_block_runs(block: Block, request, tmp_path: Path):
     if block.skip:
         pytest.skip(f"{block.name}: {block.skip}")
     missing = [tool for tool in block.requires if shutil.which(tool) is None]
@@ -169,7 +191,11 @@ def test_readme_block_runs(block: Block, services, workdir: Path, tmp_path: Path
     for old, new in block.replace:
         assert old in code, f"{block.name}: readme-test replaces {old!r}, which the block lacks"
         code = code.replace(old, new.format(**values))
-    env = {**os.environ, **services, "COLUMNS": "200"}
+    workdir = _workdir(tmp_path, block)
+    if block.in_readme:  # as a new user runs it: nothing started for it
+        env = {**_fresh_user_env(tmp_path), "COLUMNS": "200"}
+    else:
+        env = {**os.environ, **request.getfixturevalue("services"), "COLUMNS": "200"}
     if block.lang == "python":
         cmd = [sys.executable, "-c", code]
     else:  # background jobs the block started die with it, even when it fails half-way

@@ -402,9 +402,13 @@ class OptimizerConfig:
     """'adamw', the one optimizer; 'adam' is accepted as DeepSpeed means it (AdamW unless
     adam_w_mode is false, which the DeepSpeed loader refuses)."""
     lr: float = 1e-3
+    """The learning rate (a schedule, train.lr_schedule, moves it from step to step)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2): the decay rates of the gradient's moving averages."""
     eps: float = 1e-8
+    """Added to the second moment's square root (numerical safety)."""
     weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW's), per step, scaled by the learning rate."""
 
     def validate(self, prefix: str) -> None:
         if self.type.lower() not in ("adamw", "adam"):
@@ -584,6 +588,7 @@ class SchedulerConfig:
     replan_after_seconds: float = 10.0
     """Re-plan once a link has drifted for this long without a report back in range."""
     shutdown_grace_seconds: int = 5
+    """On SIGTERM, how long in-flight requests may take to finish."""
     metrics_listen: str = "127.0.0.1:8471"
     """host:port of the scheduler's HTTP API: its /metrics, the cluster view over every
     registered node's API, and the dashboard ('' for none; a taken port: any free one)."""
