@@ -10,14 +10,16 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c \
           services/tier_manager/native/adamw.c
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# torch first and pinned: this machine keeps the CPU build of 2.13.0 on disk, while
-	# an unpinned requirement can pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
-	$(MAKE) --no-print-directory system-packages
-	touch $@
+	@echo "setting up $(VENV) (torch, then tierstack and its test extras; log: $(VENV)/install.log)"
+	@$(PYTHON) -m venv $(VENV)
+	@# torch first and pinned: this machine keeps the CPU build of 2.13.0 on disk, while
+	@# an unpinned requirement can pull a multi-GB CUDA build. pip's and setuptools' chatter
+	@# goes to the log, so the job's own first lines are the first on the screen.
+	@{ $(PY) -m pip install --quiet --upgrade pip && \
+	   $(PY) -m pip install --quiet torch==2.13.0 && \
+	   $(PY) -m pip install --quiet -e '.[test]'; } > $(VENV)/install.log 2>&1 || \
+	  { tail -40 $(VENV)/install.log; echo "set-up failed: see $(VENV)/install.log"; exit 1; }
+	@touch $@
 
 # Debian packages the tests drive: chromium (the dashboard test, through the playwright
 # package with executable_path=/usr/bin/chromium), promtool (from `prometheus`), and
