@@ -57,6 +57,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     device = engine.device
     times, losses, lrs = [], [], []
+    # YOUR_LOOP_PHASES=1: also when each step's forward and backward ended (synchronised)
+    phases = [] if os.environ.get("YOUR_LOOP_PHASES") and cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.steps):
@@ -69,7 +71,13 @@ def main() -> None:
         start = time.perf_counter()
         logits = engine(input_ids=ids, attention_mask=mask, use_cache=False).logits
         loss = my_loss(logits, ids, mask)
+        if phases is not None:
+            torch.cuda.synchronize()
+            phases.append([time.perf_counter() - start])
         engine.backward(loss)
+        if phases is not None:
+            torch.cuda.synchronize()
+            phases[-1].append(time.perf_counter() - start)
         engine.step()
         if cuda:
             torch.cuda.synchronize()
@@ -84,7 +92,7 @@ def main() -> None:
     extra = {}
     if hasattr(engine, "core"):  # where tierstack's time went: its daemon's AdamW, its waits
         optimizer_ = engine.core.block_optimizer
-        extra = {"adamw_update_s": optimizer_.update_seconds, "adamw_wait_s": optimizer_.wait_seconds,
+        extra = {"phases": phases, "adamw_update_s": optimizer_.update_seconds, "adamw_wait_s": optimizer_.wait_seconds,
                  "stall_s": engine.core.store.stall_seconds,
                  "placement": engine.core.placement.describe(len(engine.core.blocks.blocks))
                  if engine.core.placement is not None else None}

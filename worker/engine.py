@@ -493,7 +493,10 @@ class OffloadEngine:
             self._refresh_rates()
             self.blocks.on_gradients = self.block_optimizer.start_block
         try:
-            loss.backward()
+            try:
+                loss.backward()
+            finally:  # the step reads every gradient; a failed write fails the backward
+                self.blocks.wait_for_gradients()
         except BaseException:
             # Blocks already stepped keep their update: resume from a checkpoint.
             self.block_optimizer.abandon_started()
@@ -728,8 +731,12 @@ class OffloadEngine:
         self._store_deferred_masters()
 
     def close(self) -> None:
-        self.block_optimizer.close()
-        self.blocks.stash.close()
+        try:
+            self.block_optimizer.close()
+        finally:
+            self.blocks.stash.close()
+            if self.blocks.gradient_writes is not None:
+                self.blocks.gradient_writes.close()
 
 
 def _check_buffer_size(block_list: torch.nn.Module, blocks_attr: str, positions: list[int],

@@ -212,12 +212,17 @@ class LayerStore:
                         for i in range(int(meta[0]))]
         return self.layouts
 
+    writes_from_any_thread = True
+    """write_back may be called from a thread of the caller's other than the one that made
+    the tensors (worker/gradient_writes.py), given the event the tensors are ready at."""
+
     def write_back(self, index: int, tensors: Mapping[str, torch.Tensor], kind: str = "params",
-                   durable: bool | None = None) -> None:
+                   durable: bool | None = None, after: "torch.cuda.Event | None" = None) -> None:
         """Store a layer's tensors (updated parameters, gradients, ...) from any device.
 
         `kind="params"` replaces the layer itself (names and shapes must match its layout);
-        any other kind is stored beside it under its own key and layout.
+        any other kind is stored beside it under its own key and layout. `after`: the CUDA
+        event the tensors are ready at (default: what the calling thread's stream queued).
         """
         if kind == "params":
             layout = self.layouts[index]
@@ -230,7 +235,7 @@ class LayerStore:
         if kind != "params":
             self.declare_layout(index, kind, layout)
         self._write_layer(self.key(index, kind), layout, tensors, durable,
-                          self.placement(index, kind))
+                          self.placement(index, kind), after)
 
     def declare_layout(self, index: int, kind: str, layout: LayerLayout) -> None:
         """Record how layer `index`'s state of `kind` is laid out (when the daemon, not
@@ -242,13 +247,16 @@ class LayerStore:
             self._kind_layouts[(index, kind)] = layout
 
     def _write_layer(self, key: str, layout: LayerLayout, tensors: Mapping[str, torch.Tensor],
-                     durable: bool | None = None, placement: str = AUTO) -> None:
+                     durable: bool | None = None, placement: str = AUTO, after=None) -> None:
         layout.check(tensors)
 
         def fill(block: torch.Tensor) -> None:
             if self.cuda and any(t.is_cuda for t in tensors.values()):
                 # D2H on a side stream, after the work that produced the tensors.
-                self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+                if after is not None:
+                    self._d2h_stream.wait_event(after)
+                else:
+                    self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._d2h_stream):
                     layout.pack_into(block, tensors)
                 self._d2h_stream.synchronize()

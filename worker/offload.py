@@ -43,6 +43,7 @@ from tierstack.errors import InvalidArgumentError
 from tierstack.tiers import AUTO
 from tierstack.worker.activation_stash import ActivationStash
 from tierstack.worker.grad_norm import squared_norm
+from tierstack.worker.gradient_writes import GradientWrites
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.placement import SavedBytes
 
@@ -212,6 +213,11 @@ class OffloadedBlocks(torch.nn.Module):
         # Called with a block's index once its gradients of the window are stored (the
         # engine starts that block's optimizer step there, overlapping the backward).
         self.on_gradients: Callable[[int], None] | None = None
+        # Gradients go to the tier manager behind the backward where the store can take
+        # them from another thread (a partitioned store's write is a collective: not there).
+        self.gradient_writes = (GradientWrites(lambda i, tensors, after: store.write_back(
+            i, tensors, kind="grad", durable=False, after=after))
+            if getattr(store, "writes_from_any_thread", False) else None)
         # Squared L2 norm of each block's stored gradients (a device scalar), kept when
         # `track_grad_norms` is set, for global-norm clipping without reading them back.
         self.track_grad_norms = False
@@ -390,6 +396,7 @@ class OffloadedBlocks(torch.nn.Module):
 
     def new_gradients(self) -> None:
         """Start a new accumulation window: the next backward overwrites, later ones add."""
+        self.wait_for_gradients()
         self._generation += 1
 
     def has_gradients(self, index: int) -> bool:
@@ -424,15 +431,24 @@ class OffloadedBlocks(torch.nn.Module):
         new = {f"{n}.grad": (g if g is not None else torch.zeros_like(p))
                for (n, p), g in zip(named, param_grads)}
         if self.has_gradients(index):  # accumulate within the window
+            self.wait_for_gradients(index)
             for key, old in self.store.read_layer(index, "grad").items():
                 new[key] = new[key] + old.to(new[key].device)
         if self.track_grad_norms:
             self.grad_sq_norms[index] = sum((squared_norm(g) for g in new.values()),
                                             torch.zeros((), device=device))
-        self.store.write_back(index, new, kind="grad", durable=False)
         self._grad_generation[index] = self._generation
+        if self.gradient_writes is not None:  # behind the backward (worker/gradient_writes.py)
+            self.gradient_writes.submit(index, new, then=self.on_gradients)
+            return
+        self.store.write_back(index, new, kind="grad", durable=False)
         if self.on_gradients is not None:
             self.on_gradients(index)
+
+    def wait_for_gradients(self, index: int | None = None) -> None:
+        """Block `index`'s gradients (every block's: None) are stored with the tier manager."""
+        if self.gradient_writes is not None:
+            self.gradient_writes.wait(index) if index is not None else self.gradient_writes.flush()
 
     def offloaded(self) -> list[int]:
         """The blocks that still live with the tier manager (not made resident)."""
@@ -471,6 +487,7 @@ class OffloadedBlocks(torch.nn.Module):
             raise InvalidArgumentError(
                 f"block {index} has no gradients since the last zero_grad: run a backward "
                 f"through it before the optimizer step")
+        self.wait_for_gradients(index)
         return {k[:-len(".grad")]: v for k, v in self.store.read_layer(index, "grad").items()}
 
     def parameters_of(self, index: int) -> dict[str, torch.Tensor]:

@@ -161,6 +161,7 @@ class TieredAdamW:
         started by `start_block` were started unscaled, so the engine starts none when it
         clips.
         """
+        self.blocks.wait_for_gradients()  # stored behind the backward: all of them first
         offloaded = self.blocks.offloaded()  # resident blocks step with the device's AdamW
         missing = [i for i in offloaded if not self.blocks.has_gradients(i)]
         problem = None

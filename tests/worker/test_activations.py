@@ -156,7 +156,7 @@ def test_the_placement_sends_inputs_to_the_tier_manager_when_the_budget_cannot_h
         probe = OffloadEngine.from_config(_model(), LayerStore("act-probe", device="cpu",
                                           address=daemon.address, durable=False),
                                           _train_config(params={"device": "cpu"}))
-        footprint = probe._probe(*batches[0])
+        footprint = probe._probe(lambda: probe._loss(*batches[0]))
         probe.close()
         probe.store.close()
         assert footprint.block_inputs == (INPUT_BYTES,) * LAYERS
@@ -325,7 +325,7 @@ def test_the_probe_sends_every_input_out_when_they_overflow_half_the_budget_and_
         engine = OffloadEngine.from_config(_model(), store, _train_config(params={"device": "cpu"}),
                                            budgets=Budgets(hbm=hbm, host=8 << 30, nvme=8 << 30))
         try:
-            footprint = engine._probe(*batches[0])
+            footprint = engine._probe(lambda: engine._loss(*batches[0]))
             assert engine.blocks.stash.live() == [] and _activation_keys(store, engine) == []
             return footprint, engine.blocks.probe_stashed_bytes, engine.blocks.stash.bytes_written
         finally:

@@ -148,7 +148,7 @@ def _one_block_more(daemon, batches, **train) -> int:
                        durable=False)
     try:
         engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}, **train))
-        footprint = engine._probe(*batches[0])
+        footprint = engine._probe(lambda: engine._loss(*batches[0]))
         engine.close()
     finally:
         store.close()
@@ -281,7 +281,7 @@ def test_a_bf16_model_s_masters_wait_for_the_placement(daemon):
                 model, store, _train_config(precision="bf16", params={"device": params_device}),
                 budgets=_budgets(hbm))
             registered = store.client.stats().cpu_used - before
-            engine._probe(*batches[0])
+            engine._probe(lambda: engine._loss(*batches[0]))
             after_probe = store.client.stats().cpu_used - before
             losses = [engine.train_step(x, y) for x, y in batches]
             engine.close()
