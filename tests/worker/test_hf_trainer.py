@@ -72,10 +72,10 @@ RUN = dict(report_to=[], use_cpu=True, disable_tqdm=True, seed=0, per_device_tra
            save_strategy="no")
 
 
-def _train(trainer_cls, args, model, eval_dataset=None, **kwargs):
-    """(trainer, logs) after trainer.train() on 48 rows."""
+def _train(trainer_cls, args, model, eval_dataset=None, rows=48, **kwargs):
+    """(trainer, logs) after trainer.train() on `rows` rows."""
     logs = _Logs()
-    trainer = trainer_cls(model=model, args=args, train_dataset=_Tokens(48, 1),
+    trainer = trainer_cls(model=model, args=args, train_dataset=_Tokens(rows, 1),
                           eval_dataset=eval_dataset, callbacks=[logs], **kwargs)
     trainer.train()
     return trainer, logs
@@ -97,18 +97,28 @@ def _assert_same(ours: list[float], theirs: list[float], rtol: float = 1e-5) -> 
 def test_a_trainer_script_trains_as_transformers_own_trainer_and_saves_a_model_from_pretrained_loads(
         node_tier_manager, tmp_path):
     """No DeepSpeed JSON: HF's AdamW with no decay on norms, warmup + linear decay, gradient
-    accumulation, clipping, label smoothing, eval during training: the same losses, gradient
-    norms, learning rates, eval losses and metrics as transformers' Trainer."""
-    knobs = dict(RUN, warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.1,
-                 max_grad_norm=0.5, label_smoothing_factor=0.1, eval_strategy="steps", eval_steps=3)
+    accumulation (11 micro-batches an epoch in windows of 3: the last one short), clipping,
+    label smoothing, eval and checkpoints during training, the best checkpoint loaded at the
+    end: the same losses, gradient norms, learning rates, eval losses and metrics as
+    transformers' Trainer, and a saved model with its weights."""
+    knobs = dict(RUN, max_steps=-1, num_train_epochs=2, gradient_accumulation_steps=3,
+                 warmup_steps=2, lr_scheduler_type="linear", weight_decay=0.1, max_grad_norm=0.5,
+                 label_smoothing_factor=0.1, eval_strategy="steps", eval_steps=2,
+                 save_strategy="steps", save_steps=2, save_total_limit=2,
+                 # "best" is the highest eval loss: an early checkpoint, loaded at the end
+                 load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                 greater_is_better=True)
     evaluation = _Tokens(8, 2)
     plain, expected = _train(transformers.Trainer, transformers.TrainingArguments(
-        output_dir=str(tmp_path / "plain"), **knobs), _model(), evaluation)
+        output_dir=str(tmp_path / "plain"), **knobs), _model(), evaluation, rows=44)
     model = _model()
     names = {id(p): n for n, p in model.named_parameters()}
     trainer, logs = _train(hf_trainer.Trainer, hf_trainer.TrainingArguments(
-        output_dir=str(tmp_path / "ours"), **knobs), model, evaluation)
+        output_dir=str(tmp_path / "ours"), **knobs), model, evaluation, rows=44)
     try:
+        assert trainer.state.global_step == 8
+        best = Path(trainer.state.best_model_checkpoint).name
+        assert best == Path(plain.state.best_model_checkpoint).name != "checkpoint-8"
         for key in ("loss", "grad_norm", "eval_loss", "train_loss"):
             _assert_same(logs.values(key), expected.values(key))
         assert logs.values("learning_rate") == expected.values("learning_rate")
