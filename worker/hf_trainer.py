@@ -25,6 +25,8 @@ model, the way it runs over DeepSpeed's engine:
 - Trainer.end() (or the Trainer's collection, or the interpreter's exit) closes the engine
   and stops the tier manager it started. Until then the trained weights live in the tiers:
   read them with save_model, not from the model object.
+
+The user's guide: docs/guides/hf-trainer.md.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ class Trainer(transformers.Trainer):
         # Closed at Trainer.end(), when the Trainer is collected, or at the interpreter's
         # exit: a finalizer holds the engine, not the Trainer.
         self._closer = weakref.finalize(self, engine.close)
-        self.optimizer = _EngineOptimizer(engine)
+        self.optimizer = _SteppedOptimizer(engine)
         self.model_wrapped = engine
         # accelerate knows DeepSpeed's engine (its backward steps it, unwrap_model takes its
         # module out) and has no hook for another: it learns tierstack's here.
@@ -203,9 +205,9 @@ class Trainer(transformers.Trainer):
         return self._engine.get_global_grad_norm()
 
     def _get_grad_norm(self, model, grad_norm=None):
-        # The model's own .grad are empty (the gradients are in the tiers): without
-        # clipping (or fp16) the engine computes no norm, and none is logged.
-        return grad_norm
+        """The engine's norm where it computed one (clipping, fp16), else none is logged:
+        the model's own .grad are empty, the gradients are in the tiers."""
+        return grad_norm if grad_norm is not None else self._engine.get_global_grad_norm()
 
     def _prepare_input(self, data):
         """As under DeepSpeed: floating inputs in the engine's training precision."""
@@ -282,7 +284,7 @@ def _parameter_count(model: torch.nn.Module) -> int | None:
     return count(exclude_embeddings=True) if count is not None else None
 
 
-class _EngineOptimizer:
+class _SteppedOptimizer:
     """The optimizer the Trainer holds: the engine's, whose step already ran in the
     boundary micro-batch's backward (Trainer._backward), so the Trainer's step() and
     zero_grad() have nothing to do. State and param groups are the engine's optimizer's."""

@@ -221,6 +221,31 @@ def test_the_precision_flags_set_the_engines_precision(node_tier_manager, tmp_pa
         trainer.end()
 
 
+def test_an_fp16_overflow_skips_its_step_and_holds_the_schedule(node_tier_manager, tmp_path):
+    """fp16 from a loss scale of 2^19: one early step's gradients overflow, so it changes
+    nothing, halves the scale (hysteresis 1) and leaves HF's warmup + linear schedule where it
+    was; the schedule then runs one step behind, as under DeepSpeed."""
+    ds = {"zero_optimization": {"stage": 3},
+          "fp16": {"enabled": "auto", "initial_scale_power": 19, "hysteresis": 1}}
+    trainer, logs = _train(hf_trainer.Trainer, hf_trainer.TrainingArguments(
+        output_dir=str(tmp_path), deepspeed=ds, **dict(
+            RUN, gradient_accumulation_steps=1, fp16=True, warmup_steps=3, learning_rate=1e-2)),
+        _model())
+    try:
+        engine = trainer.model_wrapped
+        skipped = [i for i, norm in enumerate(logs.values("grad_norm")) if not math.isfinite(norm)]
+        assert len(skipped) == engine.skipped_steps == 1 and skipped[0] < 5
+        assert engine.fp16_enabled() and engine.global_steps == 6
+        assert engine.loss_scale() == 2.0 ** 18
+        # Step i runs at HF's linear schedule (warmup 3, 6 steps) after the steps applied before it.
+        linear = lambda k: k / 3 if k < 3 else (6 - k) / 3  # noqa: E731
+        applied = [i - sum(s < i for s in skipped) for i in range(6)]
+        assert logs.values("learning_rate") == pytest.approx([1e-2 * linear(k) for k in applied])
+        assert all(math.isfinite(loss) for loss in logs.values("loss"))
+    finally:
+        trainer.end()
+
+
 @pytest.mark.parametrize("arguments, trainer_kwargs, named", [
     ({"torch_compile": True}, {}, "TrainingArguments.torch_compile"),
     ({"gradient_checkpointing": True}, {}, "TrainingArguments.activation_checkpointing"),
