@@ -18,7 +18,7 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tierstack.config import LRScheduleConfig, load_config
 from tierstack.deepspeed_config import is_deepspeed_config
@@ -29,24 +29,25 @@ from tierstack.hf_deepspeed import fill_auto
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 
 # What the Trainer would do that the engine cannot: (field, is it asked for, why and what to do).
-_REFUSED: tuple[tuple[str, Any, str], ...] = (
-    ("torch_compile", lambda v: bool(v),
+_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("torch_compile", bool,
      "the engine streams each offloaded block in around the model's own modules, which a "
      "compiled graph would not call; set it False"),
-    ("activation_checkpointing", lambda v: bool(v),
-     "(gradient_checkpointing is its alias) the offloaded blocks recompute their activations already (what they keep is the "
-     "placement's choice, or the DeepSpeed JSON's activation_checkpointing section); set it False"),
-    ("fsdp", lambda v: bool(v),
+    ("activation_checkpointing", bool,
+     "(or its alias gradient_checkpointing) the offloaded blocks recompute their activations "
+     "already (what they keep is the placement's choice, or the DeepSpeed JSON's "
+     "activation_checkpointing section); set it False"),
+    ("fsdp", bool,
      "FSDP shards the model itself, while tierstack keeps its state in the tiers; drop it"),
     ("parallelism_config", lambda v: v is not None,
      "tensor, context and sequence parallelism are not supported; drop it"),
-    ("auto_find_batch_size", lambda v: bool(v),
+    ("auto_find_batch_size", bool,
      "the engine is set up once for the run; give per_device_train_batch_size and set it False"),
-    ("fp16_full_eval", lambda v: bool(v),
+    ("fp16_full_eval", bool,
      "evaluation runs in the engine's training precision (fp16 / bf16 set it); set it False"),
-    ("bf16_full_eval", lambda v: bool(v),
+    ("bf16_full_eval", bool,
      "evaluation runs in the engine's training precision (fp16 / bf16 set it); set it False"),
-    ("place_model_on_device", lambda v: bool(v),
+    ("place_model_on_device", bool,
      "the engine decides where each tensor lives (the HBM budget); leave it unset"),
 )
 
