@@ -65,10 +65,13 @@ def param_groups_of(model: torch.nn.Module, defaults: OptimizerConfig,
         if unknown:
             raise ConfigError(f"param group {g}: {unknown[0]!r} is not an AdamW setting tierstack "
                               f"steps ({', '.join(HYPER_KEYS)}); drop it")
-        kept = [p for p in params if p.requires_grad]
-        groups.append({**fill, **{k: group[k] for k in HYPER_KEYS if k in group},
-                       "params": kept})
-        groups[-1]["betas"] = tuple(groups[-1]["betas"])
+        # The caller's dict itself, filled in: a learning-rate scheduler made on the
+        # caller's optimizer before the engine writes these dicts' "lr" at every step.
+        for k, v in fill.items():
+            group.setdefault(k, v)
+        group["params"] = [p for p in params if p.requires_grad]
+        group["betas"] = tuple(group["betas"])
+        groups.append(group)
     left = [name for i, name in trainable.items() if i not in seen]
     if left:
         log.info("%d trainable parameters are in no param group and are frozen (e.g. %s): no "

@@ -234,6 +234,39 @@ def test_the_callers_torch_adamw_is_followed_and_other_optimizers_are_refused(sh
                              config=CONFIG, tier_manager=shared_daemon.address)
 
 
+def test_a_scheduler_made_on_the_callers_optimizer_before_initialize_moves_the_engines_lr(
+        shared_daemon):
+    """lr_scheduler= a torch scheduler built on the caller's own AdamW (as scripts make them
+    before deepspeed.initialize): the engine steps at the lrs it sets, as plain PyTorch."""
+    torch.manual_seed(0)
+    model = Net().eval()  # no dropout on either side
+    reference = copy.deepcopy(model)
+    halving = lambda step: 0.5 ** step  # noqa: E731
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, halving)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, halving)
+    config = {k: v for k, v in CONFIG.items() if k not in ("optimizer", "gradient_clipping")}
+    config["gradient_accumulation_steps"] = 1
+    engine, _, _, _ = tierstack.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule,
+                                           config=config, tier_manager=shared_daemon.address)
+    try:
+        engine.eval()
+        for ids, targets, mask in _batches(8, 4):
+            loss = _my_loss(engine(ids, mask), targets, mask)
+            engine.backward(loss)
+            engine.step()
+            ref_loss = _my_loss(reference(ids, mask), targets, mask)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_schedule.step()
+            ref_opt.zero_grad()
+            assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5)
+        assert engine.get_lr() == [1e-2 * 0.5 ** 4]
+    finally:
+        engine.close()
+
+
 def test_bad_calls_are_refused_in_one_line(shared_daemon, tmp_path):
     torch.manual_seed(0)
     with pytest.raises(ConfigError, match="torch.nn.Module"):
