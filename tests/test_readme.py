@@ -1,7 +1,7 @@
 """Every code block of README.md and docs/ runs, so the documentation cannot drift from the code.
 
 Python and shell blocks are executed on the CPU, each in a fresh process, in a scratch
-directory holding what a fresh clone has (`examples/`, `.venv/bin`: this interpreter's).
+directory holding what a fresh clone has (`examples/`, `.venv`: this interpreter's).
 README blocks run with nothing started for them: no daemon, no $TIERSTACK_TIER_MANAGER
 (what they need they start themselves, as a new user's would). Blocks of docs/ may also
 presume `ds_config.json` (a DeepSpeed JSON), `./my-llama` (a tiny LLaMA config directory),
@@ -155,8 +155,8 @@ def _workdir(tmp_path: Path, block: Block) -> Path:
     their guides presume is there too."""
     workdir = tmp_path / "clone"
     workdir.mkdir()
-    (workdir / ".venv").mkdir()
-    (workdir / ".venv" / "bin").symlink_to(Path(sys.executable).parent)
+    # The venv itself (its pyvenv.cfg too: `.venv/bin/python` must be the venv's python).
+    (workdir / ".venv").symlink_to(Path(sys.executable).parent.parent)
     (workdir / "examples").symlink_to(ROOT / "examples")
     if not block.in_readme:
         (workdir / "ds_config.json").write_text(json.dumps(DS_CONFIG))
