@@ -101,6 +101,29 @@ def test_a_worker_maps_arenas_as_they_come_and_unmaps_the_ones_returned(daemon_c
             session.close()
 
 
+def test_a_worker_maps_only_the_arenas_an_answer_names(daemon):
+    """Arenas another worker filled are listed but not mapped (on a GPU: not page-locked)
+    until an answer names one: a second session that reads one block maps its arena only."""
+    from tierstack.worker.tier_session import TierSession
+
+    writer = TierSession(daemon.address, reconnect_timeout=10, pin_for_cuda=False)
+    try:
+        for i in range(3):
+            writer.write_block(f"m{i}", torch.full((300_000,), i, dtype=torch.uint8))
+        reader = TierSession(daemon.address, reconnect_timeout=10, pin_for_cuda=False)
+        try:
+            assert len(reader.client.node().arenas) >= 1 and reader.arenas.mapped == []
+            assert torch.equal(reader.read_block("m1"), torch.full((300_000,), 1, dtype=torch.uint8))
+            assert 1 <= len(reader.arenas.mapped) <= len(writer.arenas.mapped)
+            assert len(reader.arenas.mapped) < len(reader.client.node().arenas) or \
+                len(reader.client.node().arenas) == 1
+        finally:
+            reader.close()
+        writer.client.delete([f"m{i}" for i in range(3)])
+    finally:
+        writer.close()
+
+
 def test_many_concurrent_clients(daemon):
     errors = []
 
