@@ -37,7 +37,6 @@ from safetensors.torch import load_file, save_file
 
 from tierstack.errors import DataCorruptionError, InvalidArgumentError
 from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.sharded_store import ShardedLayerStore
 from tierstack.worker.tiered_adamw import MOMENTS
 
 ENGINE_FILE = "engine.pt"  # train_flags.py names it too (without importing torch)
@@ -47,24 +46,13 @@ def _block_file(directory: Path, index: int) -> Path:
     return directory / f"block-{index:05d}.safetensors"
 
 
-def _writes(engine: OffloadEngine) -> bool:
-    """Whether this process writes the files: the only rank, or rank 0 of a partitioned job."""
-    return not isinstance(engine.store, ShardedLayerStore) or engine.store.rank == 0
-
-
-def _all_ranks_reach(engine: OffloadEngine) -> None:
-    """Wait until every rank is here (rank 0 has written), for a partitioned engine."""
-    if isinstance(engine.store, ShardedLayerStore):
-        engine.store.barrier()
-
-
 def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | None = None) -> None:
     """Write the engine's whole training state as `directory`, replacing what was there
     only once every file of the new checkpoint is durable."""
     engine.wait_for_optimizer()
     target = Path(directory).absolute()
     directory = target.with_name(f".{target.name}.writing")
-    writes = _writes(engine)
+    writes = engine.store.writes_checkpoint
     if writes:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(directory, ignore_errors=True)  # what a save that died left
@@ -78,7 +66,7 @@ def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | 
         if writes:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(_block_file(directory, i)))
     if not writes:
-        _all_ranks_reach(engine)
+        engine.store.barrier()
         return
     torch.save({
         "blocks": len(engine.blocks.blocks),
@@ -99,7 +87,7 @@ def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | 
     _fsync(directory / LISTING_FILE)
     _fsync(directory)
     _swap_into_place(directory, target)
-    _all_ranks_reach(engine)
+    engine.store.barrier()
 
 
 LISTING_FILE = "checkpoint.json"
@@ -195,7 +183,7 @@ def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
     engine.wait_for_optimizer()
     blocks_attr = engine.blocks_attr
     directory = Path(directory)
-    writes = _writes(engine)
+    writes = engine.store.writes_checkpoint
     if writes:
         directory.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
@@ -223,7 +211,7 @@ def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
         config = getattr(engine.model, "config", None)
         if hasattr(config, "save_pretrained"):
             config.save_pretrained(directory)
-    _all_ranks_reach(engine)
+    engine.store.barrier()
     return index
 
 

@@ -212,6 +212,12 @@ class LayerStore:
                         for i in range(int(meta[0]))]
         return self.layouts
 
+    writes_checkpoint = True
+    """One worker, one writer of its checkpoints (worker/block_store.py)."""
+
+    def barrier(self) -> None:
+        """One worker: nobody else to wait for."""
+
     writes_from_any_thread = True
     """write_back may be called from a thread of the caller's other than the one that made
     the tensors (worker/gradient_writes.py), given the event the tensors are ready at."""

@@ -217,7 +217,7 @@ class OffloadedBlocks(torch.nn.Module):
         # them from another thread (a partitioned store's write is a collective: not there).
         self.gradient_writes = (GradientWrites(lambda i, tensors, after: store.write_back(
             i, tensors, kind="grad", durable=False, after=after))
-            if getattr(store, "writes_from_any_thread", False) else None)
+            if store.writes_from_any_thread else None)
         # Squared L2 norm of each block's stored gradients (a device scalar), kept when
         # `track_grad_norms` is set, for global-norm clipping without reading them back.
         self.track_grad_norms = False

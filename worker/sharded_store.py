@@ -420,6 +420,14 @@ class ShardedLayerStore:
         self._comm_done()
         return out
 
+    writes_from_any_thread = False
+    """A gradient write is a reduce-scatter: every rank issues its collectives in one order."""
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """Rank 0 writes a partitioned job's checkpoints (every rank gathers for it)."""
+        return self.rank == 0
+
     def barrier(self) -> None:
         """Wait for every rank to get here (queued behind this rank's collectives)."""
         self._collective(lambda: dist.barrier(group=self.group)).result()

@@ -1,4 +1,7 @@
-"""The `tierstack` command line: one subcommand per service or job."""
+"""The `tierstack` command line: one subcommand per service or job.
+
+The top room of the house (cli/ installs as tierstack.cli): it parses, then hands each
+command to the room that runs it (jobs, daemons, the doctor); nothing imports it back."""
 
 from __future__ import annotations
 
@@ -306,6 +309,3 @@ def main(argv: list[str] | None = None) -> int:
         print("tierstack: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())
