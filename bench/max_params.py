@@ -13,7 +13,7 @@ With --auto nothing is sized by hand: the job gets the machine's budgets (HBM: t
 less a margin; host: a share of MemAvailable; NVMe: the free space at --nvme-dir less a
 margin), the pools' caps are 'auto', and the engine's placement decides which blocks
 live on the device (with their whole state and the device's AdamW) and which stream
-through the CPU pool and NVMe, as `tierstack train` and `OffloadEngine.from_config` do:
+through the CPU pool and NVMe, as `tierstack train` and `OffloadEngine` do:
   python bench/max_params.py --auto --dim 6144 --layers 42 --nvme-dir /var/tmp/tsmax
 """
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from tierstack.budgets import Budgets
-from tierstack.config import GiB, OptimizerConfig, TierManagerConfig, TrainConfig, parse_size
+from tierstack.config import BudgetsConfig, GiB, OptimizerConfig, TierManagerConfig, TrainConfig, parse_size
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.engine import OffloadEngine
+from tierstack.worker.engine import OffloadEngine, job_budgets
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.layers import LayerStore
 from tierstack.worker.training import run_steps
@@ -120,11 +120,14 @@ def main() -> None:
                     node = store.client.node()
                     result.update(cpu_pool_bytes=node.cpu_capacity, nvme_pool_bytes=node.nvme_capacity)
                     train = TrainConfig(precision="bf16", optimizer=OptimizerConfig(lr=1e-4))
-                    engine = OffloadEngine.from_config(model, store, train, budgets=stated)
+                    engine = OffloadEngine(model, store, train, budgets=stated)
                     result["budgets"] = vars(engine.budgets)
                 else:
-                    engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-4), precision="bf16",
-                                           tiers=tiers)
+                    # A placement by hand: the blocks' tiers as given, nothing placed on the
+                    # device beyond them (an HBM budget of 0).
+                    engine = OffloadEngine(model, store, TrainConfig(precision="bf16",
+                                                                     optimizer=OptimizerConfig(lr=1e-4)),
+                                           job_budgets(BudgetsConfig(), store).with_(hbm=0), tiers=tiers)
                 result["init_seconds"] = round(time.perf_counter() - start, 1)
                 print(f"built and stored in {result['init_seconds']} s", flush=True)
                 steps = run_steps(engine.train_step, random_batches(args.batch_size, args.seq_len),

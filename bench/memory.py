@@ -1,7 +1,7 @@
 """Host memory against the host budget, sampled from outside while a real job trains.
 
 Starts a real tier-manager daemon and a real training worker (a second process: a GPT
-or a Hugging Face LLaMA trained by `OffloadEngine.from_config` from a tierstack or
+or a Hugging Face LLaMA trained by `OffloadEngine` from a tierstack or
 DeepSpeed JSON, used as is), and samples both every 100 ms from this process, as an
 outside observer: each one's resident memory less its shared memory (RSS - RssShmem,
 from /proc/<pid>/status), its thread count, and the bytes of the CPU pool's arenas (the
@@ -181,7 +181,7 @@ def worker_main(spec: dict) -> None:
     layer_bytes = sum(p.numel() * p.element_size() for p in model.get_submodule(blocks_attr)[0].parameters())
     store = LayerStore("memory-bench", device=device, address=spec["address"], durable=False,
                        device_budget=config.train.device_budget_bytes(layer_bytes))
-    engine = OffloadEngine.from_config(model, store, config.train, blocks_attr=blocks_attr)
+    engine = OffloadEngine(model, store, config.train, blocks_attr=blocks_attr)
     batch = config.train.micro_batch_size * config.train.gradient_accumulation_steps
     data = torch.Generator().manual_seed(1)
     try:

@@ -222,7 +222,7 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
                                    device_budget=budgets.hbm or (4 << 30),
                                    address=daemon.address, durable=False)
                 try:
-                    engine = OffloadEngine.from_config(model, store, config.train,
+                    engine = OffloadEngine(model, store, config.train,
                                                        blocks_attr="model.layers", budgets=budgets)
                     follower = PlanFollower(store, scheduler.address, node_id="bench")
                     predicted = []
@@ -328,7 +328,7 @@ def run_tierstack_ranks(args, config_dict: dict) -> dict:
     # The host and NVMe budgets only: this process never touches a GPU (a CUDA context
     # here would count in tierstack's footprint), the ranks do.
     budgets = config.budgets.resolve(measure(args.nvme_dir, "cpu"))
-    # The same model, data and arithmetic as _model / _batches / from_config make for one
+    # The same model, data and arithmetic as _model / _batches / OffloadEngine make for one
     # rank: seed 0, random rows, bf16 with masters, AdamW, clipping, prefetch depth. Every
     # block may stay on the device, as run_tierstack's whole-device budget allows where
     # the blocks fit in HBM (1.3b and 7b on an H200).

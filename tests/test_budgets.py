@@ -75,3 +75,14 @@ def test_stated_budgets_size_the_pools_that_say_auto():
     assert config.tier_manager.nvme_pool.size == 100 * GiB
     stated = load_config({"budgets": {"host": "9GiB"}, "tier_manager": {"cpu_pool": {"size": "1GiB"}}})
     assert stated.tier_manager.cpu_pool.size == GiB  # a stated pool size wins
+
+
+def test_resolved_budgets_say_which_were_stated_and_which_measured():
+    from tierstack.budgets import MachineLimits
+    from tierstack.config import BudgetsConfig
+
+    limits = MachineLimits(hbm=80 << 30, host=64 << 30, nvme=500 << 30)
+    budgets = BudgetsConfig(host=8 << 30).resolve(limits)
+    assert budgets.host == 8 << 30 and budgets.stated == {"host"}
+    assert "host 8.0 GiB (stated)" in budgets.describe() and "hbm 78.0 GiB (measured)" in budgets.describe()
+    assert budgets.with_(hbm=0).stated == {"host"}  # a change keeps where the others came from

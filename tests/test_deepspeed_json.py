@@ -83,7 +83,7 @@ def test_a_deepspeed_json_trains_unmodified(tmp_path, device):
         store = LayerStore("ds", device="cpu", address=daemon.address, durable=False,
                            device_budget=config.train.device_budget_bytes(1 << 20))
         try:
-            engine = OffloadEngine.from_config(model, store, config.train)
+            engine = OffloadEngine(model, store, config.train)
             got = [engine.train_step(x, y) for x, y in batches]
             engine.close()
             stats = TierManagerClient(daemon.address).stats()

@@ -49,6 +49,8 @@ class Budgets:
     hbm: int
     host: int
     nvme: int
+    stated: frozenset[str] = frozenset()
+    """The budgets the user stated (config, flags); the others were measured on the machine."""
 
     def __post_init__(self) -> None:
         for name in ("hbm", "host", "nvme"):
@@ -65,7 +67,10 @@ class Budgets:
         return replace(self, **changes)
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {_gib(getattr(self, name))}" for name in ("hbm", "host", "nvme"))
+        """Each budget and where it came from: "hbm 139.0 GiB (measured), ..."."""
+        return ", ".join(f"{name} {_gib(getattr(self, name))} "
+                         f"({'stated' if name in self.stated else 'measured'})"
+                         for name in ("hbm", "host", "nvme"))
 
 
 @dataclass(frozen=True)

@@ -628,8 +628,10 @@ class BudgetsConfig:
         from tierstack.budgets import Budgets, default_budgets
 
         defaults = default_budgets(limits)
+        names = ("hbm", "host", "nvme")
         budgets = Budgets(**{name: getattr(defaults, name) if getattr(self, name) == AUTO_SIZE
-                             else getattr(self, name) for name in ("hbm", "host", "nvme")})
+                             else getattr(self, name) for name in names},
+                          stated=frozenset(n for n in names if getattr(self, n) != AUTO_SIZE))
         limits.check(budgets)
         return budgets
 

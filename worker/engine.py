@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from tierstack.budgets import Budgets, measure
-from tierstack.config import ActivationConfig, BudgetsConfig, OptimizerConfig, TrainConfig
+from tierstack.config import BudgetsConfig, OptimizerConfig, TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
 from tierstack.services.tier_manager.types import NodeInfo
@@ -56,7 +56,7 @@ from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS, NVME, Block
 from tierstack.worker.chunked_loss import (chunked_cross_entropy, output_head, stopped_at_head,
                                            wants_chunks)
 from tierstack.worker.grad_norm import squared_norm
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.block_store import BlockStore
 from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.param_groups import group_by_name, param_groups_of
 from tierstack.worker.placement import (MiB, BlockPlacement, DeviceFootprint, SavedBytes,
@@ -175,7 +175,7 @@ def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeI
             f"{short / gib:.1f} GiB")
 
 
-def job_budgets(config: BudgetsConfig, store: LayerStore) -> Budgets:
+def job_budgets(config: BudgetsConfig, store: BlockStore) -> Budgets:
     """A job's budgets: the config's where stated, else the machine's (measured now); the
     NVMe budget's ceiling is what the store's tier manager holds on its drives (it knows
     them). The one place a worker turns budget settings into bytes."""
@@ -201,75 +201,82 @@ def materialize(module: torch.nn.Module, device) -> None:
 class OffloadEngine:
     """Trains `model` with `model.<blocks_attr>` offloaded through `store`."""
 
-    def __init__(self, model: torch.nn.Module, store: LayerStore, optimizer: OptimizerConfig,
-                 blocks_attr: str = "blocks", prefetch_depth: int = 2,
-                 precision: str = "fp32", tiers: list[str] | None = None,
-                 gradient_clipping: float = 0.0, state_tiers: list[str] | None = None,
-                 gradient_accumulation_steps: int = 1, buffer_size: int = 0,
-                 budgets: Budgets | None = None, may_be_resident: list[bool] | None = None,
+    def __init__(self, model: torch.nn.Module, store: BlockStore, train: TrainConfig,
+                 budgets: Budgets | None = None, *, blocks_attr: str = "blocks",
                  initialize: Callable[[torch.nn.Module, torch.device], None] = materialize,
-                 activation_policy: str = AUTO, partition_activations: bool = False,
-                 param_groups: list[dict] | None = None, loss_scaler=None) -> None:
-        """`tiers`: each block's tier (default "auto"); `state_tiers`: the tier of each
-        offloaded block's gradients and optimizer state (default: its `tiers` entry).
-        `buffer_size`: the most elements a tensor of an offloaded block may have (0: any).
-        `budgets`: with an HBM budget, the first `train_step` measures one step and places
-        what fits on the device (worker/placement.py): the blocks `may_be_resident` allows
-        (default: those of tier "auto") and the offloaded blocks' activations.
+                 param_groups: list[dict] | None = None, tiers: list[str] | None = None) -> None:
+        """An engine as `train` says (precision, optimizer, clipping, accumulation, where each
+        block's state lives, the prefetch depth, activations, fp16's loss scaling), placing
+        what fits on the device within `budgets`: the job's, made once per process
+        (`job_budgets`); None: the machine's. An HBM budget of 0 places nothing there.
         `initialize(module, device)` creates the tensors of a module built on the meta
         device, one block at a time, then the rest of the model (default: `materialize`;
         a Hugging Face model brings its own init or its weights).
-        `activation_policy`: what each offloaded block keeps for its backward
-        (tierstack.tiers.ACTIVATION_POLICIES; "auto": the placement decides).
-        `partition_activations` (train.activations.partition): spread the inputs that go to
-        the tier manager over the ranks' tier managers (worker/partitioned_stash.py); one
-        rank has nothing to spread them over and keeps them whole.
         `param_groups`: torch-style groups of the model's trainable parameters with their
-        lr, weight_decay, betas and eps (default: one group, `optimizer`'s); a trainable
-        parameter in no group is frozen. `loss_scaler` (fp16: worker/loss_scaler.py): the
-        loss scale train_step multiplies each loss by and steps with."""
-        if precision not in PRECISIONS:
-            raise ConfigError(f"train.precision {precision!r} is not supported by the engine; "
-                              f"use one of {', '.join(PRECISIONS)}")
-        if gradient_clipping < 0:
-            raise ConfigError(f"train.gradient_clipping must be >= 0, got {gradient_clipping}")
-        if gradient_accumulation_steps < 1:
-            raise ConfigError(f"train.gradient_accumulation_steps must be at least 1, "
-                              f"got {gradient_accumulation_steps}")
+        lr, weight_decay, betas and eps (default: one group, train.optimizer's); a
+        trainable parameter in no group is frozen.
+        `tiers`: each block's tier, instead of what `train` places (a placement by hand:
+        tierstack.tiers.BLOCK_TIERS per block; benchmarks)."""
+        train.validate("train")  # the loader's own checks (a TrainConfig made in code too)
+        block_list = model.get_submodule(blocks_attr)
+        count = len(block_list)
+        numels = [sum(p.numel() for p in block.parameters()) for block in block_list]
+        ModuleTiers(train.tier_overrides).check_matches(name for name, _ in model.named_modules())
+        if budgets is None:
+            budgets = job_budgets(BudgetsConfig(), store)
+        check_capacity(model, train.precision, budgets.hbm, store.client.node(), max(numels, default=0))
         self.model = model
         self.store = store
-        self.precision = precision
-        self.param_groups = param_groups_of(model, optimizer, param_groups)
-        self.loss_scaler = loss_scaler
-        self.last_step_applied = False  # whether the last step() updated the weights
+        self.train = train
+        self.precision = train.precision
+        self.budgets = budgets
+        self.param_groups = param_groups_of(model, train.optimizer, param_groups)
         self._group_of = group_by_name(model, self.param_groups)
+        self.loss_scaler = None
+        if train.precision == "fp16":
+            from tierstack.worker.loss_scaler import DynamicLossScaler
+            self.loss_scaler = DynamicLossScaler(train.fp16)
+        self.last_step_applied = False  # whether the last step() updated the weights
         self.blocks_attr = blocks_attr
-        self.gradient_clipping = gradient_clipping
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        dtype = PRECISIONS[precision]
-        block_list = model.get_submodule(blocks_attr)
-        tiers = list(tiers) if tiers is not None else [AUTO] * len(block_list)
-        state_tiers = list(state_tiers) if state_tiers is not None else tiers
-        for name, given in (("tiers", tiers), ("state_tiers", state_tiers)):
-            if len(given) != len(block_list) or any(t not in BLOCK_TIERS for t in given):
-                raise ConfigError(f"{name} must name one of {BLOCK_TIERS} for each of the "
-                                  f"{len(block_list)} blocks, got {given}")
-        ActivationConfig(activation_policy, partition_activations).validate("train.activations")
-        self.tiers, self.state_tiers = tiers, state_tiers
-        self.activation_policy = activation_policy
-        positions = [i for i, t in enumerate(tiers) if t != GPU]
-        if buffer_size:
-            _check_buffer_size(block_list, blocks_attr, positions, buffer_size)
-        wrong = [i for i in positions if state_tiers[i] == GPU]
-        if wrong:  # the tier manager runs an offloaded block's AdamW: its state is there
-            raise ConfigError(f"state_tiers: offloaded blocks {wrong} cannot keep their optimizer "
-                              f"state on the device; give them 'cpu', 'nvme' or 'auto'")
-        for layer, position in enumerate(positions):
-            store.place(layer, tiers[position], state_tiers[position])
+        self.gradient_clipping = train.gradient_clipping
+        self.gradient_accumulation_steps = train.gradient_accumulation_steps
+        self.activation_policy = train.activations.policy
+        if tiers is None:
+            self.tiers = block_tiers(train, blocks_attr, count, numels)
+            self.state_tiers = state_tiers(train, blocks_attr, count, numels)
+            resident_ok = may_be_resident(train, blocks_attr, count)
+        else:
+            if len(tiers) != count or any(t not in BLOCK_TIERS for t in tiers):
+                raise ConfigError(f"tiers must name one of {BLOCK_TIERS} for each of the {count} "
+                                  f"blocks, got {tiers}")
+            self.tiers, self.state_tiers = list(tiers), list(tiers)
+            resident_ok = [t == AUTO for t in tiers]
+        positions = [i for i, t in enumerate(self.tiers) if t != GPU]
+        self._resident_ok = [ok for ok, t in zip(resident_ok, self.tiers) if t != GPU]
+        self._offload_blocks(block_list, positions, initialize)
+        self._keep_the_rest(model, initialize)
+        self.placement: BlockPlacement | None = None
+        # Where the loss may stop the model to take it a chunk at a time (None: no head).
+        self._head = output_head(model)
+        self.footprint: DeviceFootprint | None = None
+        self.last_gradient_norm: float | None = None  # of the last step, where it was computed
+        self._placement_pending = bool(budgets.hbm > 0 and positions)
 
+    def _offload_blocks(self, block_list: torch.nn.Module, positions: list[int],
+                        initialize: Callable[[torch.nn.Module, torch.device], None]) -> None:
+        """Store the offloaded blocks with the tier manager, one materialised at a time."""
+        store, train, dtype = self.store, self.train, PRECISIONS[self.precision]
+        if train.params.buffer_size and train.params.tier() != GPU:
+            _check_buffer_size(block_list, self.blocks_attr, positions, train.params.buffer_size)
+        wrong = [i for i in positions if self.state_tiers[i] == GPU]
+        if wrong:  # the tier manager runs an offloaded block's AdamW: its state is there
+            raise ConfigError(f"offloaded blocks {wrong} cannot keep their optimizer state on "
+                              f"the device; give them 'cpu', 'nvme' or 'auto'")
+        for layer, position in enumerate(positions):
+            store.place(layer, self.tiers[position], self.state_tiers[position])
         # Blocks whose masters are put off until the placement (see prepare).
         self._deferred_masters: set[int] = set()
-        defer = budgets is not None and budgets.hbm > 0 and bool(positions)
+        defer = self.budgets.hbm > 0 and bool(positions)
 
         def prepare(i: int, block: torch.nn.Module) -> None:
             initialize(block, store.device)  # initialised where it is fastest; stored at once
@@ -286,11 +293,17 @@ class OffloadEngine:
                                  kind="master")
             block.to(dtype)
 
+        prefetch_depth = max(1, train.params.buffer_count - 1)
         self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions, prepare)
         self._apply_activation_policy()
-        if partition_activations:
+        if train.activations.partition:
             self._partition_activations()
-        # What is left in the model stays on the device (persistent): created there.
+
+    def _keep_the_rest(self, model: torch.nn.Module,
+                       initialize: Callable[[torch.nn.Module, torch.device], None]) -> None:
+        """What is left in the model stays on the device (persistent), created there, with
+        its fp32 masters and the device's AdamW; then the blocks' optimizer."""
+        store, optimizer, dtype = self.store, self.train.optimizer, PRECISIONS[self.precision]
         initialize(model, store.device)
         persistent_fp32 = None
         if dtype != torch.float32:
@@ -314,17 +327,7 @@ class OffloadEngine:
         if self.block_optimizer.asynchronous:
             self.block_optimizer.asynchronous = self._pool_fits_overlap(store)
         # Norms for clipping, and in fp16 to find an overflow before anything is stepped.
-        self.blocks.track_grad_norms = gradient_clipping > 0 or dtype == torch.float16
-        self.budgets = budgets
-        self._resident_ok = (list(may_be_resident) if may_be_resident is not None else
-                             [t == AUTO for t in tiers])
-        self._resident_ok = [ok for ok, t in zip(self._resident_ok, tiers) if t != GPU]
-        self.placement: BlockPlacement | None = None
-        # Where the loss may stop the model to take it a chunk at a time (None: no head).
-        self._head = output_head(model)
-        self.footprint: DeviceFootprint | None = None
-        self.last_gradient_norm: float | None = None  # of the last step, where it was computed
-        self._placement_pending = bool(budgets is not None and budgets.hbm > 0 and positions)
+        self.blocks.track_grad_norms = self.gradient_clipping > 0 or dtype == torch.float16
 
     def _apply_activation_policy(self) -> None:
         """Give every offloaded block the configured activation policy (not "auto")."""
@@ -348,7 +351,7 @@ class OffloadEngine:
         log.info("train.activations.partition: one rank, one tier manager: each block input "
                  "stays whole with it")
 
-    def _pool_fits_overlap(self, store: LayerStore) -> bool:
+    def _pool_fits_overlap(self, store: BlockStore) -> bool:
         """Whether the blocks' updates may run behind the next forward: where the CPU pool
         holds, twice over, what that overlap holds at once (two blocks' whole state being
         updated, the forward's window of layers). A smaller pool (a few blocks' worth)
@@ -394,38 +397,6 @@ class OffloadEngine:
             torch_group["betas"] = tuple(group["betas"])
         self.block_optimizer.set_rates([(g["lr"], g["weight_decay"]) for g in self.param_groups],
                                        tuple(first["betas"]), first["eps"])
-
-    @classmethod
-    def from_config(cls, model: torch.nn.Module, store: LayerStore, train: TrainConfig,
-                    blocks_attr: str = "blocks", budgets: Budgets | None = None,
-                    initialize: Callable[[torch.nn.Module, torch.device], None] = materialize,
-                    param_groups: list[dict] | None = None) -> "OffloadEngine":
-        """An engine as `train` (precision, optimizer, clipping, accumulation, tiers, the
-        params' buffer count and size) says, placing what fits on the device within
-        `budgets` (default: the machine's, tierstack/budgets.py)."""
-        blocks = model.get_submodule(blocks_attr)
-        count = len(blocks)
-        numels = [sum(p.numel() for p in block.parameters()) for block in blocks]
-        ModuleTiers(train.tier_overrides).check_matches(name for name, _ in model.named_modules())
-        node = store.client.node()
-        if budgets is None:  # the NVMe budget is the daemon's: it knows its drives
-            budgets = job_budgets(BudgetsConfig(), store)
-        check_capacity(model, train.precision, budgets.hbm, node, max(numels, default=0))
-        loss_scaler = None
-        if train.precision == "fp16":
-            from tierstack.worker.loss_scaler import DynamicLossScaler
-            loss_scaler = DynamicLossScaler(train.fp16)
-        return cls(model, store, train.optimizer, blocks_attr, budgets=budgets,
-                   may_be_resident=may_be_resident(train, blocks_attr, count),
-                   prefetch_depth=max(1, train.params.buffer_count - 1), precision=train.precision,
-                   tiers=block_tiers(train, blocks_attr, count, numels),
-                   state_tiers=state_tiers(train, blocks_attr, count, numels),
-                   gradient_clipping=train.gradient_clipping,
-                   gradient_accumulation_steps=train.gradient_accumulation_steps,
-                   buffer_size=train.params.buffer_size if train.params.tier() != GPU else 0,
-                   initialize=initialize, activation_policy=train.activations.policy,
-                   partition_activations=train.activations.partition, param_groups=param_groups,
-                   loss_scaler=loss_scaler)
 
     def zero_grad(self) -> None:
         """Clear gradients: the next backward starts a new accumulation window."""

@@ -89,8 +89,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                            address=address, durable=False)
         stack.callback(store.close)
         budgets = job_budgets(settings.budgets, store)
-        core = OffloadEngine.from_config(model, store, train, blocks_attr, budgets=budgets,
-                                         initialize=materialize, param_groups=groups)
+        core = OffloadEngine(model, store, train, budgets, blocks_attr=blocks_attr,
+                             initialize=materialize, param_groups=groups)
         stack.callback(core.close)
         loader = _dataloader(training_data, train.micro_batch_size, collate_fn)
         scheduler = lr_scheduler

@@ -22,10 +22,12 @@ import logging
 
 import torch
 
-from tierstack.config import OptimizerConfig
+from tierstack.budgets import Budgets
+from tierstack.config import BudgetsConfig, OptimizerConfig, TrainConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWSegment
-from tierstack.worker.engine import OffloadEngine
+from tierstack.tiers import AUTO
+from tierstack.worker.engine import OffloadEngine, job_budgets
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.partitioned_stash import PartitionedActivationStash, daemon_rooms
@@ -80,12 +82,19 @@ class ShardedAdamW(TieredAdamW):
 class ShardedEngine(OffloadEngine):
     """Trains this rank's slice of each global batch; blocks partitioned over the ranks."""
 
-    def __init__(self, model: torch.nn.Module, store: ShardedLayerStore, optimizer: OptimizerConfig,
-                 *args, **kwargs) -> None:
+    def __init__(self, model: torch.nn.Module, store: ShardedLayerStore, train: TrainConfig,
+                 budgets: Budgets | None = None, **kwargs) -> None:
+        """As OffloadEngine, but every block's shards are placed "auto" (the CPU pool keeps
+        what fits, the rest on NVMe) and nothing is placed on the device: ranks that placed
+        on their own could diverge in their collectives (worker/jobs/ray_train_job.py's
+        check_train_config says what is not applied)."""
         if not isinstance(store, ShardedLayerStore):
             raise InvalidArgumentError("ShardedEngine needs a ShardedLayerStore (use OffloadEngine "
                                        "with a LayerStore for one rank)")
-        super().__init__(model, store, optimizer, *args, **kwargs)
+        count = len(model.get_submodule(kwargs.get("blocks_attr", "blocks")))
+        kwargs.setdefault("tiers", [AUTO] * count)
+        budgets = (budgets or job_budgets(BudgetsConfig(), store)).with_(hbm=0)
+        super().__init__(model, store, train, budgets, **kwargs)
 
     def _partition_activations(self) -> None:
         """Spread the block inputs sent to the tier manager over the ranks' tier managers

@@ -89,7 +89,7 @@ def test_inputs_offloaded_to_the_tier_manager_train_like_plain_pytorch(daemon, p
     try:
         train = _train_config(params={"device": "nvme", "max_in_cpu": 0},
                               activations={"policy": policy})
-        engine = OffloadEngine.from_config(_model(), store, train)
+        engine = OffloadEngine(_model(), store, train)
         assert [engine.blocks.policy(i) for i in range(LAYERS)] == [policy] * LAYERS
         before = store.client.stats()
         got, tensors = [], []
@@ -119,7 +119,7 @@ def test_keep_and_recompute_policies_train_like_plain_pytorch(daemon, policy):
     store = LayerStore(f"act-{policy}", device="cpu", device_budget=1 << 20,
                        address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine.from_config(_model(), store,
+        engine = OffloadEngine(_model(), store,
                                            _train_config(params={"device": "cpu"},
                                                          activations={"policy": policy}))
         got = [engine.train_step(x, y) for x, y in batches]
@@ -153,7 +153,7 @@ def test_the_placement_sends_inputs_to_the_tier_manager_when_the_budget_cannot_h
     store = LayerStore("act-auto", device="cpu", device_budget=64 << 20,
                        address=daemon.address, durable=False)
     try:
-        probe = OffloadEngine.from_config(_model(), LayerStore("act-probe", device="cpu",
+        probe = OffloadEngine(_model(), LayerStore("act-probe", device="cpu",
                                           address=daemon.address, durable=False),
                                           _train_config(params={"device": "cpu"}))
         footprint = probe._probe(lambda: probe._loss(*batches[0]))
@@ -161,7 +161,7 @@ def test_the_placement_sends_inputs_to_the_tier_manager_when_the_budget_cannot_h
         probe.store.close()
         assert footprint.block_inputs == (INPUT_BYTES,) * LAYERS
         hbm = int((footprint.peak - INPUT_BYTES) * 1.05) + 1024  # room for all inputs but one
-        engine = OffloadEngine.from_config(_model(), store, _train_config(params={"device": "cpu"}),
+        engine = OffloadEngine(_model(), store, _train_config(params={"device": "cpu"}),
                                            budgets=Budgets(hbm=hbm, host=8 << 30, nvme=8 << 30))
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
@@ -193,7 +193,7 @@ def test_a_deepspeed_json_with_activation_checkpointing_trains(daemon, tmp_path)
     store = LayerStore("act-ds", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
-        engine = OffloadEngine.from_config(_model(), store, train)
+        engine = OffloadEngine(_model(), store, train)
         # One rank: partition_activations has no other tier manager; inputs stay whole here.
         assert type(engine.blocks.stash) is ActivationStash
         got = [engine.train_step(x, y) for x, y in batches]
@@ -210,7 +210,7 @@ def test_a_forward_without_backward_leaves_no_input_behind(daemon):
     store = LayerStore("act-eval", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
-        engine = OffloadEngine.from_config(_model(), store,
+        engine = OffloadEngine(_model(), store,
                                            _train_config(params={"device": "cpu"},
                                                          activations={"policy": "cpu"}))
         x, _ = _data(5, 1)[0]
@@ -322,7 +322,7 @@ def test_the_probe_sends_every_input_out_when_they_overflow_half_the_budget_and_
 
     def probed(hbm: int):
         store = LayerStore("act-probe-half", device="cpu", address=daemon.address, durable=False)
-        engine = OffloadEngine.from_config(_model(), store, _train_config(params={"device": "cpu"}),
+        engine = OffloadEngine(_model(), store, _train_config(params={"device": "cpu"}),
                                            budgets=Budgets(hbm=hbm, host=8 << 30, nvme=8 << 30))
         try:
             footprint = engine._probe(lambda: engine._loss(*batches[0]))

@@ -58,7 +58,7 @@ def test_the_engine_trains_with_chunked_logits_as_plain_pytorch_does(daemon, sma
     store = LayerStore("chunked", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}))
+        engine = OffloadEngine(model, store, _train_config(params={"device": "cpu"}))
         losses = [engine.train_step(x, y) for x, y in batches]
         engine.close()
     finally:

@@ -57,7 +57,7 @@ def test_clipping_matches_clip_grad_norm(daemon):
     expected = _plain_losses(reference, batches, clip=0.05)  # small: every step clips
     store = LayerStore("clip", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(
+        engine = OffloadEngine(model, store, _train_config(
             gradient_clipping=0.05, params={"device": "cpu"}))
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
@@ -80,7 +80,7 @@ def test_tier_overrides_place_each_block_and_training_still_matches(daemon):
     store = LayerStore("tiers", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     read_before = store.client.stats().nvme_bytes_read
     try:
-        engine = OffloadEngine.from_config(model, store, train)
+        engine = OffloadEngine(model, store, train)
         assert engine.blocks.positions == [1, 2, 3, 4, 5]
         assert isinstance(model.blocks[0], type(reference.blocks[0]))  # a real module, trained on the device
         assert all(p.numel() for p in model.blocks[0].parameters())
@@ -113,7 +113,7 @@ def test_a_model_built_on_the_meta_device_is_created_block_by_block_and_trains(d
         model = TinyGPT(dim=64, layers=4)
     store = LayerStore("meta", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine(model, store, _train_config().optimizer, precision="bf16")
+        engine = OffloadEngine(model, store, _train_config(precision="bf16"))
         assert not any(p.is_meta for p in model.parameters())
         weights = store.read_layer(2)
         assert all(t.dtype == torch.bfloat16 and t.float().abs().sum() > 0 for n, t in weights.items()
@@ -144,7 +144,7 @@ def test_hugging_face_llama_twenty_steps_with_state_on_nvme_match_plain_adamw(da
                        durable=False)
     read_before = store.client.stats().nvme_bytes_read
     try:
-        engine = OffloadEngine.from_config(model, store, train, blocks_attr="model.layers")
+        engine = OffloadEngine(model, store, train, blocks_attr="model.layers")
         assert engine.tiers == ["nvme"] * 4
         assert_hf_steps_match(reference, ref_opt, model, engine, steps=20, seq=32)
         stats = store.client.stats()
@@ -191,7 +191,7 @@ def test_gradient_accumulation_matches_plain_pytorch_accumulating_the_same_micro
     expected = _plain_accumulated_losses(reference, batches, micro=4, clip=clip)
     store = LayerStore("accum", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(
+        engine = OffloadEngine(model, store, _train_config(
             gradient_accumulation_steps=4, gradient_clipping=clip, params={"device": "cpu"}))
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
@@ -228,7 +228,7 @@ def test_optimizer_state_device_places_the_blocks_optimizer_state(daemon):
                        durable=False)
     read_before = store.client.stats().nvme_bytes_read
     try:
-        engine = OffloadEngine.from_config(model, store, train)
+        engine = OffloadEngine(model, store, train)
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
         assert store.client.stats().nvme_bytes_read > read_before
@@ -270,7 +270,7 @@ def test_offloading_only_the_optimizer_state_keeps_the_masters_on_the_host(daemo
     store = LayerStore("zero-offload", device="cpu", device_budget=64 << 20,
                        address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine.from_config(copy.deepcopy(reference), store, train)
+        engine = OffloadEngine(copy.deepcopy(reference), store, train)
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
         assert engine.blocks.offloaded() == [0, 1, 2]
@@ -286,7 +286,7 @@ def test_a_tensor_larger_than_buffer_size_is_refused_by_block_tensor_and_setting
         store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
         try:
             torch.manual_seed(0)
-            engine = OffloadEngine.from_config(TinyGPT(dim=64, layers=2), store, _train_config(**train))
+            engine = OffloadEngine(TinyGPT(dim=64, layers=2), store, _train_config(**train))
             x, y = _data(9, 1)[0]
             loss = engine.train_step(x, y)
             engine.close()
@@ -300,7 +300,7 @@ def test_a_tensor_larger_than_buffer_size_is_refused_by_block_tensor_and_setting
         with pytest.raises(ConfigError, match=r"block blocks\.0: tensor 'fc\.weight' has 16,384 elements, "
                                               r"more than train\.params\.buffer_size \(16,383; .*raise "
                                               r"it to at least 16384"):
-            OffloadEngine.from_config(TinyGPT(dim=64, layers=2), store,
+            OffloadEngine(TinyGPT(dim=64, layers=2), store,
                                       _train_config(params={"device": "cpu", "buffer_size": 16383}))
         assert store.client.stats().tensors == 0  # refused before anything was stored
     finally:
@@ -325,7 +325,7 @@ def test_with_no_buffer_size_stated_no_tensor_size_is_refused(daemon, monkeypatc
     store = LayerStore("default-buffers", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
-        engine = OffloadEngine.from_config(TinyGPT(dim=64, layers=2), store,
+        engine = OffloadEngine(TinyGPT(dim=64, layers=2), store,
                                            _train_config(params={"device": "cpu"}))
         x, y = _data(9, 1)[0]
         assert engine.train_step(x, y) > 0
@@ -357,7 +357,7 @@ def test_max_in_cpu_caps_the_parameter_elements_the_cpu_pool_keeps_between_uses(
     train = _train_config(params={"device": "nvme", "max_in_cpu": 2 * per_block})
     store = LayerStore("max-in-cpu", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, train)
+        engine = OffloadEngine(model, store, train)
         assert engine.tiers == engine.state_tiers == ["auto", "auto", "nvme", "nvme"]
         got = [engine.train_step(x, y) for x, y in batches]
         engine.close()

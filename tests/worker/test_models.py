@@ -46,7 +46,7 @@ def test_a_tier_override_that_names_no_module_lists_the_modules_there_are(daemon
     train = load_config({"train": {"tier_overrides": {"encoder.layer[0-2]": "gpu"}}}).train
     with LayerStore("no-match", device="cpu", address=daemon.address, durable=False) as store:
         with pytest.raises(ConfigError) as e:
-            OffloadEngine.from_config(model, store, train)
+            OffloadEngine(model, store, train)
     assert str(e.value) == (
         "train.tier_overrides['encoder.layer[0-2]'] names no module of this model; its modules "
         "are: embed, pos, blocks, blocks[0-2], blocks[0-2].ln1, blocks[0-2].qkv, blocks[0-2].proj, "
@@ -79,7 +79,7 @@ def test_hugging_face_weights_are_loaded_block_by_block_exactly(daemon, tmp_path
     assert all(p.is_meta for p in hf.model.parameters())
     with LayerStore("hf-weights", device="cpu", device_budget=64 << 20, address=daemon.address,
                     durable=False) as store:
-        engine = OffloadEngine.from_config(hf.model, store, NVME, hf.blocks_attr, initialize=hf.initialize)
+        engine = OffloadEngine(hf.model, store, NVME, blocks_attr=hf.blocks_attr, initialize=hf.initialize)
         try:
             loss = engine.train_step(ids, ids)  # the loss of the weights before the step
         finally:
@@ -104,8 +104,8 @@ def test_hugging_face_models_from_a_config_train_with_ties_and_rotary_tables(dae
         assert hf.source == "config"
         with LayerStore(f"hf-{name}", device="cpu", device_budget=64 << 20, address=daemon.address,
                         durable=False) as store:
-            engine = OffloadEngine.from_config(hf.model, store, NVME, hf.blocks_attr,
-                                               initialize=hf.initialize)
+            engine = OffloadEngine(hf.model, store, NVME, blocks_attr=hf.blocks_attr,
+                                   initialize=hf.initialize)
             try:
                 losses = [engine.train_step(ids, ids) for _ in range(3)]
             finally:

@@ -16,6 +16,13 @@ def daemon(shared_daemon):
     return shared_daemon
 
 
+def _train_config_of(optimizer=None, **train):
+    """A TrainConfig with `optimizer` (an OptimizerConfig) and a prefetch depth of 2."""
+    from tierstack.config import OptimizerConfig, ParamOffloadConfig, TrainConfig
+    return TrainConfig(optimizer=optimizer or OptimizerConfig(),
+                       params=ParamOffloadConfig(buffer_count=3), **train)
+
+
 def TinyGPT(vocab=256, dim=64, heads=4, layers=6, seq=32) -> GPT:
     return GPT(GPTConfig(vocab_size=vocab, seq_len=seq, dim=dim, heads=heads, layers=layers))
 
@@ -109,7 +116,7 @@ def _hf_matches_plain(daemon, model_factory, blocks_attr, job):
     ref_opt = torch.optim.AdamW(reference.parameters(), fused=True, lr=1e-3, weight_decay=0.01)
     store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-3, weight_decay=0.01),
+        engine = OffloadEngine(model, store, _train_config_of(OptimizerConfig(lr=1e-3, weight_decay=0.01)),
                                blocks_attr=blocks_attr)
         assert_hf_steps_match(reference, ref_opt, model, engine, steps=3, seq=24)
     finally:
@@ -165,7 +172,7 @@ def test_resume_after_step_10_reproduces_steps_11_to_20(daemon, tmp_path):
     torch.manual_seed(0)
     store = LayerStore("run-a", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine(TinyGPT(dim=128, heads=4, layers=4), store, OptimizerConfig())
+        engine = OffloadEngine(TinyGPT(dim=128, heads=4, layers=4), store, _train_config_of())
         _steps(engine, 1, 10)
         save_checkpoint(engine, tmp_path / "ckpt")
         expected = _steps(engine, 2, 10)
@@ -174,7 +181,7 @@ def test_resume_after_step_10_reproduces_steps_11_to_20(daemon, tmp_path):
     torch.manual_seed(123)  # a differently initialised model: everything must come from the checkpoint
     store = LayerStore("run-b", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine(TinyGPT(dim=128, heads=4, layers=4), store, OptimizerConfig())
+        engine = OffloadEngine(TinyGPT(dim=128, heads=4, layers=4), store, _train_config_of())
         load_checkpoint(engine, tmp_path / "ckpt")
         assert _steps(engine, 2, 10) == expected  # bit for bit
     finally:
@@ -192,7 +199,7 @@ def test_a_checkpoint_is_replaced_whole_or_not_at_all_and_verified_on_load(daemo
     store = LayerStore("ckpt", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
         saved = tmp_path / "checkpoints" / "ckpt"
-        engine = OffloadEngine(TinyGPT(dim=32, heads=2, layers=3), store, OptimizerConfig())
+        engine = OffloadEngine(TinyGPT(dim=32, heads=2, layers=3), store, _train_config_of())
         _steps(engine, 1, 1)
         checkpoint.save_checkpoint(engine, saved, extra={"step": 1})
         _steps(engine, 2, 1)
@@ -234,7 +241,7 @@ def test_export_loads_with_hugging_face_from_pretrained(daemon, tmp_path):
     model = transformers.LlamaForCausalLM(config)
     store = LayerStore("export", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-2), blocks_attr="model.layers")
+        engine = OffloadEngine(model, store, _train_config_of(OptimizerConfig(lr=1e-2)), blocks_attr="model.layers")
         ids = torch.randint(0, 256, (2, 16))
         for _ in range(2):  # move the weights away from their initial values
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -268,8 +275,8 @@ def test_bf16_with_fp32_masters_matches_the_same_recipe_in_plain_pytorch(daemon)
     ref_opt = torch.optim.AdamW(masters, fused=True, lr=1e-3, weight_decay=0.01)
     store = LayerStore("bf16", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine(model, store, OptimizerConfig(lr=1e-3, weight_decay=0.01),
-                               precision="bf16")
+        engine = OffloadEngine(model, store, _train_config_of(OptimizerConfig(lr=1e-3, weight_decay=0.01),
+                                                             precision="bf16"))
         assert store.layouts[0].slots[0].dtype == "bfloat16"  # half the bytes move
         data = torch.Generator().manual_seed(3)
         for step in range(10):
@@ -307,7 +314,7 @@ def _engine_pair(daemon, job, factory, **engine_kwargs):
     reference = factory()
     model = copy.deepcopy(reference)
     store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
-    return reference, model, store, OffloadEngine(model, store, OptimizerConfig(), **engine_kwargs)
+    return reference, model, store, OffloadEngine(model, store, _train_config_of(**engine_kwargs))
 
 
 def test_gradients_accumulate_over_micro_batches_and_repeated_blocks(daemon):

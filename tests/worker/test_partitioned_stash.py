@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierstack.config import ActivationConfig, MiB, OptimizerConfig
+from tierstack.config import ActivationConfig, MiB, OptimizerConfig, ParamOffloadConfig, TrainConfig
 from tierstack.errors import ConfigError, KeyNotFoundError
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import small_embedded_node
@@ -68,8 +68,10 @@ def _rank(env, out_dir: str, policy: str) -> None:
             model = build_gpt(GPT, "cpu")
             store = ShardedLayerStore(f"partact-{partition}", device="cpu", device_budget=64 << 20,
                                       address=daemon.address, durable=False)
-            engine = ShardedEngine(model, store, OptimizerConfig(lr=1e-3), initialize=materialize,
-                                   activation_policy=policy, partition_activations=partition)
+            train = TrainConfig(optimizer=OptimizerConfig(lr=1e-3),
+                                params=ParamOffloadConfig(buffer_count=3),
+                                activations=ActivationConfig(policy, partition))
+            engine = ShardedEngine(model, store, train, initialize=materialize)
             stash = engine.blocks.stash
             spec = PartitionedSpec(gpt=GPT, global_batch=ROWS, seed=1, data="random")
             batches = global_batches(spec)

@@ -107,7 +107,7 @@ def _engine_run(daemon, job: str, hbm: int, batches, **train):
     store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(**train), budgets=_budgets(hbm))
+        engine = OffloadEngine(model, store, _train_config(**train), budgets=_budgets(hbm))
         try:  # closed when a step raises too: its AdamW threads end with it
             losses = [engine.train_step(x, y) for x, y in batches]
             return losses, engine.placement, store.resident_layers(), store.client.stats().tensors
@@ -147,7 +147,7 @@ def _one_block_more(daemon, batches, **train) -> int:
     store = LayerStore("measure", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}, **train))
+        engine = OffloadEngine(model, store, _train_config(params={"device": "cpu"}, **train))
         footprint = engine._probe(lambda: engine._loss(*batches[0]))
         engine.close()
     finally:
@@ -175,7 +175,7 @@ def test_resident_blocks_leave_the_tier_manager(daemon):
     store = LayerStore("resident", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "auto"}),
+        engine = OffloadEngine(model, store, _train_config(params={"device": "auto"}),
                                            budgets=_budgets(1 << 40))
         for x, y in _data(7, 2):
             engine.train_step(x, y)
@@ -205,7 +205,7 @@ def test_a_block_moved_in_after_steps_brings_its_masters_and_moments(daemon):
         store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address,
                            durable=False)
         try:
-            engine = OffloadEngine.from_config(
+            engine = OffloadEngine(
                 model, store, _train_config(precision="bf16", params={"device": "auto"}),
                 budgets=_budgets(0))
             losses = []
@@ -235,7 +235,7 @@ def test_a_model_larger_than_every_budget_is_refused_before_anything_is_stored(d
                                               r"a streamed block's step\) but the budgets hold "
                                               r".* raise budgets.nvme \(tier_manager.nvme_pool.size\) "
                                               r"to at least"):
-            OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}),
+            OffloadEngine(model, store, _train_config(params={"device": "cpu"}),
                                       budgets=_budgets(0))
         assert store.client.stats().tensors == before
     finally:
@@ -277,7 +277,7 @@ def test_a_bf16_model_s_masters_wait_for_the_placement(daemon):
                            durable=False)
         try:
             before = store.client.stats().cpu_used  # the daemon serves other tests' jobs too
-            engine = OffloadEngine.from_config(
+            engine = OffloadEngine(
                 model, store, _train_config(precision="bf16", params={"device": params_device}),
                 budgets=_budgets(hbm))
             registered = store.client.stats().cpu_used - before
@@ -343,7 +343,7 @@ def test_resident_bf16_blocks_step_one_group_at_a_time_as_plain_masters_would(da
     store = LayerStore("resident-groups", device="cpu", device_budget=64 << 20,
                        address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(precision="bf16"),
+        engine = OffloadEngine(model, store, _train_config(precision="bf16"),
                                            budgets=_budgets(1 << 40))
         widened = []  # per optimizer call: how many masters hold an fp32 gradient
         real_step = engine.persistent_optimizer.step

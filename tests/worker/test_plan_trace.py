@@ -39,7 +39,7 @@ def _traced_step(daemon, scheduler, job: str, hbm: int, **train):
     store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(**train),
+        engine = OffloadEngine(model, store, _train_config(**train),
                                            budgets=Budgets(hbm=hbm, host=8 << 30, nvme=8 << 30))
         follower = PlanFollower(store, scheduler.address, node_id="trace-node")
         (x0, y0), (x1, y1) = _data(3, 2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierstack.config import MiB, OptimizerConfig
+from tierstack.config import MiB, OptimizerConfig, ParamOffloadConfig, TrainConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.jobs.partitioned_job import (PartitionedSpec, global_batches, launch_partitioned,
@@ -231,8 +231,9 @@ def _llama_rank(env, out_dir: str, steps: int) -> None:
     with EmbeddedTierManager(tm) as daemon:
         store = ShardedLayerStore("llama", device="cpu", device_budget=64 << 20,
                                   address=daemon.address, durable=False)
-        engine = ShardedEngine(model, store, OptimizerConfig(lr=1e-3, weight_decay=0.01),
-                               blocks_attr="model.layers")
+        engine = ShardedEngine(model, store, TrainConfig(
+            optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.01), params=ParamOffloadConfig(buffer_count=3)),
+            blocks_attr="model.layers")
         data, losses = torch.Generator().manual_seed(2), []
         for _ in range(steps):
             ids = rank_slice(torch.randint(0, 256, (4, 24), generator=data), env.rank, env.world_size)

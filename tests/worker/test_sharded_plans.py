@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from tierstack.config import OptimizerConfig, SchedulerConfig
+from tierstack.config import OptimizerConfig, ParamOffloadConfig, SchedulerConfig, TrainConfig
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.services.scheduler.model import Bandwidths
@@ -43,7 +43,8 @@ def _following_rank(env, scheduler: str, out_dir: str) -> None:
     with EmbeddedTierManager(tm) as daemon:
         store = ShardedLayerStore("plans", device="cpu", device_budget=64 << 20,
                                   address=daemon.address, durable=False)
-        engine = ShardedEngine(model, store, OptimizerConfig(lr=1e-3), prefetch_depth=1)
+        engine = ShardedEngine(model, store, TrainConfig(optimizer=OptimizerConfig(lr=1e-3),
+                                                         params=ParamOffloadConfig(buffer_count=2)))
         # Rank 0 alone talks to the scheduler; the others learn its plans at step boundaries.
         follower = PlanFollower(store, scheduler, node_id="node-0") if env.rank == 0 else None
         versions, losses = [], []

@@ -23,7 +23,7 @@ def test_run_steps_trains_times_and_measures_each_step(daemon):
     expected = _plain_losses(reference, batches)
     store = LayerStore("loop", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
-        engine = OffloadEngine.from_config(model, store, _train_config(params={"device": "cpu"}))
+        engine = OffloadEngine(model, store, _train_config(params={"device": "cpu"}))
         counters = lambda: {"to_device": store.metrics.cpu_to_device_bytes,  # noqa: E731
                             "adamw_steps": engine.block_optimizer.steps}
         start = counters()

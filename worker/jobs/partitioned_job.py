@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tierstack.config import MiB, OptimizerConfig, TierManagerConfig, config_dict, load_config
+from tierstack.config import (ActivationConfig, MiB, OptimizerConfig, ParamOffloadConfig,
+                              TierManagerConfig, TrainConfig, config_dict, load_config)
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
@@ -84,6 +85,14 @@ class PartitionedSpec:
     partition_activations: bool = False
     """train.activations.partition: spread the inputs sent to the tier managers ("cpu",
     "nvme") over the ranks' nodes (worker/partitioned_stash.py)."""
+
+    def train_config(self) -> TrainConfig:
+        """How each rank's engine trains, as the train section says it."""
+        return TrainConfig(optimizer=self.optimizer, precision=self.precision,
+                           gradient_clipping=self.gradient_clipping,
+                           params=ParamOffloadConfig(buffer_count=self.prefetch_depth + 1),
+                           activations=ActivationConfig(self.activation_policy,
+                                                        self.partition_activations))
 
 
 @dataclass
@@ -218,11 +227,8 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
     store = ShardedLayerStore(job, device=device, device_budget=budget,
                               address=address, durable=False)
     try:
-        engine = ShardedEngine(model, store, spec.optimizer, blocks_attr=blocks_attr,
-                               prefetch_depth=spec.prefetch_depth, precision=spec.precision,
-                               gradient_clipping=spec.gradient_clipping, initialize=initialize,
-                               activation_policy=spec.activation_policy,
-                               partition_activations=spec.partition_activations)
+        engine = ShardedEngine(model, store, spec.train_config(), blocks_attr=blocks_attr,
+                               initialize=initialize)
         start = _resume(spec, engine) if spec.resume else 0
 
         def save(step: int) -> None:

@@ -241,9 +241,8 @@ def _train(args, job: Job, job_name: str, device: torch.device, budget: int, add
                        durable=False)
     engine = follower = None
     try:
-        engine = OffloadEngine.from_config(job.model, store, config.train, job.blocks_attr,
-                                           budgets=job_budgets(config.budgets, store),
-                                           initialize=job.initialize)
+        engine = OffloadEngine(job.model, store, config.train, job_budgets(config.budgets, store),
+                               blocks_attr=job.blocks_attr, initialize=job.initialize)
         schedule = build_schedule(engine, config.train.lr_schedule)
         start, signature = 0, _signature(args, job, config.train.precision)
         if args.resume:
