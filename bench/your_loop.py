@@ -60,8 +60,9 @@ def run_one(args, kind: str, side: str, config_path: Path, label: str, workdir: 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "YOUR_LOOP_IMPL": "tierstack" if side == "ts" else "deepspeed",
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    steps = args.trainer_steps if kind == "trainer" else args.steps
     cmd = [sys.executable, str(SCRIPTS[kind]), "--model", args.model, "--seq", str(args.seq),
-           "--steps", str(args.steps), "--config", str(config_path)]
+           "--steps", str(steps), "--config", str(config_path / f"{kind}.json")]
     if kind == "trainer":
         cmd += ["--output-dir", str(workdir / f"{label}-out")]
     log_path = workdir / f"{label}.log"
@@ -93,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="1.3b", choices=["1.3b", "tiny"])
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10, help="script runs: steps per run")
+    parser.add_argument("--trainer-steps", type=int, default=50,
+                        help="Trainer runs: max_steps (HF's samples/s counts every step, the "
+                             "first ones' set-up too, so a run needs enough steps to settle)")
     parser.add_argument("--warmup", type=int, default=2, help="script runs: steps not measured")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--sides", default="ds,ts", help="ds (DeepSpeed), ts (tierstack)")
@@ -106,32 +110,45 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="your-loop-") as tmp:
         workdir = Path(tmp)
-        config_path = workdir / "ds_config.json"
-        config_path.write_text(json.dumps(ds_config(args.micro, args.steps)))
+        config_path = workdir  # one JSON per kind: its scheduler ends at that kind's last step
+        for kind, steps in (("script", args.steps), ("trainer", args.trainer_steps)):
+            (workdir / f"{kind}.json").write_text(json.dumps(ds_config(args.micro, steps)))
         for kind in kinds:
             for rep in range(args.reps):
                 for side in sides:
-                    runs.append(run_one(args, kind, side, config_path, f"{kind}-{side}-{rep}", workdir))
+                    label = f"{kind}-{side}-{rep}"
+                    try:
+                        runs.append(run_one(args, kind, side, config_path, label, workdir))
+                    except RuntimeError as e:  # one run's failure is reported, the others still run
+                        print(f"{label}: {e}", file=sys.stderr, flush=True)
+                        runs.append({"label": label, "kind": kind, "side": side, "error": str(e)[-2000:]})
+                    _summarize(args, sides, runs)  # written after every run: a timeout keeps what ran
+    print(json.dumps(_summarize(args, sides, runs)), flush=True)
+    return 0
+
+
+def _summarize(args, sides: list[str], runs: list[dict]) -> dict:
+    """The ratios over the runs so far (medians per side), written to --out."""
+    ok = [r for r in runs if "error" not in r]
     summary: dict = {"model": args.model, "seq": args.seq, "micro": args.micro, "steps": args.steps,
+                     "trainer_steps": args.trainer_steps,
                      "warmup": args.warmup, "reps": args.reps, "date": time.strftime("%Y-%m-%d")}
     for kind, key, metric in (("script", "ds_script_vs_deepspeed", "tokens_per_s"),
                               ("trainer", "hf_trainer_vs_deepspeed", "train_samples_per_second")):
-        figures = {side: [r[metric] for r in runs if r["kind"] == kind and r["side"] == side]
+        figures = {side: [r[metric] for r in ok if r["kind"] == kind and r["side"] == side]
                    for side in sides}
         for side, values in figures.items():
             if values:
                 summary[f"{kind}_{metric}_{side}"] = statistics.median(values)
                 summary[f"{kind}_host_peak_{side}"] = statistics.median(
-                    r["host_peak"] for r in runs if r["kind"] == kind and r["side"] == side)
+                    r["host_peak"] for r in ok if r["kind"] == kind and r["side"] == side)
         if figures.get("ds") and figures.get("ts"):
             summary[key] = statistics.median(figures["ts"]) / statistics.median(figures["ds"])
-    summary["runs"] = [{k: v for k, v in r.items()} for r in runs]
-    line = json.dumps(summary)
-    print(line, flush=True)
+    summary["runs"] = runs
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
-    return 0
+    return summary
 
 
 if __name__ == "__main__":
