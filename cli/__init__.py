@@ -256,10 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "killed runs left on the disks.")
     jobs.add_argument("--tier-manager", metavar="ADDRESS",
                       help="the tier manager (default: $TIERSTACK_TIER_MANAGER or the per-user socket)")
-    jobs.add_argument("--delete", metavar="JOB", help="delete this job's tensors now")
+    what = jobs.add_mutually_exclusive_group()
+    what.add_argument("--delete", metavar="JOB", help="delete this job's tensors now")
     jobs.add_argument("--force", action="store_true",
                       help="with --delete: even while workers hold the job open")
-    jobs.add_argument("--clean", action="store_true",
+    what.add_argument("--clean", action="store_true",
                       help="remove the NVMe state that killed runs left on this machine's disks "
                            "(`tierstack doctor` lists it)")
     jobs.set_defaults(func=_jobs)

@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the script with the services around it; its exit code."""
     script = Path(args.script)
     if not script.is_file():
-        raise ConfigError(f"tierstack launch: {script} is not a file; give the training script "
-                          f"to run (e.g. tierstack launch train.py --epochs 1)")
+        raise ConfigError(f"launch: {script} is not a file; give the training script to run "
+                          f"(e.g. tierstack launch train.py --epochs 1)")
     config = load_config(args.config)
     job = args.job or f"{script.stem}-{os.getpid()}"
     env = {**os.environ, JOB_ENV: job}
