@@ -230,6 +230,18 @@ def _worker_report() -> WorkerReport:
                         loads_in_flight=0, prefetch_depth=0)
 
 
+def group_fixture(name: str, group: type):
+    """The module-scoped fixture `name`: `group`'s services started once, closed after."""
+    @pytest.fixture(scope="module", name=name)
+    def started(tmp_path_factory):
+        services = group(tmp_path_factory.mktemp(name))
+        try:
+            yield services
+        finally:
+            services.close()
+    return started
+
+
 def private_shm_dir() -> Path:
     d = Path("/dev/shm") / f"tierstack-test-{uuid.uuid4().hex[:10]}"
     d.mkdir(mode=0o700)
@@ -294,13 +306,7 @@ class NodeGroup:
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    group = NodeGroup(tmp_path_factory.mktemp("node"))
-    try:
-        yield group
-    finally:
-        group.close()
+node = group_fixture(NODE, NodeGroup)
 
 
 @contextlib.contextmanager
@@ -493,8 +499,8 @@ def samples_that_often(node):
 @effect("tier_manager.metrics.history_seconds", 1.0, NODE)
 def history_that_long(node):
     node.up()
-    wait_for(lambda: json.loads(http_get(node.url, "/api/v1/node")[1])["uptime_seconds"] > 2.0, 10,
-          "two seconds of samples")
+    wait_for(lambda: json.loads(http_get(node.url, "/api/v1/node")[1])["uptime_seconds"] > 3.0, 10,
+          "three seconds of samples")
     # 1 s / 0.2 s + 1 samples kept (default 900 s: every sample so far).
     assert len(_history(node)["samples"]) == 6
 
@@ -544,21 +550,23 @@ def closed_job_deleted_after_grace(node):
         session.write_block(f"{job}/t", torch.zeros(4096, dtype=torch.uint8))
     closed = time.monotonic()
     wait_for(lambda: job not in {j.job for j in node.client.jobs()}, 10, "the job's deletion")
-    assert time.monotonic() - closed < 3  # default: 5 s
+    assert time.monotonic() - closed < 4  # default: 5 s
 
 
-@effect("tier_manager.jobs.orphan_seconds", 1.0, NODE)
+@effect("tier_manager.jobs.orphan_seconds", 3.0, NODE)
 def orphaned_job_deleted_after_restart(node):
     job = f"orphan-{uuid.uuid4().hex[:6]}"
     with node.up().session(job, reconnect_timeout=1) as session:
         session.write_block(f"{job}/t", torch.zeros(4096, dtype=torch.uint8))
         node.crashed()  # the node goes down with the job open; its worker does not come back
-    started = time.monotonic()
     client = node.up().client
-    [info] = [j for j in client.jobs() if j.job == job]  # found again in the manifest
-    assert 0 < info.delete_in_seconds <= 1.0  # default: 600 s for its workers to return
+    # Found again in the manifest, deleted unless a worker opens it within 3 s of the start
+    # (which counts from before the daemon serves).
+    [info] = [j for j in client.jobs() if j.job == job]
+    assert info.delete_in_seconds <= 3.0  # default: 600 s for its workers to return
+    listed = time.monotonic()
     wait_for(lambda: job not in {j.job for j in client.jobs()}, 10, "the orphan's deletion")
-    assert time.monotonic() - started < 4
+    assert time.monotonic() - listed < 5
 
 
 @effect("scheduler.listen", lambda node: node.scheduler_address, NODE)
@@ -654,13 +662,7 @@ class TrainNodeGroup:
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def train_node(tmp_path_factory):
-    group = TrainNodeGroup(tmp_path_factory.mktemp("train-node"))
-    try:
-        yield group
-    finally:
-        group.close()
+train_node = group_fixture(TRAIN_NODE, TrainNodeGroup)
 
 
 @effect("tier_manager.metrics.enabled", False, TRAIN_NODE)
@@ -704,9 +706,10 @@ class SecureGroup:
                                            self.client_security).start()
 
     def answers(self, **changes: str) -> bool:
-        """Whether a client with `client_security` but `changes` gets an answer."""
+        """Whether a client with `client_security` but `changes` gets an answer (one it
+        should not trust or that the server should not trust fails; given 2 s to)."""
         security = dataclasses.replace(self.client_security, **changes)
-        client = SchedulerClient(self.address, timeout=1.5, security=security)
+        client = SchedulerClient(self.address, timeout=2 if changes else 30, security=security)
         try:
             client.list_nodes()
             return True
@@ -719,13 +722,7 @@ class SecureGroup:
         self.scheduler.kill()
 
 
-@pytest.fixture(scope="module")
-def secure(tmp_path_factory):
-    group = SecureGroup(tmp_path_factory.mktemp("secure"))
-    try:
-        yield group
-    finally:
-        group.close()
+secure = group_fixture(SECURE, SecureGroup)
 
 
 @effect("security.token_file", lambda secure: str(secure.secrets / "token"), SECURE)
@@ -815,6 +812,8 @@ class EngineRuns:
 
     @contextlib.contextmanager
     def engine(self, config: dict, **options):
+        """tierstack.initialize(config=...) of a fresh Net (same seed every time), with its
+        job's name (`.job`) and training loader (`.loader`); closed after."""
         torch.manual_seed(0)
         job = f"effects-{uuid.uuid4().hex[:8]}"
         engine, _, loader, _ = tierstack.initialize(model=Net(), config=config,
