@@ -32,6 +32,8 @@ def test_unknown_key_is_named_with_its_path():
     ({"tier_manager": {"nvme_pool": {"aio": {"thread_count": 0}}}}, "thread_count"),
     ({"tier_manager": {"cpu_pool": {"keep_empty_seconds": -1}}}, "keep_empty_seconds"),
     ({"tier_manager": {"nvme_pool": {"size": 1000}}}, "nvme_pool.size"),
+    ({"tier_manager": {"shutdown_grace_seconds": -1}}, r"tier_manager\.shutdown_grace_seconds"),
+    ({"scheduler": {"shutdown_grace_seconds": -5}}, r"scheduler\.shutdown_grace_seconds"),
 ])
 def test_bad_values_name_the_setting(data, message):
     with pytest.raises(ConfigError, match=message):

@@ -123,6 +123,13 @@ class CpuPoolConfig:
             raise ConfigError(f"{prefix}.keep_empty_seconds must be >= 0, got {self.keep_empty_seconds}")
 
 
+def _validate_grace(prefix: str, seconds: int) -> None:
+    """A service's shutdown_grace_seconds: 0 (in-flight calls are cut at once) up to a day."""
+    if not 0 <= seconds <= 86400:
+        raise ConfigError(f"{prefix}.shutdown_grace_seconds must be between 0 and 86400 (how "
+                          f"long calls in flight may finish after SIGTERM), got {seconds}")
+
+
 def _validate_cap(key: str, value: int | str, at_least: int) -> None:
     """A pool cap: 'auto' or a size of at least `at_least` bytes."""
     if value == AUTO_SIZE:
@@ -292,6 +299,7 @@ class TierManagerConfig:
     jobs: JobsConfig = field(default_factory=JobsConfig)
 
     def validate(self, prefix: str = "tier_manager") -> None:
+        _validate_grace(prefix, self.shutdown_grace_seconds)
         if not 0 < self.lease_timeout_seconds <= 30 * 86400:
             raise ConfigError(f"{prefix}.lease_timeout_seconds must be positive and at most 30 "
                               f"days, got {self.lease_timeout_seconds}")
@@ -596,6 +604,7 @@ class SchedulerConfig:
     """Host names its HTTP API answers to besides its own (as metrics.allowed_hosts)."""
 
     def validate(self, prefix: str = "scheduler") -> None:
+        _validate_grace(prefix, self.shutdown_grace_seconds)
         for name in ("report_interval_seconds", "replan_threshold", "replan_after_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{prefix}.{name} must be positive, got {getattr(self, name)}")

@@ -77,6 +77,10 @@ QUEUE_DEPTH = _spec("tierstack_queue_depth", "gauge",
                     "Work waiting or in flight: prefetch (hints queued in the daemon), "
                     "io_requests (blocks in the IO engine), rpc (calls being served), "
                     "loads (layers on their way to a worker's device).", ("queue",))
+IO_MAX_IN_FLIGHT = _spec("tierstack_io_max_in_flight", "gauge",
+                         "Block requests the NVMe IO engine keeps in flight at most (aio "
+                         "thread_count x queue_depth, within its staging buffers), by backend "
+                         "(native or threads: aio.engine).", ("backend",))
 RPC_DURATION = _spec("tierstack_rpc_duration_seconds", "histogram",
                      "Time the tier manager took to serve an RPC.", ("method",),
                      buckets=RPC_BUCKETS)
@@ -105,8 +109,8 @@ NODE = _spec("tierstack_node", "info", "The node and its tier-manager instance."
              ("node", "instance_id"))
 
 NODE_METRICS = (LINK_BYTES, LINK_BANDWIDTH, LINK_PEAK, TIER_CAPACITY, TIER_USED, TENSORS,
-                QUEUE_DEPTH, RPC_DURATION, RPC_FAILURES, CHECKSUM_FAILURES, EVICTIONS,
-                PLAN_VERSION, LEASES, PINS, WORKERS, WORKER_STALL, WORKER_WAIT, NODE)
+                QUEUE_DEPTH, IO_MAX_IN_FLIGHT, RPC_DURATION, RPC_FAILURES, CHECKSUM_FAILURES,
+                EVICTIONS, PLAN_VERSION, LEASES, PINS, WORKERS, WORKER_STALL, WORKER_WAIT, NODE)
 
 # ---- the scheduler: its /metrics (services/scheduler/telemetry.py) ----
 SCHEDULER_PLAN_VERSION = _spec("tierstack_scheduler_plan_version", "gauge",

@@ -223,8 +223,7 @@ class IoEngine:
         if self._native is not None and not self._handle:
             raise StorageIOError("cannot create the native IO engine's semaphore")
         self._executor = (None if self._native is not None else
-                          ThreadPoolExecutor(max(1, min(self.workers, self.staging_buffers)),
-                                             thread_name_prefix="tierstack-io"))
+                          ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="tierstack-io"))
         self._local = threading.local()
         self._free_staging: list[StagingBuffer] = []
         self._staging_made = False
@@ -233,6 +232,12 @@ class IoEngine:
         self._stats_lock = threading.Lock()
         self._in_flight = {False: 0, True: 0}
         self._busy_since = {False: 0.0, True: 0.0}
+
+    @property
+    def max_in_flight(self) -> int:
+        """Block requests in the kernel at once at most: thread_count x queue_depth, and no
+        more than the staging buffers (each request in flight holds one)."""
+        return max(1, min(self.workers, self.staging_buffers))
 
     def _count(self, r: BlockRequest, write: bool) -> None:
         with self._stats_lock:

@@ -231,6 +231,10 @@ class NodeMetrics:
         for name, depth in self._queues(totals).items():
             queues.add_metric([name], depth)
         yield queues
+        engine = self.servicer.registry.nvme_pool.engine
+        io_limit = family(mc.IO_MAX_IN_FLIGHT)
+        io_limit.add_metric([engine.backend], engine.max_in_flight)
+        yield io_limit
         for spec, value in ((mc.TENSORS, stats.tensors), (mc.CHECKSUM_FAILURES, stats.checksum_failures),
                             (mc.EVICTIONS, stats.evictions), (mc.LEASES, stats.leases),
                             (mc.PINS, stats.pinned), (mc.WORKERS, totals.workers)):
