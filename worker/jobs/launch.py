@@ -73,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _services(args: argparse.Namespace, config, job: str, stack: contextlib.ExitStack) -> dict:
     """The environment that points the script at the node's services, started if needed."""
-    if args.tier_manager:
-        check_reachable(args.tier_manager)
-        return {TIER_MANAGER_ENV: args.tier_manager}
+    if args.tier_manager or config.tier_manager.listen:  # the daemon named, never one beside it
+        named = args.tier_manager or config.tier_manager.listen
+        check_reachable(named, "--tier-manager" if args.tier_manager else "tier_manager.listen")
+        return {TIER_MANAGER_ENV: named}
     running = running_tier_manager()
     if running is not None:
         print(f"tierstack launch: the node's tier manager at {running}", file=sys.stderr)

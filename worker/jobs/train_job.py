@@ -32,6 +32,7 @@ from tierstack.worker.engine import OffloadEngine, job_budgets, materialize
 from tierstack.worker.jobs import corpus
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.jobs.progress import TrainProgress
+from tierstack.worker.daemon_address import check_reachable
 from tierstack.worker.jobs.train_flags import nvme_bases
 from tierstack.worker.run_directory import job_directories
 from tierstack.worker.layers import LayerStore, layer_tensors
@@ -135,6 +136,11 @@ def run(args: argparse.Namespace) -> int:
                           f"give a multiple of {accumulation}")
     if args.device_budget is not None:
         args.device_budget = args.device_budget or None  # 0: the config's default
+    if not args.tier_manager and config.tier_manager.listen:
+        # A config naming its tier manager's address means that daemon (as initialize reads
+        # it), not a private one started beside it.
+        check_reachable(config.tier_manager.listen, "tier_manager.listen")
+        args.tier_manager = config.tier_manager.listen
     if args.ranks > 1 or args.address:
         from tierstack.worker.jobs.ray_train_job import run as run_on_ray
         return run_on_ray(args, config)
