@@ -13,18 +13,12 @@ import os
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from your_loop_script import MODELS  # the same model shapes as the script runs
+
 if os.environ.get("YOUR_LOOP_IMPL") == "tierstack":
     from tierstack.worker.hf_trainer import Trainer, TrainingArguments  # the changed line
 else:
     from transformers import Trainer, TrainingArguments
-
-MODELS = {
-    "1.3b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
-                 intermediate_size=5504, vocab_size=32000),
-    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-                 intermediate_size=256, vocab_size=512),
-}
-
 
 class RandomTokens(torch.utils.data.Dataset):
     """Fixed random token rows (inputs and labels alike), as a tokenised corpus gives them."""

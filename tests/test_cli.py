@@ -2,6 +2,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -74,18 +75,11 @@ def _our_daemons(parent: int) -> list[int]:
     return pids
 
 
-def test_sigterm_to_a_job_s_group_ends_it_after_its_step_with_a_checkpoint_to_resume(tmp_path):
-    """A batch scheduler's SIGTERM to the job's process group (and again to the job, as a
-    wrapper such as make passes it on): the job finishes the step in progress, saves its checkpoint at that step, stops its daemons (they are in their own
-    group, so the signal did not stop them mid-step), removes its NVMe run directory and
-    exits 143; the checkpoint resumes. (Raising from the handler instead once hung a job
-    for good, the signal landing while a lock was held.)"""
-    import signal
+def _train_then_stop(flags: list[str], stop, code: int) -> str:
+    """`tierstack train --steps 100000 flags` in a session of its own; once two steps are
+    done, `stop(proc)`; it must then exit with `code`. Its output."""
     import threading
 
-    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
-    flags = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "2",
-             "--no-scheduler", "--log-every", "0", "--nvme-path", str(nvme), "--checkpoint-dir", str(ckpt)]
     proc = subprocess.Popen([sys.executable, "-m", "tierstack.cli", "train", "--steps", "100000", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env={**os.environ, "COLUMNS": "200"})
@@ -97,18 +91,36 @@ def test_sigterm_to_a_job_s_group_ends_it_after_its_step_with_a_checkpoint_to_re
         while sum(line.startswith("step ") for line in list(lines)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-2000:]
             time.sleep(0.2)
-        daemons = _our_daemons(proc.pid)
-        assert daemons and any(nvme.iterdir())  # its daemon, and its run directory
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.send_signal(signal.SIGTERM)  # passed on again, as make does to its children
+        stop(proc)
         err = proc.stderr.read()
-        assert proc.wait(timeout=120) == 143, err[-2000:]
+        assert proc.wait(timeout=120) == code, err[-2000:]
         reader.join(10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    out = "".join(lines)
+    return "".join(lines)
+
+
+def test_sigterm_to_a_job_s_group_ends_it_after_its_step_with_a_checkpoint_to_resume(tmp_path):
+    """A batch scheduler's SIGTERM to the job's process group (and again to the job, as a
+    wrapper such as make passes it on): the job finishes the step in progress, saves its checkpoint at that step, stops its daemons (they are in their own
+    group, so the signal did not stop them mid-step), removes its NVMe run directory and
+    exits 143; the checkpoint resumes. (Raising from the handler instead once hung a job
+    for good, the signal landing while a lock was held.)"""
+
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    flags = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "2",
+             "--no-scheduler", "--log-every", "0", "--nvme-path", str(nvme), "--checkpoint-dir", str(ckpt)]
+    daemons: list[int] = []
+
+    def stop(proc: subprocess.Popen) -> None:
+        daemons.extend(_our_daemons(proc.pid))
+        assert daemons and any(nvme.iterdir())  # its daemon, and its run directory
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # passed on again, as make does to its children
+
+    out = _train_then_stop(flags, stop, 143)
     stopped = re.search(r"stopped by SIGTERM after step (\d+) of 100000", out)
     assert stopped, out[-2000:]
     step = int(stopped.group(1))
@@ -515,33 +527,11 @@ def test_train_with_a_stated_hbm_budget_on_a_machine_without_one_names_the_budge
 def test_ctrl_c_with_a_checkpoint_dir_checkpoints_at_the_step_in_progress(tmp_path):
     """Ctrl-C (SIGINT to the job's process group) with --checkpoint-dir ends the job as
     SIGTERM does: after the step in progress, a checkpoint at that step, exit 130."""
-    import signal
-    import threading
 
     nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tierstack.cli", "train", "--steps", "100000", "--layers", "2",
-         "--dim", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--no-scheduler",
-         "--log-every", "0", "--nvme-path", str(nvme), "--checkpoint-dir", str(ckpt)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "COLUMNS": "200"})
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while sum(line.startswith("step ") for line in list(lines)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-2000:]
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)
-        err = proc.stderr.read()
-        assert proc.wait(timeout=120) == 130, err[-2000:]
-        reader.join(10)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    out = "".join(lines)
+    flags = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "2",
+             "--no-scheduler", "--log-every", "0", "--nvme-path", str(nvme), "--checkpoint-dir", str(ckpt)]
+    out = _train_then_stop(flags, lambda proc: os.killpg(proc.pid, signal.SIGINT), 130)
     stopped = re.search(r"stopped by SIGINT after step (\d+) of 100000", out)
     assert stopped, out[-2000:]
     assert f"checkpoint: {ckpt} (step {stopped.group(1)})" in out
