@@ -23,12 +23,11 @@ from tierstack.services.tier_manager.heap import bound_malloc_arenas
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.server import TierManagerServicer
 from tierstack.services.tier_manager.telemetry import NodeTelemetry
+from tierstack.services.tier_manager.tiers import open_tiers
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tierstack.tier_manager.v1.TierManager"
-STREAM_RESERVE = 8
-"""gRPC threads kept from streams (WatchStats) for unary calls: StreamSlots in rpc.py."""
 
 
 class TierManagerDaemon:
@@ -43,12 +42,13 @@ class TierManagerDaemon:
         self.config = config
         self.endpoint = ServiceEndpoint(config.listen or default_tier_manager_address(),
                                         SERVICE_NAME, "the tier manager", TIER_MANAGER_ENV, security)
-        self.registry = TierRegistry(config, recover=recover)
+        # The machine is measured once, here: the pools and their parts, then the registry.
+        self.tiers = open_tiers(config, recover=recover)
+        self.registry = TierRegistry(config, tiers=self.tiers)
         try:
             self.servicer = TierManagerServicer(self.registry,
                                                 lease_timeout=config.lease_timeout_seconds,
-                                                max_streams=max_workers - STREAM_RESERVE,
-                                                jobs_config=config.jobs)
+                                                jobs_config=config.jobs, threads=max_workers)
             self.telemetry = NodeTelemetry(config, self.servicer, security)
             server = self.endpoint.build_server(max_workers, "tierstack-rpc",
                                                 self.telemetry.interceptors())
@@ -68,12 +68,12 @@ class TierManagerDaemon:
         if self.config.scheduler_address:
             from tierstack.services.tier_manager.node_link import NodeLink
 
-            self.node_link = NodeLink(self.registry, self.config, self.telemetry.url, self.security)
+            self.node_link = NodeLink(self.tiers, self.config, self.telemetry.url, self.security)
             self.node_link.start()  # probes the links before serving, then registers
         self.endpoint.start()
         threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
                          daemon=True).start()
-        log.info("tier manager %s serving on %s", self.registry.cpu_pool.instance_id, self.target)
+        log.info("tier manager %s serving on %s", self.tiers.cpu_pool.instance_id, self.target)
 
     def stop(self) -> None:
         """Graceful stop: refuse new work, finish in-flight requests, close the pools."""
