@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 MAX_JOB_BYTES = 256
 MAX_QUOTA = (1 << 63) - 1  # bytes: the largest the manifest (SQLite INTEGER) holds
-DELETING_RETRY_SECONDS = 0.02
+DELETING_RETRY_SECONDS = 0.005
 """The retry hint of an OpenJob or DeleteJob that finds its job being deleted."""
 
 
