@@ -17,6 +17,7 @@ import torch
 
 from tierstack.addresses import TIER_MANAGER_ENV, default_tier_manager_address
 from tierstack.config import SecurityConfig, TierManagerConfig
+from tierstack.doctor import OK, log_checks, map_count_check, raise_open_files_limit
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import ServiceEndpoint, serve_until_signalled
 from tierstack.services.tier_manager.heap import bound_malloc_arenas
@@ -44,6 +45,9 @@ class TierManagerDaemon:
                                         SERVICE_NAME, "the tier manager", TIER_MANAGER_ENV, security)
         # The machine is measured once, here: the pools and their parts, then the registry.
         self.tiers = open_tiers(config, recover=recover)
+        maps = map_count_check(self.tiers.cpu_pool.max_arenas)  # the pool's own bound
+        if maps.status != OK:  # what to raise, in the log before anything fails
+            log.warning("%s: %s; %s", maps.name, maps.found, maps.fix)
         self.registry = TierRegistry(config, tiers=self.tiers)
         try:
             self.servicer = TierManagerServicer(self.registry,
@@ -99,9 +103,8 @@ def serve(config: TierManagerConfig, security: SecurityConfig | None = None,
     """Run the daemon in the foreground until SIGTERM or SIGINT (or until process
     `parent_pid` is gone, removing `owned_dir`). With `recover`, first rebuild the manifest from the NVMe data
     (durable.py: DurableCopies.rebuild)."""
-    from tierstack.doctor import log_checks
-
     os.umask(0o077)  # everything the daemon creates is its user's alone
+    raise_open_files_limit()  # up to the hard limit, before the checks report it
     log_checks(config)  # what is off about the machine, in the log before anything fails
     daemon = TierManagerDaemon(config, security=security, recover=recover)
 
