@@ -371,3 +371,35 @@ def test_a_low_open_files_limit_is_named_with_its_fix_by_doctor_and_the_daemon(t
     finally:
         started.kill()
         started.wait()
+
+
+def test_a_read_only_nvme_path_fails_the_start_in_one_line(mounted, tmp_path):
+    """A read-only --nvme-path ended in a traceback (OSError from makedirs); now one line
+    that names the path, why, and the setting to change, both for a directory still to
+    make and for one that exists, and for a read-only manifest directory."""
+    import subprocess
+    import sys
+
+    ro = mounted("tmpfs", "size=1m")
+    (ro / "exists").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+    import json
+
+    config = tmp_path / "tm.json"
+    config.write_text(json.dumps({"tier_manager": {
+        "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "64MiB"},
+        "manifest_path": str(ro / "exists" / "manifest.sqlite")}}))
+    cases = [(["--nvme-path", str(ro / "new")], f"NVMe pool directory {ro / 'new'} cannot be used",
+              "tier_manager.nvme_pool.paths (--nvme-path)"),
+             (["--nvme-path", str(ro / "exists")], f"NVMe pool directory {ro / 'exists'} cannot be used",
+              "tier_manager.nvme_pool.paths (--nvme-path)"),
+             (["--config", str(config)], f"manifest directory {ro / 'exists'} cannot be used",
+              "tier_manager.manifest_path")]
+    for argv, says, setting in cases:
+        out = subprocess.run([sys.executable, "-m", "tierstack.cli", "tier-manager", *argv,
+                              "--listen", f"unix:{tmp_path / 'ro.sock'}"],
+                             capture_output=True, text=True, timeout=120)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("tierstack:")]
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert len(errors) == 1 and says in errors[0] and "read-only filesystem" in errors[0]
+        assert setting in errors[0], errors[0]
