@@ -201,6 +201,10 @@ class NvmePool:
         empty tensor gets a header of its own (so that a recovery finds it too)."""
         if nbytes < 0 or (nbytes == 0 and meta is None):
             raise InvalidArgumentError(f"cannot store a tensor of {nbytes} bytes")
+        if nbytes > self.capacity:  # before laying out its blocks (2^63 bytes: 10^13 of them)
+            raise NvmePoolFullError(
+                f"a tensor of {nbytes} bytes is larger than the whole NVMe pool ({self.capacity} "
+                f"bytes); raise nvme_pool.size (or the NVMe budget)")
         with self._lock:
             first = next(self._next_drive)
             taken: list[tuple[int, Extent]] = []
