@@ -85,13 +85,7 @@ class Leases:
                 return record.info(), record.cpu
             record.start_loading()  # its lease holds it: no retire under our feet
         try:
-            buffer = self.spill.allocate(record.nbytes, wait=wait)
-            try:
-                self.durable.read(record.nvme, self.cpu_pool.view(buffer), record.checksums,
-                                  label=f"tensor {key!r}")
-            except BaseException:
-                self.cpu_pool.free(buffer)
-                raise
+            buffer = self.spill.read_in(record, wait=wait)
         except BaseException:
             with self.records.lock:
                 record.end_loading()

@@ -17,17 +17,18 @@ import mmap
 import os
 import weakref
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
+libc = ctypes.CDLL(None, use_errno=True)
+"""libc's mmap(2) and munmap(2), typed (also the optimizer's scratch rings': adamw_stream.py)."""
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+libc.munmap.restype = ctypes.c_int
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _unmap(address: int, size: int) -> None:
-    _libc.munmap(address, size)
+    libc.munmap(address, size)
 
 
 class SharedMapping:
@@ -35,8 +36,8 @@ class SharedMapping:
 
     def __init__(self, fd: int, size: int) -> None:
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
-        if address in (None, _MAP_FAILED):
+        address = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if address in (None, MAP_FAILED):
             err = ctypes.get_errno() or errno.ENOMEM
             raise OSError(err, os.strerror(err))
         self.size = size

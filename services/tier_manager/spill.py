@@ -99,6 +99,18 @@ class Spill:
                         raise
                     self.records.changed.wait(min(left, 1.0))
 
+    def read_in(self, record: TensorRecord, wait: bool = False) -> CpuBuffer | None:
+        """A fresh CPU-pool buffer holding a held record's NVMe bytes, checksums verified
+        (the caller makes it the record's copy); `wait` as for `allocate`."""
+        buffer = self.allocate(record.nbytes, wait=wait)
+        try:
+            self.durable.read(record.nvme, self.cpu_pool.view(buffer), record.checksums,
+                              label=f"tensor {record.key!r}")
+        except BaseException:
+            self.cpu_pool.free(buffer)
+            raise
+        return buffer
+
     def has_room(self, nbytes: int) -> bool:
         """Whether the CPU pool could take `nbytes` now without evicting anything."""
         return self.cpu_pool.used_bytes + nbytes <= self.cpu_pool.capacity

@@ -95,13 +95,7 @@ class Updates:
                 claim.held[key] = record
             record.start_update()
         if load and record.cpu is None and record.nbytes:
-            buffer = self.spill.allocate(record.nbytes, wait=True)
-            try:
-                self.durable.read(record.nvme, self.cpu_pool.view(buffer), record.checksums,
-                                  label=f"tensor {key!r}")
-            except BaseException:
-                self.cpu_pool.free(buffer)
-                raise
+            buffer = self.spill.read_in(record, wait=True)
             with self.records.lock:
                 record.cpu = buffer
                 self.spill.touch(key)

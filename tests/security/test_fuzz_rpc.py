@@ -576,13 +576,8 @@ def test_fuzzing_every_rpc_of_both_daemons_gets_proper_statuses_and_touches_no_s
     finally:
         tm.close()
         client.close()
-    with EmbeddedScheduler(SchedulerConfig(metrics_listen="")) as scheduler:
-        sched = Fuzzer(scheduler.address, [(scheduler_pb2, "Scheduler"), (_health_service(), None)])
-        try:
-            spent += sched.run(FUZZ_SECONDS / 3)
-            assert "Traceback" not in scheduler.log_text()
-        finally:
-            sched.close()
+    sched = on_a_scheduler(lambda fuzzer: fuzzer.run(FUZZ_SECONDS / 3))
+    spent += sched.spent
     statuses = collections.Counter(tm.counts()) + collections.Counter(sched.counts())
     figures = {"fuzz_seconds": round(spent, 1), "requests": tm.sent + sched.sent,
                "tier_manager_requests": tm.sent, "scheduler_requests": sched.sent,
@@ -596,6 +591,19 @@ def test_fuzzing_every_rpc_of_both_daemons_gets_proper_statuses_and_touches_no_s
         for (method, message), n in sorted((tm.messages + sched.messages).items()):
             print(f"{n:6d} {method}: {message}")
     assert statuses.get("UNKNOWN", 0) == statuses.get("INTERNAL", 0) == 0
+
+
+def on_a_scheduler(run) -> Fuzzer:
+    """`run(fuzzer)` against a fresh embedded scheduler; the fuzzer, with what `run`
+    returned as its `spent`, once the scheduler logged no traceback."""
+    with EmbeddedScheduler(SchedulerConfig(metrics_listen="")) as scheduler:
+        fuzzer = Fuzzer(scheduler.address, [(scheduler_pb2, "Scheduler"), (_health_service(), None)])
+        try:
+            fuzzer.spent = run(fuzzer)
+            assert "Traceback" not in scheduler.log_text()
+        finally:
+            fuzzer.close()
+    return fuzzer
 
 
 def _health_service():
@@ -750,14 +758,9 @@ def test_every_numeric_and_string_field_at_its_extremes_gets_a_documented_status
     finally:
         tm.close()
         client.close()
-    with EmbeddedScheduler(SchedulerConfig(metrics_listen="")) as scheduler:
-        sched = Fuzzer(scheduler.address, [(scheduler_pb2, "Scheduler"), (_health_service(), None)])
-        try:
-            sent += _sweep(sched, _scheduler_bases())
-            assert not sched.failures, "\n".join(sched.failures[:30])
-            assert "Traceback" not in scheduler.log_text()
-        finally:
-            sched.close()
+    sched = on_a_scheduler(lambda fuzzer: _sweep(fuzzer, _scheduler_bases()))
+    assert not sched.failures, "\n".join(sched.failures[:30])
+    sent += sched.sent
     statuses = collections.Counter(tm.counts()) + collections.Counter(sched.counts())
     print("extremes sweep:", json.dumps({"requests": sent, "statuses": dict(sorted(statuses.items())),
                                          "slowest_call_seconds": round(max(tm.slowest, sched.slowest), 2)}))
