@@ -139,3 +139,40 @@ def test_32_clients_blocked_on_pins_leave_getnode_and_other_fetches_answered(dae
         arenas.close()
         prober.close()
         owner.close()
+
+
+def test_what_an_update_holds_is_refused_at_once_and_room_that_cannot_come_is_not_waited_for(tier_config):
+    """In the daemon's parts: while an update in place holds a tensor, a fetch of it is
+    refused at once with a retry hint; an allocation the room on its way could serve is
+    refused the same way (it used to wait up to 30 s in the handler), and one that room
+    could never serve is RESOURCE_EXHAUSTED at once."""
+    from tierstack.errors import CpuPoolFullError
+    from tierstack.rpc import RetryLaterError
+    from tierstack.services.tier_manager.registry import TierRegistry
+
+    with TierRegistry(tier_config) as reg:  # an 8 MiB pool
+        reg.put("u/held", torch.zeros(256 * 1024), tier="cpu")  # 1 MiB, being updated below
+        pins = []
+        for i in range(6):  # 6 MiB more, fetched by "clients": nothing evictable
+            reg.put(f"u/pinned{i}", torch.zeros(256 * 1024), tier="cpu")
+            pins.append(reg.fetch(f"u/pinned{i}")[0])
+        claim = reg.updates.claim(["u/held"])
+        info, _ = reg.updates.begin(claim, "u/held")
+        for call in (lambda: reg.leases.fetch("u/held"), lambda: reg.allocate_buffer(2 << 20)):
+            start = time.monotonic()
+            try:
+                call()
+                raise AssertionError("served while the update holds it")
+            except RetryLaterError as e:
+                assert e.retry_after > 0 and time.monotonic() - start < 0.5
+        start = time.monotonic()
+        try:
+            reg.allocate_buffer(3 << 20)  # 1 MiB free + 1 MiB on its way < 3 MiB: never
+            raise AssertionError("allocated beyond the pool")
+        except CpuPoolFullError as e:
+            assert "nothing evictable" in str(e) and time.monotonic() - start < 0.5
+        reg.updates.end(claim, info, changed=True)
+        buffer = reg.allocate_buffer(2 << 20)  # the update's tensor is evictable again
+        reg.free_buffer(buffer)
+        for i, pin in enumerate(pins):
+            reg.release(f"u/pinned{i}", pin.version)
