@@ -311,11 +311,11 @@ PROCESS_MAPS = 8192
 
 
 def cpu_pool_arenas(capacity: int) -> int:
-    """The most arenas a CPU pool of `capacity` bytes maps: buffers above 8 MiB (1/8 of a
+    """The most arenas a CPU pool of `capacity` bytes maps: buffers above 16 MiB (1/4 of a
     64 MiB shared arena) get an arena each, smaller ones share 64 MiB arenas, and a pool
-    below 256 MiB holds a few dozen (services/tier_manager/cpu_pool.py: CpuPool.max_arenas,
+    under 4 GiB holds at most 320 (services/tier_manager/cpu_pool.py: CpuPool.max_arenas,
     which the daemon checks at start)."""
-    return capacity // (8 * MiB) + capacity // (64 * MiB) + 40
+    return capacity // (16 * MiB) + capacity // (64 * MiB) + 320
 
 
 def raise_open_files_limit(need: int = OPEN_FILES_NEEDED) -> None:

@@ -12,11 +12,13 @@ of tensors (issue 35: one file per buffer failed every allocation after ~1,000 t
 under `ulimit -n 1024`, and 65,530 mappings is vm.max_map_count's default):
 - A buffer larger than `shared_limit` gets an arena of its own, sized to it: such a
   buffer fits whenever the arenas hold at most `capacity - n` bytes (no fragmentation).
-- Smaller buffers share arenas of `shared_arena` bytes, best-fit inside each. Packing
-  them costs holes when they come and go; an allocation that finds none asks the pool's
-  owner to evict (`on_full`) as a full pool does.
+- Smaller buffers share arenas of `shared_arena` bytes (64 MiB, or 1/64 of a pool under
+  4 GiB), best-fit inside each. Packing them costs holes when they come and go (at most
+  1/64 of a small pool for one shared arena holding a few); an allocation that finds
+  none asks the pool's owner to evict (`on_full`) as a full pool does.
 So the pool holds at most `max_arenas` arenas (capacity / shared_limit + capacity /
-shared_arena) whatever its tensor count: 32 for a small pool, 8 per 64 MiB of a large one.
+shared_arena) whatever its tensor count: 320 for a pool under 4 GiB, 5 per 64 MiB of a
+larger one.
 
 An empty arena stays for `keep_empty_seconds`, and the next buffer of its size (or any
 small buffer, for a shared one) takes it: workers map and page-lock each arena once
@@ -52,10 +54,12 @@ from tierstack.services.tier_manager.types import ArenaInfo
 log = logging.getLogger(__name__)
 
 SHARED_ARENA_BYTES = 64 << 20
-"""Arenas that small buffers share are this big (a quarter of a smaller pool): 64 MiB
-populate in ~15 ms and leave a large pool a few hundred arenas at most."""
-SHARED_PER_ARENA = 8
-"""A buffer up to 1/8 of a shared arena shares one; larger ones get an arena each."""
+"""Arenas that small buffers share are this big, or 1/64 of a pool under 4 GiB: a shared
+arena that holds a few small buffers holds its whole size, and 1 MiB of a 16 MiB pool so
+held (1/16) was room its layers needed, which sent one to NVMe at every use (126
+evictions where there were none). 64 MiB populate in ~15 ms."""
+SHARED_PER_ARENA = 4
+"""A buffer up to 1/4 of a shared arena shares one; larger ones get an arena each."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ class CpuPool:
         # On a huge-page filesystem arenas are whole huge pages.
         self.granule = max(config.alignment, self.page_size)
         self.capacity = capacity // self.granule * self.granule
-        self.shared_arena = min(SHARED_ARENA_BYTES, self.capacity // 4) // self.granule * self.granule
+        self.shared_arena = min(SHARED_ARENA_BYTES, self.capacity // 64) // self.granule * self.granule
         self.shared_limit = self.shared_arena // SHARED_PER_ARENA // self.granule * self.granule
         self._lock = threading.Lock()
         self._arenas: dict[int, _Arena] = {}

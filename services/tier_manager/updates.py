@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tierstack.errors import FailedPreconditionError, KeyNotFoundError
+from tierstack.errors import KeyNotFoundError
 from tierstack.rpc import RetryLaterError
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.durable import DurableCopies
@@ -86,12 +86,7 @@ class Updates:
                 if record is not None:  # replaced since the claim: let go, hold the new one
                     self._let_go(claim.held.pop(key))
                 record = self.records.get(key)
-                try:
-                    self._hold(record)
-                except RetryLaterError as e:  # the step began: a retry would step its blocks twice
-                    raise FailedPreconditionError(
-                        f"{e}; the step had begun (its earlier blocks have their new versions), so "
-                        f"it is not sent again: another client fetched a tensor it changes") from None
+                self._hold(record)  # a refusal now is retryable only while `claim.changed` is not
                 claim.held[key] = record
             record.start_update()
         if load and record.cpu is None and record.nbytes:

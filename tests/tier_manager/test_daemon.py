@@ -75,7 +75,7 @@ def test_a_worker_maps_arenas_as_they_come_and_unmaps_the_ones_returned(daemon_c
     """The daemon's pool grows arena by arena and returns idle empty ones; a worker's
     ArenaMap maps an arena when an answer first names it and drops it once an answer's
     epoch says it was returned (its memory goes back to the host only then). Blocks of
-    600 KB: above the 512 KiB a 16 MiB pool shares, so each has an arena of its own."""
+    600 KB: above the 64 KiB a 16 MiB pool shares, so each has an arena of its own."""
     import json
     from tests.conftest import tier_manager_process
     from tierstack.worker.tier_session import TierSession
@@ -304,8 +304,8 @@ with EmbeddedScheduler() as scheduler, EmbeddedTierManager(tm) as daemon:
 def test_thousands_of_resident_tensors_under_ulimit_n_1024(tmp_path, shm_dir):
     """One arena per tensor cost the daemon a descriptor each: under `ulimit -n 1024`
     every allocation failed after ~1,000 tensors, with a message blaming vm.max_map_count.
-    Now a daemon started under that limit holds 3,000 resident tensors in one shared arena,
-    its descriptors as few as at start (/tmp/p35/probe_100k.py: 100,000 alike, 7 arenas)."""
+    Now a daemon started under that limit holds 3,000 resident tensors in 12 shared arenas
+    (of 1 MiB, 256 buffers each), its descriptors as few as at start."""
     import json
     import subprocess
     import sys
@@ -338,7 +338,7 @@ finally:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     tensors, arenas, fds_before, fds_after = json.loads(out.stdout.splitlines()[-1])
-    assert tensors == 3000 and arenas == 1
+    assert tensors == 3000 and arenas == 12
     assert fds_after <= fds_before + 4, (fds_before, fds_after)
 
 
