@@ -5,7 +5,8 @@ not ok, what to change: each NVMe path (its filesystem, whether O_DIRECT works, 
 it is durable at all: a tmpfs is not, free space against the NVMe pool), the CPU pool's
 tmpfs, huge pages and transparent huge pages (the disk's staging buffers want them),
 the locked-memory limit (`ulimit -l`: workers page-lock the CPU pool's arenas on a GPU
-machine), the memory cgroup's memory.max and MemAvailable against the configured CPU
+machine), the open-files limit (`ulimit -n`) and vm.max_map_count (each CPU-pool arena is
+a mapping in the daemon and in every worker), the memory cgroup's memory.max and MemAvailable against the configured CPU
 pool and budgets, the GPU and its PCIe link, and, unless `--quick`, the disk's and the
 host<->device bandwidth measured next to what the link should give. The tier manager
 logs the quick checks of its own config at start (`log_checks`).
@@ -301,6 +302,72 @@ def memlock_check(cpu_pool: int, gpu: bool) -> Check:
     return Check("pinning", OK, found)
 
 
+OPEN_FILES_NEEDED = 512
+"""Descriptors a tier manager needs: its server, NVMe files and manifest, and one per
+client connection, for a few hundred clients. CPU-pool arenas hold none (the daemon maps
+them without keeping one), so the count does not grow with the tensors."""
+PROCESS_MAPS = 8192
+"""Memory mappings a daemon or worker makes besides the CPU pool's arenas: its libraries
+(torch's are ~1,000), thread stacks, the IO engine's staging buffers."""
+
+
+def cpu_pool_arenas(capacity: int) -> int:
+    """The most arenas a CPU pool of `capacity` bytes maps: buffers above 16 MiB (1/4 of a
+    64 MiB shared arena) get an arena each, smaller ones share 64 MiB arenas, and a pool
+    under 4 GiB holds at most 320 (services/tier_manager/cpu_pool.py: CpuPool.max_arenas,
+    which the daemon checks at start)."""
+    return capacity // (16 * MiB) + capacity // (64 * MiB) + 320
+
+
+def raise_open_files_limit(need: int = OPEN_FILES_NEEDED) -> None:
+    """Raise this process's soft `ulimit -n` towards its hard limit where it is below
+    4 x `need` (a daemon's start: nobody else has to)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * need if hard == resource.RLIM_INFINITY else min(hard, 4 * need)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            log.debug("cannot raise the open-files limit to %d: %s", want, e)
+
+
+def open_files_check(need: int = OPEN_FILES_NEEDED) -> Check:
+    """`ulimit -n`: the tier manager's descriptors are its server's, its files' and one per
+    client; its CPU-pool arenas take none, whatever the tensor count."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = -1
+    limits = "/".join("unlimited" if v == resource.RLIM_INFINITY else str(v) for v in (soft, hard))
+    found = f"open files (ulimit -n) {limits} soft/hard, {in_use} in use; a tier manager needs {need}"
+    if soft != resource.RLIM_INFINITY and soft < need:
+        return Check("open files", WARN, found,
+                     f"raise it: ulimit -n {4 * need} (or LimitNOFILE={4 * need} in a systemd unit, "
+                     f"nofile in /etc/security/limits.conf)")
+    return Check("open files", OK, found)
+
+
+def map_count_check(arenas: int) -> Check:
+    """vm.max_map_count against the CPU pool's `arenas` plus a process's own mappings."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return Check("memory maps", OK, "vm.max_map_count unknown (no /proc/sys/vm)")
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            in_use = sum(1 for _ in f)
+    except OSError:
+        in_use = -1
+    need = arenas + PROCESS_MAPS
+    found = (f"vm.max_map_count {limit}, {in_use} mappings in use; the CPU pool maps up to "
+             f"{arenas} arenas, {need} in all")
+    if limit < need:
+        return Check("memory maps", WARN, found, f"raise it: sysctl -w vm.max_map_count={2 * need} "
+                                                 f"(and in /etc/sysctl.d/ to keep it)")
+    return Check("memory maps", OK, found)
+
+
 def memory_check(config: TierstackConfig, pool: int) -> list[Check]:
     """The CPU pool (its cap: `pool` bytes) and the host budget against MemAvailable and
     the memory cgroup."""
@@ -432,6 +499,8 @@ def checks(config: TierstackConfig, measure: bool = True, gpu: bool = True) -> l
         found += gpu_found
     found.append(memlock_check(caps.cpu, has_gpu or not gpu))
     found.append(left_by_dead_runs_check())
+    found.append(open_files_check())
+    found.append(map_count_check(cpu_pool_arenas(caps.cpu)))
     if measure:
         for path in paths:
             if all(c.status != FAIL for c in found if c.name.startswith(f"NVMe path {path}")):

@@ -19,6 +19,12 @@ say SERVING or not, nothing more), so load balancers and `ServiceProcess` can as
 
 Every request is decoded here, not by gRPC: a message that does not parse is answered
 INVALID_ARGUMENT naming the method (gRPC itself would answer INTERNAL).
+
+A call that cannot be served now for a reason that passes by itself (a pin another client
+holds, a job being deleted, the daemon's threads for long calls all busy) is never made
+to wait in its handler thread: it is answered at once UNAVAILABLE with gRPC's own retry
+hint, the trailer `grpc-retry-pushback-ms` (`RetryLaterError`), having changed nothing.
+`RpcClient` sends such a call again after that pause, growing it, until its deadline.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -51,6 +58,39 @@ from tierstack.errors import (ERRORS_BY_STATUS, ConfigError, InvalidArgumentErro
 from tierstack.private_paths import ensure_private_dir
 
 log = logging.getLogger(__name__)
+
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"
+"""The trailer of a `RetryLaterError`: milliseconds to wait before sending the call again
+(the name gRPC's own retry policy reads)."""
+RETRY_PAUSE_CAP = 0.1
+"""The longest pause between two tries of a call refused with a retry hint: the hint
+doubles per try up to this, so a pin held for minutes costs a few tries a second."""
+
+
+class RetryLaterError(TierstackError):
+    """The service did nothing and can serve the call later: something held by another
+    call passes by itself (a pin, an update, a job's deletion) or its threads for long
+    calls are all busy. UNAVAILABLE with a retry hint; `RpcClient` retries it."""
+
+    grpc_status = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after: float = 0.005) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def retry_hint(e: grpc.RpcError) -> float | None:
+    """Seconds to wait before retrying a call refused with a `RetryLaterError`, else None."""
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_PUSHBACK:
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None
+    return None
+
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 HEALTH_CHECK = HEALTH_PREFIX + "Check"
@@ -75,6 +115,8 @@ def rpc_method(method):
 def _abort_with(context, method: str, e: Exception) -> None:
     """End a call with a project error's status, or INTERNAL for anything else (a bug:
     logged with its traceback; the service stays up)."""
+    if isinstance(e, RetryLaterError):
+        context.set_trailing_metadata(((RETRY_PUSHBACK, str(max(1, round(e.retry_after * 1000)))),))
     if isinstance(e, TierstackError):
         context.abort(getattr(grpc.StatusCode, e.grpc_status), str(e))
     log.exception("%s failed", method)
@@ -583,13 +625,25 @@ class RpcClient:
     def call(self, method: str, request, timeout: float | None = None):
         """Invoke an RPC; waits for a restarting service; raises project exceptions."""
         self.check_endpoint()
-        deadline = time.monotonic() + (timeout or self.timeout)
+        start = time.monotonic()
+        deadline = start + (timeout or self.timeout)
+        tries = 0
         while True:
             try:
                 return getattr(self._stub, method)(
                     request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True,
                     metadata=self.metadata)
             except grpc.RpcError as e:
+                hint = retry_hint(e)
+                if hint is not None:  # refused, nothing done: any call may be sent again
+                    pause = min(max(hint, RETRY_PAUSE_CAP), hint * 2 ** min(tries, 16))
+                    pause *= random.uniform(0.8, 1.2)  # callers refused together spread out
+                    if time.monotonic() + pause >= deadline:
+                        raise RetryLaterError(f"{e.details()} (still so after "
+                                              f"{time.monotonic() - start:.1f} s of retries)") from None
+                    time.sleep(pause)
+                    tries += 1
+                    continue
                 dropped = e.code() == grpc.StatusCode.UNAVAILABLE
                 if dropped and method in self.idempotent and time.monotonic() < deadline:
                     time.sleep(self.retry_seconds)

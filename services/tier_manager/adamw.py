@@ -56,7 +56,9 @@ import numpy as np
 import torch
 
 from tierstack.dtypes import dtype_from_name
-from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
+from tierstack.errors import (CpuPoolFullError, FailedPreconditionError, InvalidArgumentError,
+                              KeyNotFoundError, NvmePoolFullError)
+from tierstack.rpc import RetryLaterError
 from tierstack.services.tier_manager.adamw_kernel import TILE_ELEMENTS, NativeAdamW, Piece, TorchAdamW
 from tierstack.services.tier_manager.adamw_stream import SlotPool, StreamedTensor
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
@@ -64,8 +66,10 @@ from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.extent_header import ExtentMeta
 from tierstack.services.tier_manager.extents import align_up
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent
-from tierstack.services.tier_manager.registry import (TierRegistry, tensor_view, validate_key,
-                                                     validate_placement)
+from tierstack.services.tier_manager.registry import TierRegistry, tensor_view
+from tierstack.services.tier_manager.requests import validate_key, validate_placement
+from tierstack.services.tier_manager.spill import NVME_ROOM_WAIT_SECONDS
+from tierstack.services.tier_manager.updates import Claim
 from tierstack.services.tier_manager.types import (AdamWBlock, AdamWHyper, AdamWResult,
                                                    AdamWSegment, TensorInfo)
 from tierstack.tiers import NVME, Placement
@@ -93,8 +97,8 @@ RING_TILES = 2
 """Tiles of bytes a stream's ring holds, besides the two disk blocks at a window's ends:
 the tile being updated and the next one being read, while the one before is written out
 (its room is reused as soon as it is written)."""
-_ROOM_WAIT_SECONDS = 600.0
-"""The longest a streamed block waits for the blocks ahead of it to free NVMe room."""
+MAX_STEP = (1 << 63) - 1
+"""The largest step count: the kernels count steps in a signed 64-bit integer."""
 
 
 class _Resident:
@@ -113,6 +117,7 @@ class _Held:
     for each tensor where its bytes are (a CPU-pool view, or an NVMe stream)."""
 
     block: AdamWBlock
+    claim: Claim = field(default_factory=Claim)  # the step's holds on what it changes
     exclusive: list[TensorInfo] = field(default_factory=list)
     grads: TensorInfo | None = None
     sources: dict[str, _Resident | StreamedTensor] = field(default_factory=dict)
@@ -190,15 +195,36 @@ class AdamWStepper:
         return self._scratch.nbytes
 
     def step(self, blocks: list[AdamWBlock], hyper: AdamWHyper, durable: bool = False) -> AdamWResult:
-        """One AdamW step of `blocks`; returns the new versions and where time went."""
+        """One AdamW step of `blocks`; returns the new versions and where time went.
+
+        Every tensor the step changes is claimed first, all or none (updates.py): where
+        another client holds one, RetryLaterError before anything changed. Once a block
+        has its new versions no error is a retryable one (sent again, the step would
+        update that block twice)."""
         _check_hyper(hyper)
         for block in blocks:
             _check_block(block)
             _check_groups(block, hyper)
         _check_distinct(blocks)
+        claim = self.registry.updates.claim(_changed_keys(blocks, hyper))
+        try:
+            return self._run(blocks, hyper, durable, claim)
+        except RetryLaterError as e:
+            if not claim.changed:
+                raise
+            raise FailedPreconditionError(
+                f"{e}; but blocks before it have their new versions, so the step is not sent "
+                f"again: resume from a checkpoint, or keep other clients off a job's state while "
+                f"it steps") from None
+        finally:
+            self.registry.updates.abandon(claim)  # what an error left claimed, unchanged
+
+    def _run(self, blocks: list[AdamWBlock], hyper: AdamWHyper, durable: bool,
+             claim: Claim) -> AdamWResult:
         result = AdamWResult()
         writes: list[Future] = []
-        pending: Future | None = self._reader.submit(self._acquire, blocks[0], hyper) if blocks else None
+        pending: Future | None = self._reader.submit(self._acquire, blocks[0], hyper, claim) \
+            if blocks else None
         try:
             for i, block in enumerate(blocks):
                 start = time.perf_counter()
@@ -206,7 +232,7 @@ class AdamWStepper:
                 pending = None
                 result.wait_seconds += time.perf_counter() - start
                 if i + 1 < len(blocks):
-                    pending = self._reader.submit(self._acquire, blocks[i + 1], hyper)
+                    pending = self._reader.submit(self._acquire, blocks[i + 1], hyper, claim)
                 start = time.perf_counter()
                 try:
                     self._compute.submit(self._update, held, hyper).result()
@@ -234,7 +260,7 @@ class AdamWStepper:
 
     # ---- acquiring a block's state -----------------------------------------------------
 
-    def _acquire(self, block: AdamWBlock, hyper: AdamWHyper) -> _Held:
+    def _acquire(self, block: AdamWBlock, hyper: AdamWHyper, claim: Claim) -> _Held:
         """Hold the block's state; check every size before anything changes.
 
         What is in the CPU pool is used there; what is only on NVMe is loaded when the
@@ -242,7 +268,7 @@ class AdamWStepper:
         registry = self.registry
         # A small block's windows hold what it has, not a full tile of scratch.
         state_elements = align_up(max(1, block.state_nbytes // _STATE_ITEMSIZE), TILE_ALIGN)
-        held = _Held(block, tile_elements=min(self.tile_elements, state_elements))
+        held = _Held(block, claim, tile_elements=min(self.tile_elements, state_elements))
         infos = {"params": registry.info(block.params), "grads": registry.info(block.grads)}
         if block.master:
             infos["master"] = registry.info(block.master)
@@ -275,19 +301,20 @@ class AdamWStepper:
             overwritten = {"params": _param_spans(block)} if block.master else {}
             for name, key in targets:
                 try:
-                    info, buffer = registry.begin_update(key, load=load)
+                    info, buffer = registry.updates.begin(claim, key, load=load)
                 except CpuPoolFullError:  # the room went meanwhile: stream it instead
-                    info, buffer = registry.begin_update(key, load=False)
+                    info, buffer = registry.updates.begin(claim, key, load=False)
                 held.exclusive.append(info)
                 held.infos[name] = info
                 if name == "params" and buffer is None:
                     self._copy_in_pool(held, name, info.nbytes)
-                held.sources[name] = self._source(info, buffer, held.span, writable=True,
-                                                  overwritten=overwritten.get(name, ()),
+                held.sources[name] = self._source(info, buffer, held.span, claim.location,
+                                                  writable=True, overwritten=overwritten.get(name, ()),
                                                   copy=held.copies.get(name))
-            info, buffer = registry.fetch(block.grads, load=load)
+            info, buffer = registry.leases.fetch(block.grads, load=load, wait=True)
             held.grads = info
-            held.sources["grads"] = self._source(info, buffer, held.span, writable=False)
+            held.sources["grads"] = self._source(info, buffer, held.span, registry.leases.location,
+                                                 writable=False)
             for name, key in held.new.items():
                 meta = ExtentMeta(key, "float32", (block.state_nbytes // _STATE_ITEMSIZE,))
                 held.sources[name] = self._stream(meta, block.state_nbytes, None, (), held.span,
@@ -317,15 +344,17 @@ class AdamWStepper:
             return
         try:
             held.copies[name] = self.registry.allocate_buffer(nbytes)
-        except CpuPoolFullError:  # the room went meanwhile
+        except (CpuPoolFullError, RetryLaterError):  # the room went meanwhile
             pass
 
-    def _source(self, info: TensorInfo, buffer, span: int, writable: bool,
+    def _source(self, info: TensorInfo, buffer, span: int, location, writable: bool,
                 overwritten: tuple[tuple[int, int], ...] = (),
                 copy: CpuBuffer | None = None) -> _Resident | StreamedTensor:
+        """Where a held tensor's bytes are: its CPU-pool buffer, or a stream from the NVMe
+        extent `location(info)` names."""
         if buffer is not None or info.nbytes == 0:
             return _Resident(tensor_view(self.registry, info, buffer).view(-1).view(torch.uint8))
-        extent, checksums = self.registry.location(info)
+        extent, checksums = location(info)
         return self._stream(ExtentMeta(info.key, info.dtype, info.shape), info.nbytes, extent,
                             checksums, span, writable, overwritten,
                             self.registry.view(copy) if copy is not None else None)
@@ -367,13 +396,13 @@ class AdamWStepper:
                         # A block's finish is minutes at most; far past that, something
                         # holds a block it will never finish: the pool's error, not a hang.
                         if not self._finished.wait_for(lambda: self._in_flight < before,
-                                                       _ROOM_WAIT_SECONDS):
+                                                       NVME_ROOM_WAIT_SECONDS):
                             raise
 
     def _create_zeros(self, key: str, nbytes: int, placement: Placement) -> bool:
         """Moments of zeros in the CPU pool; False when the pool has no room for them."""
         try:
-            buffer = self.registry.allocate_buffer(nbytes)
+            buffer = self.registry.allocate_buffer(nbytes, wait=True)
         except CpuPoolFullError:
             return False
         try:
@@ -462,7 +491,7 @@ class AdamWStepper:
         # an allocation that finds the pool full waits for them (see `_acquire`) rather
         # than failing on the gradients' pin.
         if held.grads is not None:
-            self.registry.release(held.grads.key, held.grads.version)
+            self.registry.leases.release(held.grads.key, held.grads.version)
             if changed and release_gradients:  # used up: free their room in the pool
                 try:
                     self.registry.delete(held.grads.key)
@@ -499,9 +528,10 @@ class AdamWStepper:
             try:
                 # The next forward reads the new parameters in block order right after
                 # their update: kept in the pool until then, not sent out and read back.
-                out.append(self.registry.end_update(info, ok, durable, written.pop(name, None),
-                                                    read_ahead=name == "params",
-                                                    cpu_copy=held.copies.pop(name, None)))
+                out.append(self.registry.updates.end(held.claim, info, ok, durable,
+                                                     written.pop(name, None),
+                                                     read_ahead=name == "params",
+                                                     cpu_copy=held.copies.pop(name, None)))
             except Exception as e:  # noqa: BLE001
                 first_error = first_error or e
         for name, key in held.new.items():
@@ -607,8 +637,9 @@ def _nbytes(source: _Resident | StreamedTensor) -> int:
 
 
 def _check_hyper(hyper: AdamWHyper) -> None:
-    if hyper.step < 1:
-        raise InvalidArgumentError(f"AdamW step must be >= 1 (1 is the first), got {hyper.step}")
+    if not 1 <= hyper.step <= MAX_STEP:
+        raise InvalidArgumentError(f"AdamW step must be >= 1 (1 is the first) and at most "
+                                   f"{MAX_STEP} (2^63 - 1), got {hyper.step}")
     # lr 0 is legal: a warm-up schedule starts there (the moments still move).
     rates = [(hyper.lr, hyper.weight_decay), *hyper.groups]
     if not (all(math.isfinite(lr) and lr >= 0 and math.isfinite(wd) and wd >= 0 for lr, wd in rates)
@@ -652,6 +683,12 @@ def _check_block(block: AdamWBlock) -> None:
 
 
 _ROLES = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+
+
+def _changed_keys(blocks: list[AdamWBlock], hyper: AdamWHyper) -> list[str]:
+    """The tensors a step changes in place (step 1 creates its moments afresh)."""
+    roles = ("params", "master") + (("exp_avg", "exp_avg_sq") if hyper.step > 1 else ())
+    return [key for block in blocks for role in roles if (key := getattr(block, role))]
 
 
 def _check_distinct(blocks: list[AdamWBlock]) -> None:

@@ -44,15 +44,9 @@ from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.extent_header import ExtentMeta
 from tierstack.services.tier_manager.extents import align_up
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent
+from tierstack.services.tier_manager.shared_mapping import MAP_FAILED, libc
 
 _MAP_FIXED, _PROT_NONE = 0x10, 0  # Linux; Python's mmap module exports neither
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 SCRATCH_NAME = "tierstack-scratch"
 """The memfd name of every ring (/proc/<pid>/maps shows "/memfd:tierstack-scratch")."""
 
@@ -64,7 +58,7 @@ class _Mapping:
         self.address, self.nbytes = address, nbytes
 
     def __del__(self) -> None:
-        _libc.munmap(self.address, self.nbytes)
+        libc.munmap(self.address, self.nbytes)
 
 
 class MirrorRing:
@@ -78,12 +72,12 @@ class MirrorRing:
             os.ftruncate(fd, self.capacity)
             whole = 2 * self.capacity
             # Address space for both halves first, so that nothing else lands between them.
-            address = _libc.mmap(None, whole, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-            if address in (None, _MAP_FAILED):
+            address = libc.mmap(None, whole, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+            if address in (None, MAP_FAILED):
                 raise _map_error(whole)
             mapping = _Mapping(address, whole)
             for half in (0, self.capacity):
-                at = _libc.mmap(address + half, self.capacity, mmap.PROT_READ | mmap.PROT_WRITE,
+                at = libc.mmap(address + half, self.capacity, mmap.PROT_READ | mmap.PROT_WRITE,
                                 mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
                 if at != address + half:
                     raise _map_error(whole)

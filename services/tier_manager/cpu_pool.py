@@ -1,34 +1,39 @@
 """The node's CPU memory pool: shared-memory arenas created as buffers need them.
 
-Every buffer is an arena of its own: a file in a tmpfs (normally /dev/shm), created 0600
-with a name unique to this pool instance, sized to the buffer (rounded up to the
-alignment, or to the huge page of a huge-page filesystem) and reserved with
-posix_fallocate, so a tmpfs too small for it fails at the allocation, not at a page
-fault. Nothing is reserved at start (start-up time does not depend on the cap), and
-because no buffer shares an arena with another, there is no fragmentation: a buffer of
-n bytes fits whenever the arenas hold at most `capacity - n` bytes. The invariant the
-pool keeps: the bytes of all its arenas, used or empty, never exceed `capacity`.
+An arena is a file in a tmpfs (normally /dev/shm), created 0600 with a name unique to
+this pool instance, reserved with posix_fallocate (a tmpfs too small fails at the
+allocation, not at a page fault) and mapped once, without keeping a file descriptor
+(shared_mapping.py). Nothing is reserved at start: start-up time does not depend on the
+cap. The invariant the pool keeps: the bytes of all its arenas, used or empty, never
+exceed `capacity`.
 
-An arena whose buffer is freed stays, empty, for `keep_empty_seconds`, and the next
-buffer of the same size takes it: workers map and page-lock each arena once (slow:
-seconds per 4 GiB on a GPU host), so a training loop that frees and re-allocates
+Two kinds of arena, so that neither file descriptors nor mappings grow with the number
+of tensors (issue 35: one file per buffer failed every allocation after ~1,000 tensors
+under `ulimit -n 1024`, and 65,530 mappings is vm.max_map_count's default):
+- A buffer larger than `shared_limit` gets an arena of its own, sized to it: such a
+  buffer fits whenever the arenas hold at most `capacity - n` bytes (no fragmentation).
+- Smaller buffers share arenas of `shared_arena` bytes (64 MiB, or 1/64 of a pool under
+  4 GiB), best-fit inside each. Packing them costs holes when they come and go (at most
+  1/64 of a small pool for one shared arena holding a few); an allocation that finds
+  none asks the pool's owner to evict (`on_full`) as a full pool does.
+So the pool holds at most `max_arenas` arenas (capacity / shared_limit + capacity /
+shared_arena) whatever its tensor count: 320 for a pool under 4 GiB, 5 per 64 MiB of a
+larger one.
+
+An empty arena stays for `keep_empty_seconds`, and the next buffer of its size (or any
+small buffer, for a shared one) takes it: workers map and page-lock each arena once
+(slow: seconds per 4 GiB on a GPU host), so a training loop that frees and re-allocates
 same-sized buffers every step must not get fresh arenas every step. Empty arenas are
-returned to the host when they have been idle that long, or at once when a new buffer
-needs their room under the cap. Arena ids are never reused: an id names one file for
-the life of the pool, and `epoch` counts the arenas returned, so a worker that sees a
-new epoch knows to unmap what is gone.
-
-Liveness: the pool holds an exclusive flock on its lock file while it lives. A new pool
-reclaims arenas left by a crashed one: arenas whose instance's lock file can be locked
-(or is gone) have no living owner (this survives PID reuse, unlike a pid check).
+returned to the host when idle that long, or at once when a new arena needs their room
+under the cap. Arena ids are never reused: an id names one file for the life of the
+pool, and `epoch` counts the arenas returned, so a worker that sees a new epoch knows to
+unmap what is gone. Liveness and a crashed pool's files: arena_files.py.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
-import mmap
 import os
 import threading
 import time
@@ -37,15 +42,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tierstack.config import CpuPoolConfig, parse_size
+from tierstack.config import CpuPoolConfig
+from tierstack.doctor import map_count_check, open_files_check
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, StorageIOError
-from tierstack.services.tier_manager.extents import Extent, align_up
+from tierstack.services.tier_manager.arena_files import (arena_path, huge_page_size, lock_path,
+                                                         reclaim_stale_arenas, take_lock_file)
+from tierstack.services.tier_manager.extents import Extent, ExtentAllocator, align_up
+from tierstack.services.tier_manager.shared_mapping import SharedMapping
 from tierstack.services.tier_manager.types import ArenaInfo
 
 log = logging.getLogger(__name__)
 
-ARENA_PREFIX = "tierstack-arena-"
-LOCK_PREFIX = "tierstack-pool-"
+SHARED_ARENA_BYTES = 64 << 20
+"""Arenas that small buffers share are this big, or 1/64 of a pool under 4 GiB: a shared
+arena that holds a few small buffers holds its whole size, and 1 MiB of a 16 MiB pool so
+held (1/16) was room its layers needed, which sent one to NVMe at every use (126
+evictions where there were none). 64 MiB populate in ~15 ms."""
+SHARED_PER_ARENA = 4
+"""A buffer up to 1/4 of a shared arena shares one; larger ones get an arena each."""
 
 
 @dataclass(frozen=True)
@@ -63,15 +77,17 @@ class CpuBuffer:
 EvictCallback = Callable[[int], bool]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Arena:
     info: ArenaInfo
-    map: mmap.mmap
+    map: SharedMapping
+    shared: ExtentAllocator | None = None  # the holes of an arena small buffers share
+    buffers: int = 0
     empty_since: float | None = None  # monotonic time it was emptied; None while used
 
 
 class CpuPool:
-    """Shared-memory arenas, one per buffer, their bytes never above `capacity`."""
+    """Shared-memory arenas, their bytes never above `capacity`, their number bounded."""
 
     def __init__(self, config: CpuPoolConfig, on_full: EvictCallback | None = None,
                  capacity: int | None = None) -> None:
@@ -94,15 +110,18 @@ class CpuPool:
         # On a huge-page filesystem arenas are whole huge pages.
         self.granule = max(config.alignment, self.page_size)
         self.capacity = capacity // self.granule * self.granule
+        self.shared_arena = min(SHARED_ARENA_BYTES, self.capacity // 64) // self.granule * self.granule
+        self.shared_limit = self.shared_arena // SHARED_PER_ARENA // self.granule * self.granule
         self._lock = threading.Lock()
         self._arenas: dict[int, _Arena] = {}
-        self._empty: dict[int, list[int]] = {}  # size -> empty arena ids, oldest first
+        self._shared: list[_Arena] = []  # the shared ones, oldest first
+        self._empty: set[_Arena] = set()
         self._next_id = 0
         self._reserved = 0  # bytes of every arena, used or empty, plus ones being created
         self._used = 0
         self.epoch = 0  # arenas returned so far
         self.created = 0  # arenas created so far (a figure for tests and benchmarks)
-        self._lock_fd = _take_lock_file(self.shm_dir, self.instance_id)
+        self._lock_fd = take_lock_file(self.shm_dir, self.instance_id)
         log.info("CPU pool %s: up to %d bytes of arenas in %s, created as needed",
                  self.instance_id, self.capacity, self.shm_dir)
 
@@ -113,6 +132,13 @@ class CpuPool:
         """The live arenas (used or empty), by id."""
         with self._lock:
             return [self._arenas[i].info for i in sorted(self._arenas)]
+
+    @property
+    def max_arenas(self) -> int:
+        """The most arenas the pool can ever hold at once (each costs a worker's mapping)."""
+        dedicated = self.capacity // (self.shared_limit + self.granule) if self.shared_limit else \
+            self.capacity // self.granule
+        return dedicated + (self.capacity // self.shared_arena if self.shared_limit else 0)
 
     @property
     def used_bytes(self) -> int:
@@ -130,8 +156,8 @@ class CpuPool:
     # ---- allocation ---------------------------------------------------------------------
 
     def allocate(self, nbytes: int) -> CpuBuffer:
-        """A buffer of at least `nbytes` in an arena of its own; asks `on_full` to evict
-        when the cap leaves no room."""
+        """A buffer of at least `nbytes`; asks `on_full` to evict when the cap leaves no
+        room for it."""
         if nbytes <= 0:
             raise InvalidArgumentError(f"cannot allocate a buffer of {nbytes} bytes")
         size = align_up(nbytes, self.granule)
@@ -139,19 +165,20 @@ class CpuPool:
             raise CpuPoolFullError(
                 f"a buffer of {nbytes} bytes is larger than the whole CPU pool ({self.capacity} "
                 f"bytes); raise cpu_pool.size (or the host budget)")
+        shared = size <= self.shared_limit
+        arena_size = self.shared_arena if shared else size
         while True:
             returned: list[_Arena] = []
             with self._lock:
-                reused = self._take_empty(size)
-                if reused is not None:
-                    self._used += size
-                    return CpuBuffer(reused, 0, nbytes, Extent(0, size))
-                # Room under the cap: return idle-most empty arenas of other sizes first.
-                while self._reserved + size > self.capacity and self._empty:
-                    returned.append(self._remove_oldest_empty())
-                fits = self._reserved + size <= self.capacity
+                buffer = self._in_shared(nbytes, size) if shared else self._in_empty(nbytes, size)
+                if buffer is not None:
+                    return buffer
+                # Room under the cap: return idle-most empty arenas first.
+                while self._reserved + arena_size > self.capacity and self._remove_oldest_empty(returned):
+                    pass
+                fits = self._reserved + arena_size <= self.capacity
                 if fits:
-                    self._reserved += size
+                    self._reserved += arena_size
                     arena_id = self._next_id
                     self._next_id += 1
             self._unmap(returned)
@@ -163,25 +190,30 @@ class CpuPool:
                     f"{self.capacity} in use and nothing evictable; raise cpu_pool.size (or "
                     f"the host budget) or release tensors")
         try:
-            arena = self._create_arena(arena_id, size)
+            arena = self._create_arena(arena_id, arena_size, shared)
         except BaseException:
             with self._lock:
-                self._reserved -= size
+                self._reserved -= arena_size
             raise
         with self._lock:
             self._arenas[arena_id] = arena
-            self._used += size
+            if arena.shared is not None:
+                self._shared.append(arena)
             self.created += 1
-        return CpuBuffer(arena_id, 0, nbytes, Extent(0, size))
+            return self._take(arena, nbytes, size)
 
     def free(self, buffer: CpuBuffer) -> None:
-        """Give a buffer back; its arena is kept empty for reuse (see `trim`)."""
+        """Give a buffer back; an arena left empty is kept for reuse (see `trim`)."""
         with self._lock:
             arena = self._arenas[buffer.arena]
-            assert arena.empty_since is None, f"double free of arena {buffer.arena}"
-            arena.empty_since = time.monotonic()
-            self._empty.setdefault(arena.info.size, []).append(buffer.arena)
-            self._used -= arena.info.size
+            if arena.shared is not None:
+                arena.shared.free(buffer.extent)  # raises on a double free
+            assert arena.buffers > 0, f"double free in arena {buffer.arena}"
+            arena.buffers -= 1
+            self._used -= buffer.extent.length
+            if not arena.buffers:
+                arena.empty_since = time.monotonic()
+                self._empty.add(arena)
         if self.config.keep_empty_seconds == 0:
             self.trim()
 
@@ -190,26 +222,27 @@ class CpuPool:
         now = time.monotonic() if now is None else now
         limit = self.config.keep_empty_seconds
         with self._lock:
-            idle = [i for ids in self._empty.values() for i in ids
-                    if now - self._arenas[i].empty_since >= limit]
-            returned = [self._remove_empty(i) for i in idle]
-        self._unmap(returned)
-        return len(returned)
+            idle = [a for a in self._empty if now - a.empty_since >= limit]
+            for arena in idle:
+                self._remove(arena)
+        self._unmap(idle)
+        return len(idle)
 
     def view(self, buffer: CpuBuffer) -> memoryview:
         """A writable memoryview of the buffer's `nbytes` bytes (no copy)."""
-        return memoryview(self._arenas[buffer.arena].map)[buffer.offset:buffer.offset + buffer.nbytes]
+        return self._arenas[buffer.arena].map.view(buffer.offset, buffer.nbytes)
 
     def close(self) -> None:
         """Unmap and delete every arena and the lock file. Views still held keep their
         mapping alive."""
         with self._lock:
-            arenas, self._arenas, self._empty = list(self._arenas.values()), {}, {}
+            arenas, self._arenas = list(self._arenas.values()), {}
+            self._shared, self._empty = [], set()
             self._reserved = self._used = 0
         self._unmap(arenas)
         if self._lock_fd is not None:
             try:
-                os.unlink(_lock_path(self.shm_dir, self.instance_id))
+                os.unlink(lock_path(self.shm_dir, self.instance_id))
             except FileNotFoundError:
                 pass
             os.close(self._lock_fd)
@@ -223,48 +256,63 @@ class CpuPool:
 
     # ---- arenas (lock held where noted) -------------------------------------------------
 
-    def _take_empty(self, size: int) -> int | None:
-        """An empty arena of exactly `size` bytes, the most recently emptied (its pages are
-        the warmest); lock held."""
-        ids = self._empty.get(size)
-        if not ids:
-            return None
-        arena_id = ids.pop()
-        if not ids:
-            del self._empty[size]
-        self._arenas[arena_id].empty_since = None
-        return arena_id
+    def _in_shared(self, nbytes: int, size: int) -> CpuBuffer | None:
+        """A hole in a shared arena, the oldest arena first (so that newer ones empty and
+        go back); lock held."""
+        for arena in self._shared:
+            if arena.shared.largest_free() >= size:
+                return self._take(arena, nbytes, size)
+        return None
 
-    def _remove_oldest_empty(self) -> _Arena:
-        oldest = min((ids[0] for ids in self._empty.values()),
-                     key=lambda i: self._arenas[i].empty_since)
-        return self._remove_empty(oldest)
+    def _in_empty(self, nbytes: int, size: int) -> CpuBuffer | None:
+        """An empty arena of its own of exactly `size` bytes, the most recently emptied
+        (its pages are the warmest); lock held."""
+        empty = [a for a in self._empty if a.shared is None and a.info.size == size]
+        return self._take(max(empty, key=lambda a: a.empty_since), nbytes, size) if empty else None
 
-    def _remove_empty(self, arena_id: int) -> _Arena:
+    def _take(self, arena: _Arena, nbytes: int, size: int) -> CpuBuffer:
+        extent = arena.shared.allocate(size) if arena.shared is not None else Extent(0, size)
+        arena.buffers += 1
+        arena.empty_since = None
+        self._empty.discard(arena)
+        self._used += size
+        return CpuBuffer(arena.info.index, extent.offset, nbytes, extent)
+
+    def _remove_oldest_empty(self, returned: list[_Arena]) -> bool:
+        """Forget the idle-most empty arena into `returned`; False if none is; lock held."""
+        if not self._empty:
+            return False
+        oldest = min(self._empty, key=lambda a: a.empty_since)
+        self._remove(oldest)
+        returned.append(oldest)
+        return True
+
+    def _remove(self, arena: _Arena) -> None:
         """Forget an empty arena (the caller unmaps it outside the lock); lock held."""
-        arena = self._arenas.pop(arena_id)
-        ids = self._empty[arena.info.size]
-        ids.remove(arena_id)
-        if not ids:
-            del self._empty[arena.info.size]
+        del self._arenas[arena.info.index]
+        self._empty.discard(arena)
+        if arena.shared is not None:
+            self._shared.remove(arena)
         self._reserved -= arena.info.size
         self.epoch += 1
-        return arena
 
     def _unmap(self, arenas: list[_Arena]) -> None:
         for arena in arenas:
-            try:
-                arena.map.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes when it does
+            arena.map.close()  # unmapped once no view of it is left
             try:
                 os.unlink(arena.info.path)
             except FileNotFoundError:
                 pass
 
-    def _create_arena(self, arena_id: int, size: int) -> _Arena:
-        path = self.shm_dir / f"{ARENA_PREFIX}{self.instance_id}-{arena_id:06d}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    def _create_arena(self, arena_id: int, size: int, shared: bool) -> _Arena:
+        path = arena_path(self.shm_dir, self.instance_id, arena_id)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            hint = (f"; {open_files_check().found}: raise it (ulimit -n, LimitNOFILE=)"
+                    if e.errno in (errno.EMFILE, errno.ENFILE) else "")
+            raise StorageIOError(f"cannot create a CPU pool arena in {self.shm_dir}: "
+                                 f"{e.strerror}{hint}") from None
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -276,116 +324,18 @@ class CpuPool:
                         f"cannot reserve {size} bytes for a CPU pool arena in {self.shm_dir}: it "
                         f"is full ({e.strerror}); lower cpu_pool.size or {hint}") from None
                 raise StorageIOError(f"cannot size arena {path}: {e}") from e
-            # MAP_POPULATE: map every page now, so the first copy into the buffer does not
-            # pay a page fault per 4 KiB.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             try:
-                m = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+                mapping = SharedMapping(fd, size)  # every page mapped now: no fault per 4 KiB later
             except OSError as e:
                 raise StorageIOError(
-                    f"cannot map a CPU pool arena of {size} bytes ({e.strerror}): with one "
-                    f"arena per tensor, a node holding very many tensors may need a higher "
-                    f"vm.max_map_count") from e
+                    f"cannot map a CPU pool arena of {size} bytes ({e.strerror}): "
+                    f"{map_count_check(0).found}; raise it (sysctl -w vm.max_map_count=...) or "
+                    f"free host memory") from None
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
         os.close(fd)  # the mapping keeps the file; liveness is the pool's lock file
-        return _Arena(ArenaInfo(arena_id, str(path), size), m)
+        allocator = ExtentAllocator(size, self.granule) if shared else None
+        return _Arena(ArenaInfo(arena_id, str(path), size), mapping, allocator)
 
-
-def _lock_path(shm_dir: Path, instance_id: str) -> Path:
-    return shm_dir / f"{LOCK_PREFIX}{instance_id}.lock"
-
-
-def _take_lock_file(shm_dir: Path, instance_id: str) -> int:
-    """Create this pool's lock file already flocked: it is locked under a temporary name
-    and renamed into place, so a reclaimer never sees it unlocked."""
-    final = _lock_path(shm_dir, instance_id)
-    temporary = final.with_suffix(".new")
-    fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.rename(temporary, final)
-    return fd
-
-
-def huge_page_size(directory: Path) -> int:
-    """The page size backing files in `directory`: 4096, or the huge page size of a
-    hugetlbfs mount (pagesize=, default 2 MiB) or a tmpfs mounted with huge=always."""
-    target = os.path.realpath(directory)
-    best, size = "", 4096
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return size
-    for line in lines:
-        head, _, tail = line.partition(" - ")
-        fields, tail_fields = head.split(), tail.split()
-        if len(fields) < 5 or len(tail_fields) < 3:
-            continue
-        mount_point = fields[4].replace("\\040", " ")
-        inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
-        if not inside or len(mount_point) < len(best):
-            continue
-        best = mount_point
-        fstype, options = tail_fields[0], tail_fields[2].split(",")
-        size = 4096
-        if fstype == "hugetlbfs":
-            size = 2 << 20
-            for opt in options:
-                if opt.startswith("pagesize="):
-                    size = parse_size(opt.split("=", 1)[1] + ("iB" if opt[-1].isalpha() else ""))
-        elif fstype == "tmpfs" and ("huge=always" in options or "huge=within_size" in options):
-            size = 2 << 20
-    return size
-
-
-def _instance_of(name: str) -> str:
-    """The pool instance an arena or lock file belongs to ("<pid>-<hex>")."""
-    if name.startswith(LOCK_PREFIX):
-        return name[len(LOCK_PREFIX):].split(".", 1)[0]
-    return name[len(ARENA_PREFIX):].rsplit("-", 1)[0]
-
-
-def _owner_alive(shm_dir: Path, instance: str) -> bool:
-    """Whether the pool `instance` still holds its lock file."""
-    try:
-        fd = os.open(_lock_path(shm_dir, instance), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def reclaim_stale_arenas(shm_dir: Path) -> list[str]:
-    """Delete the arenas (and lock files) in `shm_dir` whose owning pool is gone; returns
-    the arenas' paths."""
-    reclaimed = []
-    uid = os.getuid()
-    alive: dict[str, bool] = {}
-    for path in sorted(shm_dir.glob(f"{ARENA_PREFIX}*")) + sorted(shm_dir.glob(f"{LOCK_PREFIX}*.lock")):
-        try:
-            if path.lstat().st_uid != uid:
-                continue
-        except FileNotFoundError:
-            continue
-        instance = _instance_of(path.name)
-        if instance not in alive:
-            alive[instance] = _owner_alive(shm_dir, instance)
-        if alive[instance]:
-            continue
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        if path.name.startswith(ARENA_PREFIX):
-            reclaimed.append(str(path))
-    if reclaimed:
-        log.warning("reclaimed %d stale CPU pool arenas left by a crashed daemon in %s",
-                    len(reclaimed), shm_dir)
-    return reclaimed

@@ -17,18 +17,18 @@ import torch
 
 from tierstack.addresses import TIER_MANAGER_ENV, default_tier_manager_address
 from tierstack.config import SecurityConfig, TierManagerConfig
+from tierstack.doctor import OK, log_checks, map_count_check, raise_open_files_limit
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import ServiceEndpoint, serve_until_signalled
 from tierstack.services.tier_manager.heap import bound_malloc_arenas
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.server import TierManagerServicer
 from tierstack.services.tier_manager.telemetry import NodeTelemetry
+from tierstack.services.tier_manager.tiers import open_tiers
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tierstack.tier_manager.v1.TierManager"
-STREAM_RESERVE = 8
-"""gRPC threads kept from streams (WatchStats) for unary calls: StreamSlots in rpc.py."""
 
 
 class TierManagerDaemon:
@@ -43,12 +43,16 @@ class TierManagerDaemon:
         self.config = config
         self.endpoint = ServiceEndpoint(config.listen or default_tier_manager_address(),
                                         SERVICE_NAME, "the tier manager", TIER_MANAGER_ENV, security)
-        self.registry = TierRegistry(config, recover=recover)
+        # The machine is measured once, here: the pools and their parts, then the registry.
+        self.tiers = open_tiers(config, recover=recover)
+        maps = map_count_check(self.tiers.cpu_pool.max_arenas)  # the pool's own bound
+        if maps.status != OK:  # what to raise, in the log before anything fails
+            log.warning("%s: %s; %s", maps.name, maps.found, maps.fix)
+        self.registry = TierRegistry(config, tiers=self.tiers)
         try:
             self.servicer = TierManagerServicer(self.registry,
                                                 lease_timeout=config.lease_timeout_seconds,
-                                                max_streams=max_workers - STREAM_RESERVE,
-                                                jobs_config=config.jobs)
+                                                jobs_config=config.jobs, threads=max_workers)
             self.telemetry = NodeTelemetry(config, self.servicer, security)
             server = self.endpoint.build_server(max_workers, "tierstack-rpc",
                                                 self.telemetry.interceptors())
@@ -68,12 +72,12 @@ class TierManagerDaemon:
         if self.config.scheduler_address:
             from tierstack.services.tier_manager.node_link import NodeLink
 
-            self.node_link = NodeLink(self.registry, self.config, self.telemetry.url, self.security)
+            self.node_link = NodeLink(self.tiers, self.config, self.telemetry.url, self.security)
             self.node_link.start()  # probes the links before serving, then registers
         self.endpoint.start()
         threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
                          daemon=True).start()
-        log.info("tier manager %s serving on %s", self.registry.cpu_pool.instance_id, self.target)
+        log.info("tier manager %s serving on %s", self.tiers.cpu_pool.instance_id, self.target)
 
     def stop(self) -> None:
         """Graceful stop: refuse new work, finish in-flight requests, close the pools."""
@@ -99,9 +103,8 @@ def serve(config: TierManagerConfig, security: SecurityConfig | None = None,
     """Run the daemon in the foreground until SIGTERM or SIGINT (or until process
     `parent_pid` is gone, removing `owned_dir`). With `recover`, first rebuild the manifest from the NVMe data
     (durable.py: DurableCopies.rebuild)."""
-    from tierstack.doctor import log_checks
-
     os.umask(0o077)  # everything the daemon creates is its user's alone
+    raise_open_files_limit()  # up to the hard limit, before the checks report it
     log_checks(config)  # what is off about the machine, in the log before anything fails
     daemon = TierManagerDaemon(config, security=security, recover=recover)
 

@@ -51,9 +51,9 @@ MakeRoom = Callable[[int], bool]
 class DurableCopies:
     """The NVMe pool and its manifest, written in the order that keeps rows honest."""
 
-    def __init__(self, config: TierManagerConfig, make_room: MakeRoom, capacity: int,
-                 rebuild: bool = False) -> None:
-        self.make_room = make_room
+    def __init__(self, config: TierManagerConfig, capacity: int, rebuild: bool = False,
+                 make_room: MakeRoom | None = None) -> None:
+        self.make_room: MakeRoom = make_room or (lambda nbytes: False)  # set by spill.py
         self.rebuild = rebuild
         self.pool = NvmePool(config.nvme_pool, capacity)
         try:

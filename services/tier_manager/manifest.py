@@ -28,7 +28,7 @@ from tierstack.dtypes import dtype_from_name, nbytes_of
 from tierstack.errors import (ConfigError, ManifestError, NvmePoolFullError, StorageIOError,
                               TierstackError)
 from tierstack.private_paths import ensure_private_dir, hold_lock, open_private_file
-from tierstack.services.tier_manager.nvme_pool import NvmeExtent
+from tierstack.services.tier_manager.nvme_pool import NvmeExtent, unusable
 
 SCHEMA_VERSION = 1
 SIDE_FILES = ("-wal", "-shm")  # sqlite's own files beside the database
@@ -75,22 +75,29 @@ class Manifest:
         if path.is_dir():
             raise ConfigError(f"tier_manager.manifest_path {path} is a directory; give a file "
                               f"path (e.g. {path / 'manifest.sqlite'})")
-        ensure_private_dir(path.parent, "manifest directory", "tier_manager.manifest_path")
         self.path = path
         self._lock = threading.Lock()
-        self._lock_fd = hold_lock(Path(str(path) + ".lock"), f"the manifest {path}",
-                                  "stop that tier manager first, or give this one another "
-                                  "tier_manager.manifest_path")
+        try:
+            ensure_private_dir(path.parent, "manifest directory", "tier_manager.manifest_path")
+            self._lock_fd = hold_lock(Path(str(path) + ".lock"), f"the manifest {path}",
+                                      "stop that tier manager first, or give this one another "
+                                      "tier_manager.manifest_path")
+        except OSError as e:
+            if isinstance(e, TierstackError):
+                raise
+            raise unusable(path.parent, e, "manifest directory", "tier_manager.manifest_path") from None
         try:
             # Created here 0600 (sqlite would take the umask), never through a symlink; its
             # -wal and -shm files get the database's mode.
             os.close(open_private_file(path, os.O_RDWR | os.O_CREAT, "manifest"))
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
             self._open(layout)
-        except BaseException:
+        except BaseException as e:
             if getattr(self, "_db", None) is not None:
                 self._db.close()
             os.close(self._lock_fd)
+            if isinstance(e, OSError) and not isinstance(e, TierstackError):
+                raise unusable(path, e, "manifest", "tier_manager.manifest_path") from None
             raise
 
     def _open(self, layout: dict) -> None:

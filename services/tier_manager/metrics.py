@@ -81,7 +81,7 @@ class NodeMetrics:
         return stats, totals, _Counters(time.monotonic(), links, totals.stall_seconds)
 
     def _queues(self, totals) -> dict[str, int]:
-        engine = self.servicer.registry.nvme_pool.engine
+        engine = self.servicer.registry.durable.pool.engine
         # ThreadPoolExecutor keeps its queue private; it is the one place hints wait.
         prefetch = getattr(getattr(self.servicer, "_prefetcher", None), "_work_queue", None)
         return {"prefetch": prefetch.qsize() if prefetch is not None else 0,
@@ -182,7 +182,7 @@ class NodeMetrics:
     def plan(self, live=None) -> PlanFigures:
         """The scheduler's plans this node's registry evicts by, and the access order."""
         registry = self.servicer.registry
-        state = registry.eviction_state()
+        state = registry.spill.eviction_state()
         live = self.workers.live() if live is None else live
         return PlanFigures(
             scheduler=registry.config.scheduler_address,
@@ -242,7 +242,7 @@ class NodeMetrics:
             f.add_metric([], value)
             yield f
         plans = family(mc.PLAN_VERSION)
-        for plan in self.servicer.registry.eviction_state().plans:
+        for plan in self.servicer.registry.spill.eviction_state().plans:
             plans.add_metric([plan.job], plan.version)
         yield plans
         stall = family(mc.WORKER_STALL)

@@ -11,7 +11,7 @@ traffic reports 0, which the scheduler reads as "no measurement". Device links a
 measured by workers, not here.
 
 The link also follows the plans of every job on the node (WatchNodePlans) and hands
-each to the registry (`TierRegistry.apply_plan`), whose eviction then follows the plan's
+each to the node's spill (`Spill.apply_plan`), whose eviction then follows the plan's
 tiers and eviction order; a job the scheduler forgets is forgotten there too.
 
 The scheduler may be down or restart: registration is retried, a report answered
@@ -35,7 +35,7 @@ from tierstack.errors import InvalidArgumentError, KeyNotFoundError, TierstackEr
 from tierstack.services.scheduler.client import SchedulerClient, Stream
 from tierstack.services.scheduler.model import TIERS, Bandwidths, JobNodePlan, NodePlanUpdate, NodeSpec
 from tierstack.services.tier_manager.eviction import JobPlan
-from tierstack.services.tier_manager.registry import TierRegistry
+from tierstack.services.tier_manager.tiers import NodeTiers
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +46,15 @@ def node_id_of(config: TierManagerConfig) -> str:
     return config.node_id or socket.gethostname()
 
 
-def probe_bandwidths(registry: TierRegistry, nbytes: int = PROBE_BYTES, repeats: int = 3) -> Bandwidths:
+def probe_bandwidths(tiers: NodeTiers, nbytes: int = PROBE_BYTES, repeats: int = 3) -> Bandwidths:
     """Measure the node's links once (best of `repeats`), within the pools' budgets."""
-    nvme, cpu = registry.nvme_pool, registry.cpu_pool
+    nvme, cpu = tiers.durable.pool, tiers.cpu_pool
     block = nvme.block_size
     nbytes = min(nbytes, nvme.free_bytes // 4, cpu.capacity // 4)
     nbytes = max(block, nbytes // block * block)
-    buffer = registry.allocate_buffer(nbytes)
+    buffer = tiers.spill.allocate(nbytes, wait=True)
     try:
-        view = registry.view(buffer)
+        view = cpu.view(buffer)
         view[:] = bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
         extent = nvme.allocate(nbytes)
         try:
@@ -71,7 +71,7 @@ def probe_bandwidths(registry: TierRegistry, nbytes: int = PROBE_BYTES, repeats:
             nvme.free(extent)
         h2d, d2h = _probe_device(view, nbytes, repeats)
     finally:
-        registry.free_buffer(buffer)
+        cpu.free(buffer)
     return Bandwidths(disk_read=read, disk_write=write, h2d=h2d, d2h=d2h)
 
 
@@ -101,11 +101,11 @@ def _probe_device(view: memoryview, nbytes: int, repeats: int) -> tuple[float, f
     return h2d, d2h
 
 
-def node_spec(registry: TierRegistry, config: TierManagerConfig, bandwidth: Bandwidths) -> NodeSpec:
+def node_spec(tiers: NodeTiers, config: TierManagerConfig, bandwidth: Bandwidths) -> NodeSpec:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu_bytes = sum(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
-    return NodeSpec(node_id=node_id_of(config), gpu_bytes=gpu_bytes, cpu_bytes=registry.cpu_pool.capacity,
-                    nvme_bytes=registry.nvme_pool.capacity, bandwidth=bandwidth, gpus=max(gpus, 1))
+    return NodeSpec(node_id=node_id_of(config), gpu_bytes=gpu_bytes, cpu_bytes=tiers.cpu_pool.capacity,
+                    nvme_bytes=tiers.durable.pool.capacity, bandwidth=bandwidth, gpus=max(gpus, 1))
 
 
 def job_plan(plan: JobNodePlan) -> JobPlan:
@@ -128,11 +128,11 @@ def job_plan(plan: JobNodePlan) -> JobPlan:
 
 class NodeLink:
     """Registers this node with the scheduler, reports its measured disk bandwidth and
-    has the registry follow the plans of the node's jobs."""
+    has the node's eviction follow the plans of its jobs."""
 
-    def __init__(self, registry: TierRegistry, config: TierManagerConfig, metrics_url: str = "",
+    def __init__(self, tiers: NodeTiers, config: TierManagerConfig, metrics_url: str = "",
                  security: SecurityConfig | None = None) -> None:
-        self.registry = registry
+        self.tiers = tiers
         self.config = config
         self.metrics_url = metrics_url  # the node's HTTP API, for the scheduler's cluster view
         self.client = SchedulerClient(config.scheduler_address, timeout=10.0, security=security)
@@ -147,7 +147,7 @@ class NodeLink:
 
     def start(self) -> None:
         # The probe runs before the daemon serves, so no worker's traffic skews it.
-        self.node = node_spec(self.registry, self.config, probe_bandwidths(self.registry))
+        self.node = node_spec(self.tiers, self.config, probe_bandwidths(self.tiers))
         bw = self.node.bandwidth
         log.info("bandwidth probe: disk read %.2f GB/s, write %.2f GB/s; shm->device %.2f GB/s, "
                  "device->shm %.2f GB/s", bw.disk_read / 1e9, bw.disk_write / 1e9, bw.h2d / 1e9, bw.d2h / 1e9)
@@ -157,7 +157,7 @@ class NodeLink:
     def _register(self) -> None:
         while not self._stop.is_set():
             try:
-                self.interval = self.client.register_node(self.node, self.registry.cpu_pool.instance_id,
+                self.interval = self.client.register_node(self.node, self.tiers.cpu_pool.instance_id,
                                                           self.metrics_url)
                 log.info("registered node %s with the scheduler at %s", self.node.node_id, self.client.target)
                 return
@@ -167,7 +167,7 @@ class NodeLink:
 
     def _run(self) -> None:
         self._register()
-        io = self.registry.nvme_pool.engine.stats
+        io = self.tiers.durable.pool.engine.stats
         last = (io.bytes_read, io.read_seconds, io.bytes_written, io.write_seconds)
         while not self._stop.wait(self.interval):
             now = (io.bytes_read, io.read_seconds, io.bytes_written, io.write_seconds)
@@ -205,13 +205,13 @@ class NodeLink:
         forgotten = list(update.forgotten)
         if update.full:  # the scheduler's whole view: a plan it does not hold is stale
             current = {p.job for p in update.plans}
-            forgotten += [p.job for p in self.registry.eviction_state().plans if p.job not in current]
+            forgotten += [p.job for p in self.tiers.spill.eviction_state().plans if p.job not in current]
         for job in forgotten:
-            self.registry.forget_plan(job)
+            self.tiers.spill.forget_plan(job)
             log.info("job %s: no plan from the scheduler any more; eviction goes without one", job)
         for plan in update.plans:
             try:
-                self.registry.apply_plan(job_plan(plan))
+                self.tiers.spill.apply_plan(job_plan(plan))
             except InvalidArgumentError as e:
                 log.warning("cannot follow plan v%d of job %s: %s", plan.version, plan.job, e)
                 continue

@@ -20,6 +20,7 @@ directories would hand out the same extents and overwrite the first one's tensor
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -36,7 +37,7 @@ from tierstack.services.tier_manager.io_engine import (
     IoEngine,
 )
 from tierstack.config import NvmePoolConfig
-from tierstack.errors import InvalidArgumentError, NvmePoolFullError
+from tierstack.errors import ConfigError, InvalidArgumentError, NvmePoolFullError, TierstackError
 from tierstack.private_paths import ensure_private_dir, hold_lock
 from tierstack.services.tier_manager import extent_header
 from tierstack.services.tier_manager.extent_header import ExtentMeta
@@ -48,6 +49,13 @@ LOCK_FILE = "tierstack.lock"
 GROWTH = 64 << 20
 """A data file grows by this much at a time (one fallocate per 64 MiB written, not per
 tensor) and shrinks once more than twice this is free at its end."""
+
+
+def unusable(path: str | Path, e: OSError, what: str, setting: str) -> ConfigError:
+    """The one-line error for a pool path the daemon cannot write (read-only, not ours)."""
+    why = "it is on a read-only filesystem" if e.errno == errno.EROFS else e.strerror
+    return ConfigError(f"{what} {path} cannot be used: {why} ({e.filename or path}); give "
+                       f"{setting} a directory this user can write on a local disk")
 
 
 def held_bytes(paths: list[str]) -> int:
@@ -115,10 +123,16 @@ class NvmePool:
         self._locks: list[int] = []
         try:
             for p in config.paths:
-                directory = ensure_private_dir(p, "NVMe pool directory", "tier_manager.nvme_pool.paths")
-                self._locks.append(lock_directory(directory))
-                warn_if_in_memory(directory)
-                self.files.append(DirectFile(str(directory / DATA_FILE)))
+                try:
+                    directory = ensure_private_dir(p, "NVMe pool directory", "tier_manager.nvme_pool.paths")
+                    self._locks.append(lock_directory(directory))
+                    warn_if_in_memory(directory)
+                    self.files.append(DirectFile(str(directory / DATA_FILE)))
+                except OSError as e:
+                    if isinstance(e, TierstackError):
+                        raise
+                    raise unusable(p, e, "NVMe pool directory", "tier_manager.nvme_pool.paths "
+                                   "(--nvme-path)") from None
         except BaseException:
             self._close_files(discard_created=True)
             raise
@@ -187,6 +201,10 @@ class NvmePool:
         empty tensor gets a header of its own (so that a recovery finds it too)."""
         if nbytes < 0 or (nbytes == 0 and meta is None):
             raise InvalidArgumentError(f"cannot store a tensor of {nbytes} bytes")
+        if nbytes > self.capacity:  # before laying out its blocks (2^63 bytes: 10^13 of them)
+            raise NvmePoolFullError(
+                f"a tensor of {nbytes} bytes is larger than the whole NVMe pool ({self.capacity} "
+                f"bytes); raise nvme_pool.size (or the NVMe budget)")
         with self._lock:
             first = next(self._next_drive)
             taken: list[tuple[int, Extent]] = []

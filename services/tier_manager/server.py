@@ -2,27 +2,35 @@
 
 Only keys, offsets and numbers cross gRPC; bytes move through the CPU pool's arenas,
 which clients map themselves. Project exceptions become gRPC status codes here, in one
-place, with their message unchanged (it already says what to do).
+place, with their message unchanged (it already says what to do). No handler waits on
+another client: what another client holds (a pin, a step, a job being deleted) is
+answered at once with a retry hint, and calls that may take long on the daemon's own
+work take one of a bounded number of slots first (admission.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from tierstack.config import JobsConfig
 from tierstack.errors import TierstackError
+from tierstack.rpc import RetryLaterError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import StreamSlots, checked_interval, rpc_method, rpc_stream
 from tierstack.services.tier_manager import wire
 from tierstack.services.tier_manager.adamw import AdamWStepper
+from tierstack.services.tier_manager.admission import CallSlots
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
 from tierstack.services.tier_manager.heap import trim_heap
 from tierstack.services.tier_manager.jobs import JobTable
 from tierstack.services.tier_manager.registry import TierRegistry
+from tierstack.services.tier_manager.requests import validate_key
 from tierstack.services.tier_manager.sessions import (ClientHolds, SessionWatcher,
                                                       reclaim_stale_sessions, session_of)
 from tierstack.services.tier_manager.types import (BufferLease, FetchResult, NodeInfo, NodeStats,
@@ -40,6 +48,18 @@ class _ClientGone(TierstackError):
         super().__init__("the client went away; its pins were released")
 
 
+def long_call(method):
+    """An RPC that may take long on the daemon's own work: it runs in a slot (admission.py)
+    or is refused at once with a retry hint."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        with self.slots.enter(session_of(context), method.__name__):
+            return method(self, request, context)
+
+    return wrapper
+
+
 class TierManagerServicer(pb_grpc.TierManagerServicer):
     """Serves one node's `TierRegistry`."""
 
@@ -48,17 +68,22 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     # so the first needed layer finished last and the disk idled while the worker caught
     # up (measured 0.78 of the raw disk with 4 threads on the H200 machine).
     def __init__(self, registry: TierRegistry, prefetch_threads: int = 1,
-                 lease_timeout: float = 600.0, max_streams: int = 8,
-                 jobs_config: JobsConfig | None = None) -> None:
+                 lease_timeout: float = 600.0, jobs_config: JobsConfig | None = None,
+                 threads: int = 32) -> None:
         self.registry = registry
-        self.streams = StreamSlots(max_streams, "tier manager")
+        self.pool = registry.tiers.cpu_pool  # its arenas, epoch and instance, for answers
+        # The server's `threads`, shared out: a quarter for streams (WatchStats), then the
+        # long calls' slots, and QUICK_RESERVE for the quick calls, whatever the rest do.
+        self.streams = StreamSlots(max(1, threads // 4), "tier manager")
+        self.slots = CallSlots(threads - self.streams.limit)
         # Buffers leased and pins held for clients: let go when the client's session ends
         # (sessions.py), or after `lease_timeout` for calls that name no session.
         self.lease_timeout = lease_timeout
         self.holds: ClientHolds[CpuBuffer | None] = ClientHolds(lease_timeout)
-        self.sessions = SessionWatcher(registry.cpu_pool.shm_dir)
-        reclaim_stale_sessions(registry.cpu_pool.shm_dir)
-        self.jobs = JobTable(registry, registry.manifest, jobs_config or JobsConfig())
+        session_dir = Path(registry.config.cpu_pool.shm_dir)
+        self.sessions = SessionWatcher(session_dir)
+        reclaim_stale_sessions(session_dir)
+        self.jobs = JobTable(registry, registry.durable.manifest, jobs_config or JobsConfig())
         self._prefetcher = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="tierstack-prefetch")
         self.adamw = AdamWStepper(registry)
         self._stopping = threading.Event()
@@ -67,19 +92,20 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     @rpc_method
     def GetNode(self, request, context):
-        pool = self.registry.cpu_pool
+        pool, nvme = self.pool, self.registry.durable.pool
         epoch = pool.epoch  # read first: an arena returned after this is still listed
         return wire.node_info_pb(NodeInfo(
-            pool.instance_id, tuple(pool.arenas), pool.capacity, self.registry.nvme_pool.capacity,
-            self.registry.nvme_pool.block_size, pool.config.alignment, epoch, str(pool.shm_dir)))
+            pool.instance_id, tuple(pool.arenas), pool.capacity, nvme.capacity,
+            nvme.block_size, pool.config.alignment, epoch, str(pool.shm_dir)))
 
     # ---- writes -----------------------------------------------------------------------
 
     @rpc_method
+    @long_call
     def AllocateBuffer(self, request, context):
         buffer = self.registry.allocate_buffer(request.nbytes)
         lease_id = self.holds.lease(buffer, self.sessions.admit(session_of(context)))
-        pool = self.registry.cpu_pool
+        pool = self.pool
         if buffer is None:
             return wire.lease_pb(BufferLease(lease_id, 0, 0, 0, pool.instance_id, pool.epoch))
         return wire.lease_pb(BufferLease(lease_id, buffer.arena, buffer.offset, buffer.nbytes,
@@ -92,6 +118,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         return pb.CancelBufferResponse()
 
     @rpc_method
+    @long_call
     def Commit(self, request, context):
         buffer, session = self.holds.take_lease(request.lease_id)
         try:
@@ -109,11 +136,12 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     # ---- reads ------------------------------------------------------------------------
 
     @rpc_method
+    @long_call
     def Fetch(self, request, context):
         out, fetched = [], []
         try:
             for key in request.keys:
-                info, buffer = self.registry.fetch(key)
+                info, buffer = self.registry.leases.fetch(key)
                 fetched.append((key, info.version))
                 out.append(Resident(info, buffer.arena if buffer else 0,
                                     buffer.offset if buffer else 0))
@@ -121,15 +149,16 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
                 raise _ClientGone()  # it timed out or went away: nobody would release these
         except BaseException:
             for key, version in fetched:  # all or nothing: no pin outlives a failed call
-                self.registry.release(key, version)
+                self.registry.leases.release(key, version)
             raise
         self.holds.pin(fetched, self.sessions.admit(session_of(context)))
-        pool = self.registry.cpu_pool
-        return wire.fetch_pb(FetchResult(tuple(out), pool.instance_id, pool.epoch))
+        return wire.fetch_pb(FetchResult(tuple(out), self.pool.instance_id, self.pool.epoch))
 
     def _prefetch_one(self, key: str) -> None:
         try:
-            self.registry.read_ahead(key)
+            self.registry.leases.read_ahead(key)
+        except RetryLaterError as e:  # being updated: the update leaves it in the pool
+            log.debug("prefetch of %r skipped: %s", key, e)
         except TierstackError as e:
             log.warning("prefetch of %r failed: %s", key, e)
 
@@ -143,16 +172,20 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     @rpc_method
     def Release(self, request, context):
+        validate_key(request.key)
         version = request.version or self.registry.info(request.key).version
         self.holds.unpin(request.key, version, session_of(context))
-        self.registry.release(request.key, version)
+        self.registry.leases.release(request.key, version)
         return pb.ReleaseResponse()
 
     @rpc_method
+    @long_call
     def Evict(self, request, context):
-        return pb.EvictResponse(tensors=[wire.tensor_info_pb(self.registry.evict(k)) for k in request.keys])
+        return pb.EvictResponse(tensors=[wire.tensor_info_pb(self.registry.spill.evict(k))
+                                         for k in request.keys])
 
     @rpc_method
+    @long_call
     def Delete(self, request, context):
         for key in request.keys:
             self.registry.delete(key)
@@ -164,12 +197,13 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     @rpc_method
     def SetAccessOrder(self, request, context):
-        self.registry.set_access_order(list(request.keys))
+        self.registry.spill.set_access_order(list(request.keys))
         return pb.SetAccessOrderResponse()
 
     # ---- optimizer ----------------------------------------------------------------------
 
     @rpc_method
+    @long_call
     def AdamWStep(self, request, context):
         blocks, hyper, durable = wire.adamw_request_from(request)
         return wire.adamw_result_pb(self.adamw.step(blocks, hyper, durable))
@@ -210,6 +244,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         return pb.ListJobsResponse(jobs=[wire.job_info_pb(j) for j in self.jobs.list()])
 
     @rpc_method
+    @long_call
     def DeleteJob(self, request, context):
         return pb.DeleteJobResponse(deleted=self.jobs.delete(request.job, request.force))
 
@@ -219,7 +254,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         for buffer in buffers:
             self.registry.free_buffer(buffer)
         for key, version in pins:
-            self.registry.release(key, version)
+            self.registry.leases.release(key, version)
 
     def expire_leases(self) -> int:
         """Free the buffers and pins held past the lease timeout; returns how many."""
@@ -254,7 +289,7 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
             try:
                 self.end_sessions()
                 self.jobs.tick()
-                self.registry.cpu_pool.trim()
+                self.pool.trim()
                 trim_heap()
                 if time.monotonic() >= next_expiry:
                     self.expire_leases()

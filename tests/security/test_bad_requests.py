@@ -165,3 +165,26 @@ def test_a_quota_beyond_int64_is_invalid_argument_and_changes_nothing(daemon):
         assert client.open_job("huge-quota", quota_bytes=(1 << 63) - 1).quota_bytes == (1 << 63) - 1
     finally:
         client.close()
+
+
+def test_a_step_count_beyond_int64_is_invalid_argument(daemon):
+    """AdamWStep with step >= 2^63 over real tensors answered INTERNAL (the kernels count
+    steps in int64); now INVALID_ARGUMENT naming the range, and nothing changes."""
+    from tierstack.services.tier_manager import wire
+
+    client = TierManagerClient(daemon.address, reconnect_timeout=20)
+    try:
+        put(client, "big/params", torch.randn(1000))
+        put(client, "big/grads", torch.randn(1000))
+        version = client.describe("big/params").version
+        with grpc.insecure_channel(daemon.address) as channel:
+            for step in (1 << 63, (1 << 64) - 1):
+                request = wire.adamw_request_pb([block("big", 1000)], HYPER, False)
+                request.step = step
+                with pytest.raises(grpc.RpcError) as err:
+                    pb_grpc.TierManagerStub(channel).AdamWStep(request, timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+                assert "at most 9223372036854775807" in err.value.details()
+        assert client.describe("big/params").version == version
+    finally:
+        client.close()

@@ -8,11 +8,15 @@ keys and versions it stored, AdamW blocks over real tensors, duplicated keys), p
 bytes that are no message at all. Sentinel tensors written first must come through
 bit for bit, also after a restart.
 
-The property: every call ends with a proper status (OK or one that names the caller's
-mistake: INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, FAILED_PRECONDITION,
-OUT_OF_RANGE; UNIMPLEMENTED for the health methods other than Check) within
-CALL_TIMEOUT: never UNKNOWN or INTERNAL (a bug), DATA_LOSS (a corruption), UNAVAILABLE
-(a dead daemon) or DEADLINE_EXCEEDED (a hang). Time-bounded: FUZZ_SECONDS in all
+The property: every call ends with a documented status (proto/tier_manager.proto's
+header: OK, or one that names the caller's mistake: INVALID_ARGUMENT, NOT_FOUND,
+RESOURCE_EXHAUSTED, FAILED_PRECONDITION, OUT_OF_RANGE; UNAVAILABLE only with a retry hint,
+for what another call holds; UNIMPLEMENTED for the health methods other than Check)
+within CALL_TIMEOUT: never UNKNOWN or INTERNAL (a bug), DATA_LOSS (a corruption),
+UNAVAILABLE without a hint (a dead daemon) or DEADLINE_EXCEEDED (a hang). Besides the
+drawn requests, a sweep sets every numeric field of every method's request to its
+extremes (0, -1, 2^63, 2^64-1, as its type holds them; NaN and infinities for floats)
+and every string field to NUL, '..', 4 KiB and invalid UTF-8. Time-bounded: FUZZ_SECONDS in all
 (TIERSTACK_FUZZ_SECONDS, default 20; longer runs: bench/hardening.py), in batches of
 hypothesis examples until the budget is spent; the figures are printed at the end.
 """
@@ -41,8 +45,10 @@ from tests.security.sentinels import SENTINEL_JOB, check_sentinels, write_sentin
 from tierstack.config import SchedulerConfig
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.proto import node_metrics_pb2, scheduler_pb2, tier_manager_pb2
+from tierstack.rpc import RETRY_PUSHBACK
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.services.tier_manager.client import TierManagerClient
+from tierstack.worker.arenas import ArenaMap
 
 FUZZ_SECONDS = float(os.environ.get("TIERSTACK_FUZZ_SECONDS") or 20.0)
 CALL_TIMEOUT = 20.0
@@ -52,6 +58,17 @@ ALLOWED = {OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
            grpc.StatusCode.OUT_OF_RANGE}
 HEALTH_SERVICE = "grpc.health.v1.Health"
+
+
+class _RetryLater:
+    """UNAVAILABLE with a retry hint (grpc-retry-pushback-ms): a documented answer, told
+    apart from UNAVAILABLE without one (a dead daemon)."""
+
+    name = "UNAVAILABLE_RETRY_LATER"
+
+
+RETRY_LATER = _RetryLater()
+ALLOWED.add(RETRY_LATER)
 
 KEYS = ["fuzz/a", "fuzz/b", "fuzz/c", "fuzz2/x", "fuzz2/y", "loose", "a/b/c", "../../etc/passwd",
         "/abs/path", "ключ/🙂", "fuzz/" + "k" * 1100, "fuzz\x01/\x7f"]
@@ -445,6 +462,8 @@ class Fuzzer:
         except grpc.RpcError as e:
             code = e.code()
             self.details = e.details() or ""
+            if code == grpc.StatusCode.UNAVAILABLE and RETRY_PUSHBACK in dict(e.trailing_metadata() or ()):
+                code = RETRY_LATER  # refused for now, with a hint: documented
         self.slowest = max(self.slowest, time.monotonic() - start)
         self.tally[(path.rsplit("/", 1)[1], code.name)] += 1
         if os.environ.get("TIERSTACK_FUZZ_TALLY"):
@@ -557,13 +576,8 @@ def test_fuzzing_every_rpc_of_both_daemons_gets_proper_statuses_and_touches_no_s
     finally:
         tm.close()
         client.close()
-    with EmbeddedScheduler(SchedulerConfig(metrics_listen="")) as scheduler:
-        sched = Fuzzer(scheduler.address, [(scheduler_pb2, "Scheduler"), (_health_service(), None)])
-        try:
-            spent += sched.run(FUZZ_SECONDS / 3)
-            assert "Traceback" not in scheduler.log_text()
-        finally:
-            sched.close()
+    sched = on_a_scheduler(lambda fuzzer: fuzzer.run(FUZZ_SECONDS / 3))
+    spent += sched.spent
     statuses = collections.Counter(tm.counts()) + collections.Counter(sched.counts())
     figures = {"fuzz_seconds": round(spent, 1), "requests": tm.sent + sched.sent,
                "tier_manager_requests": tm.sent, "scheduler_requests": sched.sent,
@@ -579,7 +593,175 @@ def test_fuzzing_every_rpc_of_both_daemons_gets_proper_statuses_and_touches_no_s
     assert statuses.get("UNKNOWN", 0) == statuses.get("INTERNAL", 0) == 0
 
 
+def on_a_scheduler(run) -> Fuzzer:
+    """`run(fuzzer)` against a fresh embedded scheduler; the fuzzer, with what `run`
+    returned as its `spent`, once the scheduler logged no traceback."""
+    with EmbeddedScheduler(SchedulerConfig(metrics_listen="")) as scheduler:
+        fuzzer = Fuzzer(scheduler.address, [(scheduler_pb2, "Scheduler"), (_health_service(), None)])
+        try:
+            fuzzer.spent = run(fuzzer)
+            assert "Traceback" not in scheduler.log_text()
+        finally:
+            fuzzer.close()
+    return fuzzer
+
+
 def _health_service():
     from grpc_health.v1 import health_pb2
 
     return health_pb2.DESCRIPTOR.services_by_name["Health"]
+
+
+# ---- every field at its extremes ------------------------------------------------------------------
+
+INVALID_UTF8 = b"\xff\xfe\xc0\xaf"  # 0xff is never UTF-8; c0 af is an overlong '/'
+_UTF8_STAND_IN = "\x01\x02\x03\x04"  # as long as INVALID_UTF8: swapped in the bytes sent
+STRING_EXTREMES = ["", "\x00", "fuzz/a\x00b", "..", "../../etc/passwd", "fuzz/" + "k" * 4091,
+                   _UTF8_STAND_IN]
+FLOAT_EXTREMES = [0.0, -1.0, 2.0 ** 63, 2.0 ** 64, float("nan"), float("inf"), float("-inf")]
+
+
+def _extremes(field: pd.FieldDescriptor) -> list:
+    """0, -1, 2^63 and 2^64-1 as the field's type holds them (and its own bounds); NaN and
+    the infinities for floats; NUL, '..', 4 KiB and invalid UTF-8 for strings."""
+    t = field.type
+    if t == pd.FieldDescriptor.TYPE_STRING:
+        return STRING_EXTREMES
+    if t == pd.FieldDescriptor.TYPE_BYTES:
+        return [b"", b"\x00", b"\xff" * 4096]
+    if t in (pd.FieldDescriptor.TYPE_DOUBLE, pd.FieldDescriptor.TYPE_FLOAT):
+        return FLOAT_EXTREMES
+    if t == pd.FieldDescriptor.TYPE_BOOL:
+        return [True]
+    lo, hi = _INTS[t] if t != pd.FieldDescriptor.TYPE_ENUM else (-(1 << 31), (1 << 31) - 1)
+    return sorted({v for v in (0, -1, 1 << 63, (1 << 64) - 1, lo, hi) if lo <= v <= hi})
+
+
+def _scalar_paths(msg, prefix=()):
+    """(path, field) of every scalar field of `msg`, into its nested messages (the first
+    element of a repeated one), as a path of (field name, index or None)."""
+    for field in msg.DESCRIPTOR.fields:
+        if field.message_type is not None:
+            if field.message_type.GetOptions().map_entry:
+                continue
+            if _repeated(field):
+                items = getattr(msg, field.name)
+                if items:
+                    yield from _scalar_paths(items[0], prefix + ((field.name, 0),))
+            else:
+                yield from _scalar_paths(getattr(msg, field.name), prefix + ((field.name, None),))
+        else:
+            yield prefix + ((field.name, None),), field
+
+
+def extreme_variants(base):
+    """(label, payload): `base` with one scalar field set to one of its extremes."""
+    for path, field in _scalar_paths(base):
+        for value in _extremes(field):
+            msg = type(base)()
+            msg.CopyFrom(base)
+            target = msg
+            for name, index in path[:-1]:
+                target = getattr(target, name)[index] if index is not None else getattr(target, name)
+            name = path[-1][0]
+            if _repeated(field):
+                del getattr(target, name)[:]
+                getattr(target, name).append(value)
+            else:
+                setattr(target, name, value)
+            payload = msg.SerializeToString()
+            if value == _UTF8_STAND_IN:
+                payload = payload.replace(_UTF8_STAND_IN.encode(), INVALID_UTF8)
+            label = ".".join(n if i is None else f"{n}[{i}]" for n, i in path)
+            yield f"{label}={value!r:.40}", payload
+
+
+def _tier_manager_bases(fuzzer: Fuzzer, client: TierManagerClient) -> dict:
+    """A request each method would serve, over tensors stored for the sweep."""
+    from tierstack.services.tier_manager import wire
+    from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment, WorkerReport
+
+    pb = tier_manager_pb2
+    arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)
+    try:
+        for role in ("params", "grads"):
+            lease = client.allocate(4000)
+            arenas.sync(lease.arenas_epoch)
+            arenas.view(lease.arena, lease.offset, 4000).fill_(1)
+            client.commit(f"sweep/{role}", lease.lease_id, "uint8", (4000,), durable=False)
+    finally:
+        arenas.close()
+    lease = client.allocate(4000).lease_id
+    version = client.describe("sweep/params").version
+    step = wire.adamw_request_pb([AdamWBlock("sweep/params", "sweep/grads", "", "sweep/m", "sweep/v",
+                                             "float32", "float32", 4000, (AdamWSegment(1000, 0, 0, 0),))],
+                                 AdamWHyper(1, 1e-3, 0.9, 0.999, 1e-8, 0.01), False)
+    report = wire.worker_report_pb(WorkerReport("w", "sweep", "cpu", time.time(), 1, 1, 0.1, (0.01,),
+                                                (1, 0), 0.1, 1, 2, 0, 2))
+    keys = ["sweep/params"]
+    return {"GetNode": pb.GetNodeRequest(), "AllocateBuffer": pb.AllocateBufferRequest(nbytes=4096),
+            "CancelBuffer": pb.CancelBufferRequest(lease_id=lease),
+            "Commit": pb.CommitRequest(key="sweep/c", lease_id=lease, dtype="uint8", shape=[4000]),
+            "Fetch": pb.FetchRequest(keys=keys), "Prefetch": pb.PrefetchRequest(keys=keys),
+            "Release": pb.ReleaseRequest(key="sweep/params", version=version),
+            "Evict": pb.EvictRequest(keys=keys), "Delete": pb.DeleteRequest(keys=["sweep/gone"]),
+            "Describe": pb.DescribeRequest(key="sweep/params"),
+            "SetAccessOrder": pb.SetAccessOrderRequest(keys=keys),
+            "WatchStats": pb.WatchStatsRequest(interval_seconds=1.0), "AdamWStep": step,
+            "OpenJob": pb.OpenJobRequest(job="sweep"), "CloseJob": pb.CloseJobRequest(job="sweep"),
+            "DeleteJob": pb.DeleteJobRequest(job="sweep2"), "ReportWorker": report}
+
+
+def _scheduler_bases() -> dict:
+    from tierstack.services.scheduler import synthetic, wire
+
+    pb = scheduler_pb2
+    return {"RegisterNode": wire.node_pb(synthetic.node("n0")),
+            "ReportTrace": wire.trace_pb(synthetic.transformer_trace(layers=2, job="fuzz", nodes=("n0",))),
+            "ReportBandwidth": pb.BandwidthReport(node_id="n0", measured=pb.Bandwidths(disk_read=1e9)),
+            "GetPlan": pb.GetPlanRequest(job="fuzz", timeout_seconds=0.05)}
+
+
+def _sweep(fuzzer: Fuzzer, bases: dict) -> int:
+    """Every method's request with each scalar field at each extreme; the calls sent."""
+    sent = 0
+    for path, descriptor, response_cls, streaming in fuzzer.methods:
+        name = path.rsplit("/", 1)[1]
+        base = bases.get(name) or message_factory.GetMessageClass(descriptor)()
+        for label, payload in extreme_variants(base):
+            code = fuzzer.send(path, payload, response_cls, streaming, fuzzer.session)
+            sent += 1
+            refused = path.startswith(f"/{HEALTH_SERVICE}/") and not path.endswith("/Check")
+            allowed = ALLOWED | ({grpc.StatusCode.UNIMPLEMENTED} if refused else set())
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and _long_poll(name, payload):
+                continue
+            if code not in allowed:
+                fuzzer.failures.append(f"{name} with {label} answered {code.name}: {fuzzer.details[:300]}")
+    return sent
+
+
+def test_every_numeric_and_string_field_at_its_extremes_gets_a_documented_status(fuzz_daemon):
+    client = TierManagerClient(fuzz_daemon.address, reconnect_timeout=30)
+    write_sentinels(client)
+    tm = Fuzzer(fuzz_daemon.address, [(tier_manager_pb2, "TierManager"),
+                                     (node_metrics_pb2, "NodeMetrics"), (_health_service(), None)])
+    tm.start_session(client.node().session_dir)
+    try:
+        sent = _sweep(tm, _tier_manager_bases(tm, client))
+        assert not tm.failures, "\n".join(tm.failures[:30])
+        start = time.monotonic()
+        client.node()
+        assert time.monotonic() - start < CALL_TIMEOUT / 2
+        time.sleep(3)  # pins the sweep left expire (lease_timeout_seconds 2)
+        assert check_sentinels(client) == []
+        assert "Traceback" not in fuzz_daemon.log_text()
+    finally:
+        tm.close()
+        client.close()
+    sched = on_a_scheduler(lambda fuzzer: _sweep(fuzzer, _scheduler_bases()))
+    assert not sched.failures, "\n".join(sched.failures[:30])
+    sent += sched.sent
+    statuses = collections.Counter(tm.counts()) + collections.Counter(sched.counts())
+    print("extremes sweep:", json.dumps({"requests": sent, "statuses": dict(sorted(statuses.items())),
+                                         "slowest_call_seconds": round(max(tm.slowest, sched.slowest), 2)}))
+    assert sent > 500

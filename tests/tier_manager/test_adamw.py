@@ -143,14 +143,15 @@ def test_a_bad_layout_is_refused_and_changes_nothing(tier_config):
 def test_readers_wait_for_an_update_in_place_and_see_the_new_version(tier_config):
     with TierRegistry(tier_config) as reg:
         reg.put("t", torch.zeros(1000), tier="cpu")
-        info, buffer = reg.begin_update("t")
+        claim = reg.updates.claim(["t"])
+        info, buffer = reg.updates.begin(claim, "t")
         seen = []
         reader = threading.Thread(target=lambda: seen.append(reg.get("t").sum().item()))
         reader.start()
         reader.join(0.3)
         assert reader.is_alive()  # held exclusively: the reader waits
         torch.frombuffer(reg.view(buffer), dtype=torch.float32).fill_(1.0)
-        new = reg.end_update(info, changed=True)
+        new = reg.updates.end(claim, info, changed=True)
         reader.join(5)
         assert seen == [1000.0] and new.version > info.version
         assert reg.stats().pinned == 0
@@ -469,7 +470,7 @@ def test_parameters_placed_nvme_stay_in_the_pool_after_their_update_until_the_ne
         _settled(reg, block.params, in_cpu=False)  # out of the pool between uses
         stepper.step([block], AdamWHyper(1, 1e-2, 0.9, 0.95, 1e-8, 0.0))
         time.sleep(0.2)
-        assert reg.info(block.params).in_cpu and reg.pending_send_outs() == 0
+        assert reg.info(block.params).in_cpu and reg.spill.pending_send_outs() == 0
         info, _ = reg.fetch(block.params)  # the forward's use
         assert not torch.equal(reg.get(block.params), before)
         reg.release(block.params, info.version)

@@ -11,7 +11,8 @@ import pytest
 from tests.conftest import shm_bytes_used
 from tierstack.config import MiB, CpuPoolConfig
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError
-from tierstack.services.tier_manager.cpu_pool import ARENA_PREFIX, CpuPool
+from tierstack.services.tier_manager.arena_files import ARENA_PREFIX
+from tierstack.services.tier_manager.cpu_pool import CpuPool
 
 
 def _arenas(shm_dir):
@@ -27,25 +28,31 @@ def test_nothing_is_reserved_at_start_and_a_64_gib_cap_starts_at_once(shm_dir):
     assert list(shm_dir.iterdir()) == []  # the lock file goes too
 
 
-def test_arenas_are_private_files_created_per_buffer_and_returned_when_idle(shm_dir):
+def test_large_buffers_get_arenas_of_their_own_small_ones_share_and_idle_ones_go_back(shm_dir):
     config = CpuPoolConfig(size=5 * MiB, shm_dir=str(shm_dir), keep_empty_seconds=60)
     with CpuPool(config) as pool:
-        a, b = pool.allocate(2 * MiB), pool.allocate(100_000)
-        assert [x.size for x in pool.arenas] == [2 * MiB, 102_400]  # rounded to 4 KiB pages
+        shared = pool.shared_arena
+        assert shared == 80 * 1024 and pool.shared_limit == 20 * 1024  # 1/64 of a small pool
+        a, b = pool.allocate(2 * MiB), pool.allocate(5_000)
+        c = pool.allocate(5_000)  # small: in b's arena, after it
+        assert [x.size for x in pool.arenas] == [2 * MiB, shared]
+        assert (c.arena, c.offset) == (b.arena, 8192)  # rounded to 4 KiB pages
         for info in pool.arenas:
             st = os.stat(info.path)
             assert stat.S_IMODE(st.st_mode) == 0o600 and pool.instance_id in info.path
-        assert shm_bytes_used(shm_dir) == 2 * MiB + 102_400
+        assert shm_bytes_used(shm_dir) == 2 * MiB + shared
+        assert pool.used_bytes == 2 * MiB + 2 * 8192
         pool.free(a)
-        assert pool.used_bytes == 102_400 and pool.arena_bytes == 2 * MiB + 102_400
+        assert pool.used_bytes == 2 * 8192 and pool.arena_bytes == 2 * MiB + shared
         again = pool.allocate(2 * MiB - 5)  # same rounded size: the empty arena is reused
         assert again.arena == a.arena and pool.created == 2
         pool.free(again)
+        pool.free(b)
         assert pool.trim(now=time.monotonic() + 61) == 1  # idle past keep_empty_seconds
-        assert pool.epoch == 1 and [x.index for x in pool.arenas] == [b.arena]
-        assert shm_bytes_used(shm_dir) == 102_400
-        c = pool.allocate(2 * MiB)
-        assert c.arena not in (a.arena, b.arena)  # an id is never reused for another file
+        assert pool.epoch == 1 and [x.index for x in pool.arenas] == [c.arena]
+        assert shm_bytes_used(shm_dir) == shared
+        d = pool.allocate(2 * MiB)
+        assert d.arena not in (a.arena, b.arena)  # an id is never reused for another file
 
 
 def test_the_cap_is_never_exceeded_and_empty_arenas_make_room_first(shm_dir):
@@ -67,29 +74,61 @@ def test_the_cap_is_never_exceeded_and_empty_arenas_make_room_first(shm_dir):
             pool.allocate(0)
 
 
-def test_any_mix_of_sizes_fits_while_used_bytes_leave_room_for_the_largest(shm_dir):
-    """No fragmentation failure: 4000 random allocations and frees of sizes from 1 byte to
-    1 MiB (a few large, most small) in a 16 MiB pool; every allocation made while the used
-    bytes are at most cap - largest succeeds with no eviction, and the arenas' bytes never
-    exceed the cap. Counted as the pool counts (each buffer rounded up to 4 KiB)."""
+def test_any_mix_of_sizes_fits_while_the_arenas_leave_room_and_their_number_stays_bounded(shm_dir):
+    """4000 random allocations and frees of sizes from 1 byte to 1 MiB (a few large, most
+    small) in a 16 MiB pool: every allocation made while the arenas in use leave room for
+    one more arena of the largest kind (a large buffer's own, or a 256 KiB shared one)
+    succeeds with no eviction, the arenas' bytes never exceed the cap, and the arenas stay
+    within `max_arenas`, far fewer than the buffers."""
     cap, largest = 16 * MiB, MiB
     rng = random.Random(13)
     evictions = []
     pool = CpuPool(CpuPoolConfig(size=cap, shm_dir=str(shm_dir), keep_empty_seconds=3600),
                    on_full=lambda n: evictions.append(n) or False)
-    held, tried = [], 0
+    held, tried, most, arenas = [], 0, 0, 0
     with pool:
+        room = max(largest, pool.shared_arena)
+
+        def in_use() -> int:  # the bytes of arenas that hold a buffer (empty ones can go)
+            return sum(a.size for a in pool.arenas) - sum(
+                a.size for a in pool.arenas if not any(b.arena == a.index for b in held))
+
         for _ in range(4000):
-            if held and (rng.random() < 0.45 or pool.used_bytes > cap - largest):
+            if held and (rng.random() < 0.45 or in_use() > cap - room):
                 pool.free(held.pop(rng.randrange(len(held))))
                 continue
             n = rng.choice([rng.randint(1, 8192), rng.randint(1, 200_000), rng.randint(1, largest)])
-            assert pool.used_bytes <= cap - largest
+            assert in_use() <= cap - room
             held.append(pool.allocate(n))  # must not fail
             tried += 1
-            assert pool.arena_bytes <= cap
-        assert evictions == [] and tried > 1500
+            most, arenas = max(most, len(held)), max(arenas, len(pool.arenas))
+            assert pool.arena_bytes <= cap and len(pool.arenas) <= pool.max_arenas
+        assert evictions == [] and tried > 1500 and arenas < most  # the small ones share
         assert shm_bytes_used(shm_dir) <= cap
+
+
+def test_a_hundred_thousand_buffers_under_ulimit_n_1024_take_a_few_arenas_and_no_descriptors(shm_dir):
+    """One arena per buffer needed a descriptor each (Python's mmap keeps one): every
+    allocation failed after ~1,000. Now 100,000 buffers of 4 KiB share a few arenas, and the
+    process's descriptors do not grow with them."""
+    code = f"""
+import os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+from tierstack.config import CpuPoolConfig
+from tierstack.services.tier_manager.cpu_pool import CpuPool
+before = len(os.listdir("/proc/self/fd"))
+with CpuPool(CpuPoolConfig(size=1 << 30, shm_dir={str(shm_dir)!r})) as pool:
+    held = [pool.allocate(4096) for _ in range(100_000)]
+    for i in (0, 777, 99_999):
+        pool.view(held[i])[:8] = i.to_bytes(8, "little")
+    assert all(int.from_bytes(pool.view(held[i])[:8], "little") == i for i in (0, 777, 99_999))
+    print(len(pool.arenas), pool.max_arenas, len(os.listdir("/proc/self/fd")) - before)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    arenas, bound, descriptors = map(int, out.stdout.split())
+    assert arenas == 25 and arenas <= bound  # 100,000 x 4 KiB in 16 MiB shared arenas
+    assert descriptors <= 2  # the pool's lock file; no arena keeps one
 
 
 def test_eviction_callback_is_asked_before_failing(shm_dir):
@@ -125,7 +164,7 @@ def test_stale_arenas_of_a_crashed_pool_are_reclaimed(shm_dir):
     code = (
         "import os,sys; from tierstack.config import CpuPoolConfig;"
         "from tierstack.services.tier_manager.cpu_pool import CpuPool;"
-        "p=CpuPool(CpuPoolConfig(size=1<<20, shm_dir=sys.argv[1])); p.allocate(4096); p.allocate(5000);"
+        "p=CpuPool(CpuPoolConfig(size=1<<20, shm_dir=sys.argv[1])); p.allocate(40_000); p.allocate(50_000);"
         "os._exit(0)"  # crash: no close, arenas and lock file left behind
     )
     subprocess.run([sys.executable, "-c", code, str(shm_dir)], check=True)

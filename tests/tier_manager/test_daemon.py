@@ -74,7 +74,8 @@ def test_errors_map_to_grpc_statuses_with_useful_messages(daemon):
 def test_a_worker_maps_arenas_as_they_come_and_unmaps_the_ones_returned(daemon_config, tmp_path):
     """The daemon's pool grows arena by arena and returns idle empty ones; a worker's
     ArenaMap maps an arena when an answer first names it and drops it once an answer's
-    epoch says it was returned (its memory goes back to the host only then)."""
+    epoch says it was returned (its memory goes back to the host only then). Blocks of
+    600 KB: above the 64 KiB a 16 MiB pool shares, so each has an arena of its own."""
     import json
     from tests.conftest import tier_manager_process
     from tierstack.worker.tier_session import TierSession
@@ -87,15 +88,15 @@ def test_a_worker_maps_arenas_as_they_come_and_unmaps_the_ones_returned(daemon_c
         try:
             assert session.arenas.mapped == []
             for i in range(3):
-                session.write_block(f"t{i}", torch.full((300_000,), i, dtype=torch.uint8))
+                session.write_block(f"t{i}", torch.full((600_000,), i, dtype=torch.uint8))
             assert len(session.arenas.mapped) == 3
-            assert torch.equal(session.read_block("t1"), torch.full((300_000,), 1, dtype=torch.uint8))
+            assert torch.equal(session.read_block("t1"), torch.full((600_000,), 1, dtype=torch.uint8))
             session.client.delete(["t0", "t1"])
             deadline = time.monotonic() + 10
             while len(session.client.node().arenas) != 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert len(session.client.node().arenas) == 1  # idle arenas went back to the host
-            assert torch.equal(session.read_block("t2"), torch.full((300_000,), 2, dtype=torch.uint8))
+            assert torch.equal(session.read_block("t2"), torch.full((600_000,), 2, dtype=torch.uint8))
             assert len(session.arenas.mapped) == 1  # the answer's epoch moved: unmapped here too
         finally:
             session.close()
@@ -321,3 +322,107 @@ with EmbeddedScheduler() as scheduler, EmbeddedTierManager(tm) as daemon:
     # Their private directories (config, socket, log) went with them: the job never ran
     # its clean-up.
     assert not any(os.path.exists(d) for d in workdirs), workdirs
+
+
+def test_thousands_of_resident_tensors_under_ulimit_n_1024(tmp_path, shm_dir):
+    """One arena per tensor cost the daemon a descriptor each: under `ulimit -n 1024`
+    every allocation failed after ~1,000 tensors, with a message blaming vm.max_map_count.
+    Now a daemon started under that limit holds 3,000 resident tensors in 12 shared arenas
+    (of 1 MiB, 256 buffers each), its descriptors as few as at start."""
+    import json
+    import subprocess
+    import sys
+
+    config = tmp_path / "tm.json"
+    config.write_text(json.dumps({"tier_manager": {
+        "cpu_pool": {"size": "64MiB", "shm_dir": str(shm_dir)},
+        "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "64MiB"},
+        "manifest_path": str(tmp_path / "m.sqlite"), "metrics": {"enabled": False}}}))
+    code = f"""
+import json, os, resource, subprocess, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))  # the daemon inherits it
+from tierstack.services.tier_manager.client import TierManagerClient
+sock = {str(tmp_path / "tm.sock")!r}
+daemon = subprocess.Popen([sys.executable, "-m", "tierstack.cli", "tier-manager", "--config",
+                           {str(config)!r}, "--listen", "unix:" + sock])
+try:
+    client = TierManagerClient("unix:" + sock, reconnect_timeout=60)
+    client.node()
+    start = len(os.listdir(f"/proc/{{daemon.pid}}/fd"))
+    for i in range(3000):
+        lease = client.allocate(4)
+        client.commit(f"j/t{{i}}", lease.lease_id, "uint8", (4,), False, "cpu")
+    stats = client.stats()
+    print(json.dumps([stats.tensors, len(client.node().arenas), start,
+                      len(os.listdir(f"/proc/{{daemon.pid}}/fd"))]))
+finally:
+    daemon.kill()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tensors, arenas, fds_before, fds_after = json.loads(out.stdout.splitlines()[-1])
+    assert tensors == 3000 and arenas == 12
+    assert fds_after <= fds_before + 4, (fds_before, fds_after)
+
+
+def test_a_low_open_files_limit_is_named_with_its_fix_by_doctor_and_the_daemon(tmp_path, daemon_config):
+    """`tierstack doctor` reports the open-files limit and vm.max_map_count; a tier manager
+    started where `ulimit -n` is too low for it says at start which limit to raise and how."""
+    import subprocess
+    import sys
+
+    low = "import resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+    doctor = subprocess.run([sys.executable, "-c", low + "from tierstack.cli import main; "
+                             f"sys.exit(main(['doctor', '--quick', '--nvme-path', {str(tmp_path / 'n')!r}]))"],
+                            capture_output=True, text=True, timeout=120)
+    assert "[warn] open files" in doctor.stdout and "256/256 soft/hard" in doctor.stdout
+    assert "-> raise it: ulimit -n 2048" in doctor.stdout
+    assert "memory maps" in doctor.stdout and "vm.max_map_count" in doctor.stdout
+    started = subprocess.Popen(
+        [sys.executable, "-c", low + "from tierstack.cli import main; sys.exit(main(["
+         f"'tier-manager', '--config', {str(daemon_config)!r}, '--listen', "
+         f"'unix:{tmp_path / 'low.sock'}']))"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        lines = []
+        for line in started.stdout:
+            lines.append(line)
+            if "listening on" in line or len(lines) > 200:
+                break
+        text = "".join(lines)
+        assert "open files: open files (ulimit -n) 256/256" in text and "raise it: ulimit -n 2048" in text
+    finally:
+        started.kill()
+        started.wait()
+
+
+def test_a_read_only_nvme_path_fails_the_start_in_one_line(mounted, tmp_path):
+    """A read-only --nvme-path ended in a traceback (OSError from makedirs); now one line
+    that names the path, why, and the setting to change, both for a directory still to
+    make and for one that exists, and for a read-only manifest directory."""
+    import subprocess
+    import sys
+
+    ro = mounted("tmpfs", "size=1m")
+    (ro / "exists").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+    import json
+
+    config = tmp_path / "tm.json"
+    config.write_text(json.dumps({"tier_manager": {
+        "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "64MiB"},
+        "manifest_path": str(ro / "exists" / "manifest.sqlite")}}))
+    cases = [(["--nvme-path", str(ro / "new")], f"NVMe pool directory {ro / 'new'} cannot be used",
+              "tier_manager.nvme_pool.paths (--nvme-path)"),
+             (["--nvme-path", str(ro / "exists")], f"NVMe pool directory {ro / 'exists'} cannot be used",
+              "tier_manager.nvme_pool.paths (--nvme-path)"),
+             (["--config", str(config)], f"manifest directory {ro / 'exists'} cannot be used",
+              "tier_manager.manifest_path")]
+    for argv, says, setting in cases:
+        out = subprocess.run([sys.executable, "-m", "tierstack.cli", "tier-manager", *argv,
+                              "--listen", f"unix:{tmp_path / 'ro.sock'}"],
+                             capture_output=True, text=True, timeout=120)
+        errors = [line for line in out.stderr.splitlines() if line.startswith("tierstack:")]
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert len(errors) == 1 and says in errors[0] and "read-only filesystem" in errors[0]
+        assert setting in errors[0], errors[0]

@@ -159,7 +159,7 @@ with open({str(acked)!r}, "a") as f:
 def test_flipped_byte_is_detected_and_no_data_is_returned(tier_config):
     with TierRegistry(tier_config) as reg:
         reg.put("w", torch.randn(300_000), tier="nvme")
-        extent = reg._records["w"].nvme
+        extent = reg.records.find("w").nvme
         drive, stripe = extent.stripes[0]
         path = os.path.join(tier_config.nvme_pool.paths[drive], DATA_FILE)
         with open(path, "r+b") as f:  # a byte of the data, past the extent's header
@@ -248,7 +248,7 @@ def test_cpu_pool_on_hugetlbfs_spills_and_verifies_like_any_other(tier_config, h
         assert stats.bytes_written > 0 and stats.bytes_read > 0  # it really spilled
         # Corruption is caught, and the failed fetch gives its buffer back.
         reg.evict("t3")
-        extent = reg._records["t3"].nvme
+        extent = reg.records.find("t3").nvme
         drive, stripe = extent.stripes[0]
         with open(os.path.join(tier_config.nvme_pool.paths[drive], DATA_FILE), "r+b") as f:
             f.seek(stripe.offset + extent.header + 5)
@@ -271,7 +271,7 @@ def test_failed_manifest_commit_frees_the_new_extent_once(tier_config, monkeypat
         def broken_commit(entry):
             raise OSError("database or disk is full")
 
-        monkeypatch.setattr(reg.manifest, "commit", broken_commit)
+        monkeypatch.setattr(reg.durable.manifest, "commit", broken_commit)
         with pytest.raises(OSError, match="disk is full"):
             reg.put("k", torch.ones(300_000), tier="cpu", durable=True)
         monkeypatch.undo()
@@ -321,7 +321,7 @@ def test_eviction_picks_the_tensor_needed_furthest_in_the_future(tier_config):
     (for a sweep, the one just used), not the least recently used one."""
     with TierRegistry(tier_config) as reg:
         keys = [f"layer{i}" for i in range(8)]
-        reg.set_access_order(keys)
+        reg.spill.set_access_order(keys)
         for k in keys:
             reg.put(k, torch.zeros(256 * 1024), tier="nvme")
         for k in keys:  # a sweep over all 8 x 1 MiB fills the 8 MiB pool
@@ -338,7 +338,7 @@ def test_eviction_follows_an_order_that_names_each_layer_twice(tier_config):
     layer7 comes back next and layer0 last, so layer0 is the one to evict."""
     with TierRegistry(tier_config) as reg:
         keys = [f"layer{i}" for i in range(8)]
-        reg.set_access_order(keys + keys[::-1])
+        reg.spill.set_access_order(keys + keys[::-1])
         for k in keys:
             reg.put(k, torch.zeros(256 * 1024), tier="nvme")
         for k in keys:  # the forward fills the 8 MiB pool
@@ -372,25 +372,25 @@ def test_a_full_pool_evicts_what_the_schedulers_plan_puts_on_nvme(tier_config):
     access order alone would evict the layers used furthest ahead and LRU the oldest."""
     with TierRegistry(tier_config) as reg:
         keys = [f"job/layer{i}/params" for i in range(8)]
-        reg.set_access_order(keys)
+        reg.spill.set_access_order(keys)
         for k in keys:
             reg.put(k, torch.full((256 * 1024,), float(keys.index(k))), tier="nvme")
         for k in keys:  # a sweep over all 8 x 1 MiB fills the 8 MiB pool
             reg.fetch(k)
             reg.release(k)
         tiers = {k: "nvme" if i % 2 else "cpu" for i, k in enumerate(keys)}
-        reg.apply_plan(JobPlan("job", 3, tiers, reason="trace"))
+        reg.spill.apply_plan(JobPlan("job", 3, tiers, reason="trace"))
         for i in range(4):  # four more 1 MiB tensors: four evictions
             reg.put(f"job/other{i}", torch.zeros(256 * 1024), tier="cpu")
         assert [k for k in keys if not reg.info(k).in_cpu] == keys[1::2]
-        [plan] = reg.eviction_state().plans
+        [plan] = reg.spill.eviction_state().plans
         assert (plan.job, plan.version, plan.tensor_keys) == ("job", 3, 8)
 
         # Forgotten, the plan no longer protects the even layers: the access order decides
         # again. Refill the pool with every layer, layer6 used last: it is needed furthest
         # ahead, so it goes (with the plan, an odd layer would have).
-        reg.forget_plan("job")
-        assert reg.eviction_state().plans == []
+        reg.spill.forget_plan("job")
+        assert reg.spill.eviction_state().plans == []
         for i in range(4):
             reg.delete(f"job/other{i}")
         for k in keys[1::2] + [keys[6]]:
@@ -408,7 +408,7 @@ def test_a_plan_keeping_everything_in_the_cpu_pool_is_a_preference_not_a_pin(tie
         keys = [f"job/t{i}" for i in range(8)]
         for k in keys:
             reg.put(k, torch.zeros(256 * 1024), tier="cpu")
-        reg.apply_plan(JobPlan("job", 1, {k: "cpu" for k in keys}, eviction_order=keys[::-1]))
+        reg.spill.apply_plan(JobPlan("job", 1, {k: "cpu" for k in keys}, eviction_order=keys[::-1]))
         reg.put("job/more", torch.ones(256 * 1024), tier="cpu")  # fits only by evicting
         # Every key ranks the same: the plan's eviction order names job/t7 first.
         assert [k for k in keys if not reg.info(k).in_cpu] == ["job/t7"]
@@ -440,7 +440,7 @@ def _settled(reg: TierRegistry, key: str, in_cpu: bool, seconds: float = 10.0):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         info = reg.info(key)
-        if info.in_cpu == in_cpu and reg.pending_send_outs() == 0:
+        if info.in_cpu == in_cpu and reg.spill.pending_send_outs() == 0:
             return info
         time.sleep(0.01)
     raise AssertionError(f"{key}: in_cpu still {reg.info(key).in_cpu} after {seconds} s")
@@ -465,16 +465,17 @@ def test_tensors_placed_nvme_leave_the_cpu_pool_between_uses_though_it_has_room(
         reg.release("job/placed", fetched.version)
         _settled(reg, "job/placed", in_cpu=False)
 
-        reg.read_ahead("job/placed")  # a prefetch hint: stays until its use
+        reg.leases.read_ahead("job/placed")  # a prefetch hint: stays until its use
         time.sleep(0.2)
-        assert reg.info("job/placed").in_cpu and reg.pending_send_outs() == 0
+        assert reg.info("job/placed").in_cpu and reg.spill.pending_send_outs() == 0
         fetched, _ = reg.fetch("job/placed")
         reg.release("job/placed", fetched.version)
         _settled(reg, "job/placed", in_cpu=False)
 
-        info, buffer = reg.begin_update("job/placed")  # a new version goes out too
+        claim = reg.updates.claim(["job/placed"])
+        info, buffer = reg.updates.begin(claim, "job/placed")  # a new version goes out too
         reg.view(buffer)[:1] = b"\x07"
-        new = reg.end_update(info, changed=True)
+        new = reg.updates.end(claim, info, changed=True)
         assert new.version != info.version
         assert _settled(reg, "job/placed", in_cpu=False).on_nvme
         assert bytes(reg.get("job/placed").contiguous().view(torch.uint8).flatten().numpy()[:1]) == b"\x07"

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import sys
 import time
 
 import pytest
+import torch
 
 from tests.conftest import tier_manager_process
 from tierstack.errors import KeyNotFoundError, TierstackError
@@ -64,4 +66,89 @@ def test_a_killed_workers_holds_and_its_jobs_state_go_with_it(tmp_path, shm_dir)
     finally:
         worker.kill()
         client.close()
+        daemon.kill()
+
+
+ROUNDS = 1000
+
+
+def test_reopening_a_job_while_its_ended_state_is_deleted_loses_no_acknowledged_write(tmp_path, shm_dir):
+    """A worker that closed its job opens it again while the job's state is being deleted
+    (issue 35: 8-25 of 250 acknowledged writes were lost, and the job was forgotten while
+    the worker held it). 1,000 rounds of: close, a DeleteJob racing a re-open, writes after
+    the re-open; every write acknowledged after the re-open reads back, and the job stays
+    listed as held by its worker."""
+    import random
+
+    from tierstack.errors import FailedPreconditionError
+    from tierstack.worker.arenas import ArenaMap
+
+    config = tmp_path / "tm.json"
+    config.write_text(json.dumps({"tier_manager": {
+        "cpu_pool": {"size": "8MiB", "shm_dir": str(shm_dir)},
+        "nvme_pool": {"paths": [str(tmp_path / "nvme")], "size": "64MiB",
+                      "aio": {"block_size": "256KiB", "queue_depth": 2}},
+        "manifest_path": str(tmp_path / "manifest.sqlite"),
+        "jobs": {"grace_seconds": 600}, "metrics": {"enabled": False}}}))
+    daemon = tier_manager_process(config, tmp_path / "tm.sock").start()
+    worker = TierManagerClient(daemon.address, reconnect_timeout=30)
+    deleter = TierManagerClient(daemon.address, reconnect_timeout=30)
+    arenas = ArenaMap(worker.node(), pin_for_cuda=False, describe=worker.node)
+    rng = random.Random(35)
+
+    def write(key: str, value: int, durable: bool) -> None:
+        lease = worker.allocate(8)
+        arenas.sync(lease.arenas_epoch)
+        arenas.view(lease.arena, lease.offset, 8).copy_(torch.tensor([value], dtype=torch.int64).view(torch.uint8))
+        worker.commit(key, lease.lease_id, "uint8", (8,), durable)
+
+    def read(key: str) -> int | None:
+        try:
+            (res,) = worker.fetch([key]).tensors
+        except KeyNotFoundError:
+            return None
+        arenas.sync(worker.node().arenas_epoch)
+        value = int(arenas.view(res.arena, res.offset, 8).view(torch.int64)[0])
+        worker.release(key, res.info.version)
+        return value
+
+    acked = lost = deleted = forgotten = 0
+    try:
+        worker.open_job("r")
+        for k in range(3):
+            write(f"r/old{k}", -1, durable=True)
+        start = time.monotonic()
+        for i in range(ROUNDS):
+            worker.close_job("r")
+            outcome = []
+
+            def delete() -> None:
+                try:
+                    outcome.append(deleter.delete_job("r"))
+                except (FailedPreconditionError, KeyNotFoundError):
+                    outcome.append(None)  # the re-open came first
+
+            thread = threading.Thread(target=delete)
+            thread.start()
+            time.sleep(rng.uniform(0, 0.002))
+            worker.open_job("r")
+            write("r/old0", i, durable=False)  # overwrites a key the deletion may have listed
+            write("r/new", i, durable=False)
+            acked += 2
+            thread.join(30)
+            deleted += outcome[0] is not None
+            lost += (read("r/old0") != i) + (read("r/new") != i)
+            (job,) = [j for j in worker.jobs() if j.job == "r"] or [None]
+            forgotten += job is None or job.workers != 1 or not job.managed
+            for k in (1, 2):  # the next round's deletion has durable rows to delete
+                write(f"r/old{k}", i, durable=True)
+        elapsed = time.monotonic() - start
+        print(f"{ROUNDS} rounds in {elapsed:.1f} s: {acked} writes acknowledged after a re-open, "
+              f"{lost} lost; {deleted} rounds deleted the ended state first, {forgotten} forgot the job")
+        assert lost == 0 and forgotten == 0 and acked >= 1000
+        assert deleted > ROUNDS // 10  # the race was run, not only the easy order
+    finally:
+        arenas.close()
+        worker.close()
+        deleter.close()
         daemon.kill()
