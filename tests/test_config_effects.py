@@ -349,10 +349,12 @@ def arenas_in_shm_dir(node):
 def buffers_rounded_to_alignment(node):
     client = node.up().client
     used = client.stats().cpu_used
-    lease = client.allocate(100)
-    [arena] = [a for a in client.node().arenas if a.index == lease.arena]
-    assert arena.size == 65536 and client.stats().cpu_used - used == 65536  # default: 4096
-    client.cancel(lease.lease_id)
+    leases = [client.allocate(100) for _ in range(2)]
+    # Each buffer takes a whole 64 KiB granule (default: 4096), on a 64 KiB boundary.
+    assert client.stats().cpu_used - used == 2 * 65536
+    assert all(lease.offset % 65536 == 0 for lease in leases)
+    for lease in leases:
+        client.cancel(lease.lease_id)
 
 
 @effect("tier_manager.cpu_pool.keep_empty_seconds", 0.5, NODE)
@@ -1105,7 +1107,7 @@ def scale_floor(runs, e):
 
 def _partition_rank(env, addresses: list[str], configs: list[dict], out_dir: str) -> None:
     """One of two data-parallel ranks, each on its own tier manager: a step per config
-    (ShardedEngine.from_config, as a partitioned job's ranks build their engines); the
+    (ShardedEngine, as a partitioned job's ranks build their engines); the
     bytes of block inputs it sent the other rank."""
     from tierstack.worker.distributed import init_process_group
     from tierstack.worker.sharded_engine import ShardedEngine
@@ -1120,7 +1122,7 @@ def _partition_rank(env, addresses: list[str], configs: list[dict], out_dir: str
         torch.manual_seed(0)
         store = ShardedLayerStore(f"effects-partition-{i}", device="cpu", device_budget=1 << 20,
                                   address=addresses[env.rank], durable=False)
-        engine = ShardedEngine.from_config(Net(), store, load_config(config).train)
+        engine = ShardedEngine(Net(), store, load_config(config).train)
         try:
             engine.train_step(ids[rows], targets[rows])
             exchanged.append(store.bytes_exchanged)

@@ -99,8 +99,9 @@ class AioConfig:
 class CpuPoolConfig:
     """The node's pool of CPU memory: shared-memory arenas that workers map.
 
-    Arenas are created as buffers are needed (one per buffer, so any mix of sizes fits
-    while the pool's bytes are under its cap) and returned to the host when they have
+    Arenas are created as buffers are needed (a large buffer gets one of its own, small
+    ones share arenas, so neither file descriptors nor mappings grow with the tensor
+    count: services/tier_manager/cpu_pool.py) and returned to the host when they have
     been empty for `keep_empty_seconds`; nothing is reserved at start."""
 
     size: int | str = "auto"

@@ -135,3 +135,15 @@ ERRORS_BY_STATUS: dict[str, type[TierstackError]] = {
     "PERMISSION_DENIED": PermissionDeniedError,
     "FAILED_PRECONDITION": FailedPreconditionError,
 }
+
+
+class RetryLaterError(TierstackError):
+    """The service did nothing and can serve the call later: something held by another
+    call passes by itself (a pin, an update, a job's deletion) or its threads for long
+    calls are all busy. UNAVAILABLE with a retry hint; `RpcClient` retries it."""
+
+    grpc_status = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after: float = 0.005) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

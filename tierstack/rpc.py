@@ -54,6 +54,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierstack.addresses import SECURITY_DIR_ENV, default_token_path, grpc_target, unix_socket_path
 from tierstack.config import SecurityConfig
 from tierstack.errors import (ERRORS_BY_STATUS, ConfigError, InvalidArgumentError, PoolExhaustedError,
+                              RetryLaterError,
                               TierstackError, UnsafePathError)
 from tierstack.private_paths import ensure_private_dir
 
@@ -65,18 +66,6 @@ RETRY_PUSHBACK = "grpc-retry-pushback-ms"
 RETRY_PAUSE_CAP = 0.1
 """The longest pause between two tries of a call refused with a retry hint: the hint
 doubles per try up to this, so a pin held for minutes costs a few tries a second."""
-
-
-class RetryLaterError(TierstackError):
-    """The service did nothing and can serve the call later: something held by another
-    call passes by itself (a pin, an update, a job's deletion) or its threads for long
-    calls are all busy. UNAVAILABLE with a retry hint; `RpcClient` retries it."""
-
-    grpc_status = "UNAVAILABLE"
-
-    def __init__(self, message: str, retry_after: float = 0.005) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 def retry_hint(e: grpc.RpcError) -> float | None:

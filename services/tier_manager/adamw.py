@@ -58,7 +58,7 @@ import torch
 from tierstack.dtypes import dtype_from_name
 from tierstack.errors import (CpuPoolFullError, FailedPreconditionError, InvalidArgumentError,
                               KeyNotFoundError, NvmePoolFullError)
-from tierstack.rpc import RetryLaterError
+from tierstack.errors import RetryLaterError
 from tierstack.services.tier_manager.adamw_kernel import TILE_ELEMENTS, NativeAdamW, Piece, TorchAdamW
 from tierstack.services.tier_manager.adamw_stream import SlotPool, StreamedTensor
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer

@@ -20,7 +20,7 @@ import threading
 from collections import Counter
 from typing import Iterator
 
-from tierstack.rpc import RetryLaterError
+from tierstack.errors import RetryLaterError
 
 QUICK_RESERVE = 8
 """Server threads kept from long calls for quick ones."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from tierstack.config import JobsConfig
 from tierstack.errors import FailedPreconditionError, InvalidArgumentError, KeyNotFoundError
-from tierstack.rpc import RetryLaterError
+from tierstack.errors import RetryLaterError
 from tierstack.services.tier_manager.manifest import Manifest
 from tierstack.services.tier_manager.lifecycle import LifecycleError
 from tierstack.services.tier_manager.registry import TierRegistry

@@ -17,7 +17,7 @@ import torch
 
 from tierstack.dtypes import dtype_from_name
 from tierstack.errors import InvalidArgumentError
-from tierstack.rpc import RetryLaterError
+from tierstack.errors import RetryLaterError
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tierstack.config import JobsConfig
 from tierstack.errors import TierstackError
-from tierstack.rpc import RetryLaterError
+from tierstack.errors import RetryLaterError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import StreamSlots, checked_interval, rpc_method, rpc_stream

@@ -25,7 +25,7 @@ import threading
 import time
 
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
-from tierstack.rpc import RetryLaterError
+from tierstack.errors import RetryLaterError
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.eviction import EvictionPolicy, EvictionState, JobPlan

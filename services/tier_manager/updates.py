@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tierstack.errors import KeyNotFoundError
-from tierstack.rpc import RetryLaterError
+from tierstack.errors import RetryLaterError
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.durable import DurableCopies
 from tierstack.services.tier_manager.extent_header import ExtentMeta

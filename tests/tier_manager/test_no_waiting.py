@@ -147,7 +147,7 @@ def test_what_an_update_holds_is_refused_at_once_and_room_that_cannot_come_is_no
     refused the same way (it used to wait up to 30 s in the handler), and one that room
     could never serve is RESOURCE_EXHAUSTED at once."""
     from tierstack.errors import CpuPoolFullError
-    from tierstack.rpc import RetryLaterError
+    from tierstack.errors import RetryLaterError
     from tierstack.services.tier_manager.registry import TierRegistry
 
     with TierRegistry(tier_config) as reg:  # an 8 MiB pool
