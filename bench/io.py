@@ -129,20 +129,23 @@ def fio_mix_reference(fio: str, path: Path, size: int, read_share: float, reps: 
 class PoolSide:
     """NvmePool + the CPU pool buffers it moves the file between."""
 
-    def __init__(self, name: str, directory: Path, size: int, shm_dir: str) -> None:
+    def __init__(self, name: str, directory: Path, size: int, shm_dir: str,
+                 tensor: int = TENSOR) -> None:
         self.name = name
         self.size = size
+        self.tensor = tensor
         self.cpu = CpuPool(CpuPoolConfig(size=size, shm_dir=shm_dir))
-        self.buffers = [self.cpu.allocate(TENSOR) for _ in range(size // TENSOR)]
+        self.buffers = [self.cpu.allocate(tensor) for _ in range(size // tensor)]
         # The same bytes on every side: they share one pool file, so each side's
         # checksums must hold for what another side wrote there.
-        pattern = np.random.default_rng(0).bytes(1 * MiB) * (TENSOR // MiB)
+        pattern = np.random.default_rng(0).bytes(1 * MiB) * (tensor // MiB)
         for i, b in enumerate(self.buffers):
             view = self.cpu.view(b)
             view[:] = pattern
             view[:8] = i.to_bytes(8, "little")
         self.directory = directory
         self.pool: NvmePool | None = None
+        self.extents: list = []
         self.checksums: list[list[int]] = []
 
     def open(self, qd: int) -> None:
@@ -150,7 +153,12 @@ class PoolSide:
         self.pool = NvmePool(NvmePoolConfig(
             paths=[str(self.directory)], size=self.size,
             aio=AioConfig(block_size=BLOCK, queue_depth=qd, thread_count=1)))
-        self.extents = [self.pool.allocate(TENSOR) for _ in self.buffers]
+        if self.extents:  # the file the last pool wrote: this pool adopts its tensors
+            for extent in self.extents:
+                self.pool.reserve(extent)
+            self.pool.fit_files()
+        else:
+            self.extents = [self.pool.allocate(self.tensor) for _ in self.buffers]
         self.engine_backend = self.pool.engine.backend
 
     def write(self) -> float:
@@ -183,8 +191,17 @@ def main() -> None:
     parser.add_argument("--depths", default="1,8,32")
     parser.add_argument("--fio", help="path of a fio binary (default: PATH, else apt-get)")
     parser.add_argument("--shm-dir", default="/dev/shm")
+    parser.add_argument("--tensor-size", default="256MiB",
+                        help="the pool moves the file as tensors of this size, one after another "
+                             "(a multiple of 1 MiB; default 256MiB)")
     args = parser.parse_args()
-    size = parse_size(args.file_size, "--file-size") // TENSOR * TENSOR
+    tensor = parse_size(args.tensor_size, "--tensor-size")
+    if tensor < MiB or tensor % MiB:
+        parser.error(f"--tensor-size {args.tensor_size}: give a multiple of 1 MiB")
+    size = parse_size(args.file_size, "--file-size") // tensor * tensor
+    if size == 0:
+        parser.error(f"--file-size {args.file_size} is smaller than one tensor ({args.tensor_size}); "
+                     f"give a larger file or a smaller --tensor-size")
     depths = [int(d) for d in args.depths.split(",")]
     fio = ensure_fio(args.fio)
     fio_version = subprocess.run([fio, "--version"], capture_output=True, text=True).stdout.strip()
@@ -197,9 +214,10 @@ def main() -> None:
     iomems = ["malloc"] + (["shmhuge"] if old_huge is not None else [])
     engines = ["libaio", "io_uring"]
     fio_file = tmp / "fio.dat"
-    sides = [PoolSide("NvmePool", tmp / "pool", size, args.shm_dir)]
+    sides: list[PoolSide] = []
     results: dict[tuple, list[float]] = {}
     try:
+        sides.append(PoolSide("NvmePool", tmp / "pool", size, args.shm_dir, tensor))
         # fio lays its file out on the first write; prime it and the pool file once.
         fio_gbps(fio, fio_file, size, "write", 8, "libaio", "malloc")
         sides[0].open(8)

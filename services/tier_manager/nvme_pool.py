@@ -37,7 +37,8 @@ from tierstack.services.tier_manager.io_engine import (
     IoEngine,
 )
 from tierstack.config import NvmePoolConfig
-from tierstack.errors import ConfigError, InvalidArgumentError, NvmePoolFullError, TierstackError
+from tierstack.errors import (ConfigError, FailedPreconditionError, InvalidArgumentError,
+                              NvmePoolFullError, TierstackError)
 from tierstack.private_paths import ensure_private_dir, hold_lock
 from tierstack.services.tier_manager import extent_header
 from tierstack.services.tier_manager.extent_header import ExtentMeta
@@ -137,6 +138,12 @@ class NvmePool:
             self._close_files(discard_created=True)
             raise
         self.per_drive = per_drive
+        # Bytes each data file held before this pool opened it: another pool's tensors (a
+        # daemon's that stopped, a benchmark's first pass). The pool neither hands out nor
+        # gives back any of them until its owner has reserved what it keeps and said so
+        # (`reserve` ... `fit_files`, as a restarted daemon does from its manifest): an
+        # allocator that believed the files empty once shrank a 4 GiB file to 320 MiB.
+        self._unadopted = [f.size for f in self.files]
         self.allocators = [ExtentAllocator(per_drive, DIRECT_IO_ALIGNMENT) for _ in self.files]
         self.capacity = per_drive * len(self.files)
         self.engine = IoEngine(config.aio)
@@ -166,7 +173,7 @@ class NvmePool:
         2 x GROWTH (keeping one GROWTH of slack, so a tensor freed and stored again at the
         boundary does not resize the file each time); self._lock held."""
         f = self.files[drive]
-        high = self.allocators[drive].high_water()
+        high = max(self.allocators[drive].high_water(), self._unadopted[drive])
         if high > f.size:
             try:
                 f.resize(min(self.per_drive, align_up(high, GROWTH)))
@@ -176,8 +183,10 @@ class NvmePool:
             f.resize(align_up(high, GROWTH) + GROWTH)
 
     def fit_files(self) -> None:
-        """Size every file to its extents (after recovery: a crashed daemon's tail goes)."""
+        """Size every file to its extents (after recovery: a crashed daemon's tail goes).
+        The extents reserved by now are the ones kept: the rest of the files is free."""
         with self._lock:
+            self._unadopted = [0] * len(self.files)
             for drive, f in enumerate(self.files):
                 high = self.allocators[drive].high_water()
                 f.resize(align_up(high, GROWTH) if high else 0)
@@ -195,6 +204,16 @@ class NvmePool:
         header = 0 if meta is None else extent_header.header_len(meta, slots, -(-nblocks // slots))
         return [((first + k) % drives, lengths[k] + header) for k in range(slots)], header
 
+    def _check_adopted(self) -> None:
+        """Refuse to allocate over bytes an earlier pool left that nobody has adopted."""
+        left = [(f.path, n) for f, n in zip(self.files, self._unadopted) if n]
+        if left:
+            path, nbytes = left[0]
+            raise FailedPreconditionError(
+                f"NVMe pool file {path} holds {nbytes:,} bytes this pool has not adopted (another "
+                f"pool's tensors); start the tier manager with --recover to adopt them from their "
+                f"headers, or remove the file to start empty")
+
     def allocate(self, nbytes: int, meta: ExtentMeta | None = None) -> NvmeExtent:
         """Room for `nbytes`, striped over the drives, each stripe after a header describing
         `meta` (none without it); `NvmePoolFullError` if it does not fit. With `meta`, an
@@ -206,6 +225,7 @@ class NvmePool:
                 f"a tensor of {nbytes} bytes is larger than the whole NVMe pool ({self.capacity} "
                 f"bytes); raise nvme_pool.size (or the NVMe budget)")
         with self._lock:
+            self._check_adopted()
             first = next(self._next_drive)
             taken: list[tuple[int, Extent]] = []
             layout, header = self._layout(nbytes, first, meta)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tierstack.config import KiB, MiB, AioConfig, NvmePoolConfig
-from tierstack.errors import DataCorruptionError, NvmePoolFullError
+from tierstack.errors import DataCorruptionError, FailedPreconditionError, NvmePoolFullError
 from tierstack.services.tier_manager.nvme_pool import DATA_FILE, NvmePool
 
 
@@ -245,3 +245,35 @@ def test_a_deep_aio_config_keeps_its_staging_within_staging_bytes_and_moves_byte
         assert 1 <= len(staging_made) <= 4, len(staging_made)
     finally:
         pool.close()
+
+
+def test_a_pool_opened_on_a_file_it_has_not_adopted_refuses_to_allocate_and_keeps_the_bytes(tmp_path):
+    """Issue 38: a second pool on the first pool's file believed it empty, and its first
+    allocation shrank the file under the first pool's tensors. Now it refuses in one line
+    naming the file and the way out, until what it keeps is reserved (then fit_files)."""
+    first = make_pool([tmp_path / "d"], size=512 * MiB)
+    data = [random_bytes(70 * MiB, seed) for seed in (1, 2)]
+    try:
+        extents = [first.allocate(len(t)) for t in data]
+        checksums = [first.write(e, t) for e, t in zip(extents, data)]
+        first.sync(extents)
+    finally:
+        first.close()
+    data_file = next((tmp_path / "d").iterdir())
+    size = data_file.stat().st_size
+    assert size > 2 * 64 * MiB  # more than twice GROWTH free to the old allocator: it shrank
+    second = make_pool([tmp_path / "d"], size=512 * MiB)
+    try:
+        with pytest.raises(FailedPreconditionError, match="has not adopted .*--recover") as info:
+            second.allocate(4096)
+        assert "\n" not in str(info.value) and data_file.stat().st_size == size
+        for extent in extents:  # what it keeps: then the rest of the file is free
+            second.reserve(extent)
+        second.fit_files()
+        for extent, t, crc in zip(extents, data, checksums):
+            back = memoryview(bytearray(len(t)))
+            second.read(extent, back, crc)  # a checksum mismatch would raise here
+            assert back == t
+        second.allocate(4096)
+    finally:
+        second.close()
