@@ -64,7 +64,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from footprint import Sampler  # noqa: E402
+from footprint import Sampler, host_used_bytes  # noqa: E402
 from tierstack.process_tree import kill_tree  # noqa: E402
 from vs_deepspeed import MODELS, deepspeed_json, emit, run_deepspeed, run_tierstack  # noqa: E402
 
@@ -305,12 +305,13 @@ class TrialRunner:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child",
                str(self.workdir / f"{label}.json")]
         with open(self.workdir / f"{label}.log", "w") as log:
+            used_before = host_used_bytes()
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
         end, written, exited = time.monotonic() + timeout, None, False
         try:
-            with Sampler(self.proc.pid) as sampler:
+            with Sampler(self.proc.pid, used_before=used_before) as sampler:
                 while not exited and time.monotonic() < end:
                     if written is None and result.exists():
                         written = time.monotonic()

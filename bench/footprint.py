@@ -1,9 +1,22 @@
-"""A process tree's host memory, as a user's machine feels it, sampled from outside.
+"""A run's host memory, as a user's machine feels it, sampled from outside.
 
-Footprint = the sum over every process of the tree of (RSS - RssShmem), plus the bytes
-of tierstack's shared-memory arenas and of the streamed AdamW's rings (memfds, each
-mapped twice: services/tier_manager/adamw_stream.py), each counted once, however many
-processes or mappings hold it.
+Footprint = the sum of PSS over every process of the run (/proc/<pid>/smaps: each page a
+process maps counts 1/n in each of the n processes that map it, so shared memory counts
+once however many processes or mappings hold it: DeepSpeed's pinned shared buffers, the
+streamed AdamW's rings, mapped twice back to back, our arenas mapped by daemon and
+worker alike), with tierstack's CPU-pool arenas counted by the file instead: an arena's
+pages live in tmpfs whether or not a process has touched them through its mapping, so
+each arena a process of the run maps (and, with `owned_shm_dir`, every arena in that
+directory) counts its allocated blocks once, and its mappings' PSS is left out.
+
+RSS - RssShmem, the figure this tool gave before, leaves every shared page out: on
+DeepSpeed's cpu-offload run it said 1.18x where the physical ratio was 0.58x. It is kept
+beside the footprint as `rss_minus_shmem_peak`, to show where old figures were off.
+
+The cross-check: MemTotal - MemAvailable (the whole machine's memory in use, page cache
+that can be dropped not counted), its peak over the run less its value before the run
+started. It sees other programs too, so it checks the footprint, it does not replace it.
+
 Disk bytes = the tree's read_bytes / write_bytes from /proc/<pid>/io, summed over the
 processes alive at a sample, the most seen kept. A child's bytes move into its parent's
 figures when the parent reaps it, so keeping an exited child's last reading as well
@@ -14,13 +27,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 from tierstack.process_tree import process_tree
 
-ARENA_GLOB = "tierstack-arena-*"
-SCRATCH_MAP = "/memfd:tierstack-scratch"  # adamw_stream.SCRATCH_NAME, as /proc/<pid>/maps names it
+ARENA_PREFIX = "tierstack-arena-"  # services/tier_manager/cpu_pool.py's arena files
+DELETED = " (deleted)"             # how /proc/<pid>/maps marks a mapped file already unlinked
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -42,64 +54,111 @@ def _io_bytes(pid: int) -> tuple[int, int]:
         return 0, 0
 
 
-def arena_bytes(shm_dir: str = "/dev/shm") -> int:
-    total = 0
-    for path in Path(shm_dir).glob(ARENA_GLOB):
-        try:
-            total += os.stat(path).st_blocks * 512
-        except OSError:
-            pass
-    return total
+def _is_live_arena(path: str) -> bool:
+    return ARENA_PREFIX in Path(path).name and not path.endswith(DELETED)
 
 
-def mapped_sizes(pids: list[int], name: str, deleted_only: bool = False) -> dict[int, int]:
-    """inode -> the largest mapping, in any of `pids`, of a file whose path holds `name`
-    (`deleted_only`: of files already unlinked)."""
-    sizes: dict[int, int] = {}
-    for pid in pids:
+def _pss_outside_arenas(pid: int, arenas: set[str]) -> int:
+    """Bytes of PSS of one process, less that of its mappings of live arena files (whose
+    paths are added to `arenas`); 0 once the process is gone.
+
+    An arena already unlinked but still mapped keeps its PSS here: no file counts it."""
+    try:
+        smaps = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return 0
+    kib = 0
+    in_arena = False
+    for line in smaps.splitlines():
+        if line.startswith("Pss:"):
+            if not in_arena:
+                kib += int(line.split()[1])
+        elif not line[:1].isupper():  # a mapping's header: "start-end perms offset dev inode [path]"
+            parts = line.split(maxsplit=5)
+            path = parts[5] if len(parts) == 6 else ""
+            in_arena = _is_live_arena(path)
+            if in_arena:
+                arenas.add(path)
+    return kib * 1024
+
+
+def _file_bytes(paths: set[str]) -> int:
+    """Allocated bytes of the files `paths`, each inode once."""
+    held: dict[int, int] = {}
+    for path in paths:
         try:
-            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            st = os.stat(path)
         except OSError:
             continue
-        for line in maps:
-            if name not in line or (deleted_only and not line.endswith("(deleted)")):
-                continue
-            span, _, _, _, inode, *_ = line.split()
-            start, end = (int(x, 16) for x in span.split("-"))
-            sizes[int(inode)] = max(sizes.get(int(inode), 0), end - start)
-    return sizes
+        held[st.st_ino] = st.st_blocks * 512
+    return sum(held.values())
 
 
-def scratch_bytes(pids: list[int]) -> int:
-    """Bytes of the rings the processes `pids` map, each ring once (its largest mapping:
-    a ring is mapped twice, back to back, at its full size)."""
-    return sum(mapped_sizes(pids, SCRATCH_MAP).values())
+def _arenas_in(shm_dir: str | Path) -> set[str]:
+    return {str(p) for p in Path(shm_dir).glob(f"{ARENA_PREFIX}*")}
 
 
-def footprint(root: int, shm_dir: str = "/dev/shm") -> int:
-    """Bytes of host memory the tree of `root` holds now."""
-    pids = list(process_tree(root))
-    private = sum(_status_kib(p, "VmRSS") - _status_kib(p, "RssShmem") for p in pids)
-    return private * 1024 + arena_bytes(shm_dir) + scratch_bytes(pids)
+def arena_bytes(shm_dir: str | Path) -> int:
+    """Allocated bytes of every CPU-pool arena file in `shm_dir`."""
+    return _file_bytes(_arenas_in(shm_dir))
+
+
+def physical_bytes(pids: list[int], owned_shm_dir: str | Path | None = None) -> int:
+    """Host memory the processes `pids` hold now: PSS summed, arenas by their files
+    (`owned_shm_dir`: a directory the run alone uses, whose arenas all count, mapped or not)."""
+    arenas: set[str] = set()
+    pss = sum(_pss_outside_arenas(pid, arenas) for pid in pids)
+    if owned_shm_dir is not None:
+        arenas |= _arenas_in(owned_shm_dir)
+    return pss + _file_bytes(arenas)
+
+
+def footprint(root: int, owned_shm_dir: str | Path | None = None) -> int:
+    """Bytes of host memory the tree of `root` holds now (physical_bytes of every process)."""
+    return physical_bytes(process_tree(root), owned_shm_dir)
+
+
+def rss_minus_shmem(pids: list[int]) -> int:
+    """The old figure, RSS - RssShmem summed: shared memory left out altogether."""
+    return 1024 * sum(_status_kib(p, "VmRSS") - _status_kib(p, "RssShmem") for p in pids)
+
+
+def host_used_bytes() -> int:
+    """MemTotal - MemAvailable of the whole machine (bytes): what programs hold now."""
+    fields = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, _, value = line.partition(":")
+        fields[name] = int(value.split()[0]) * 1024
+    return fields["MemTotal"] - fields["MemAvailable"]
 
 
 class Sampler:
-    """Samples a process tree every `interval` seconds on a thread: peak footprint, disk bytes."""
+    """Samples a process tree every `interval` seconds on a thread: peak footprint, the
+    machine's MemTotal - MemAvailable peak over `used_before` (its value before the run
+    started: take host_used_bytes() before starting the run; default: at construction),
+    the old RSS - RssShmem peak, disk bytes."""
 
-    def __init__(self, root: int, interval: float = 0.1, shm_dir: str = "/dev/shm") -> None:
-        self.root, self.interval, self.shm_dir = root, interval, shm_dir
+    def __init__(self, root: int, interval: float = 0.1, owned_shm_dir: str | Path | None = None,
+                 used_before: int | None = None) -> None:
+        self.root, self.interval, self.owned_shm_dir = root, interval, owned_shm_dir
+        self.used_before = host_used_bytes() if used_before is None else used_before
         self.peak = 0
+        self.used_delta_peak = 0
+        self.rss_minus_shmem_peak = 0
         self.samples = 0
         self._disk = (0, 0)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="footprint-sampler", daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, footprint(self.root, self.shm_dir))
+            pids = process_tree(self.root)
+            self.peak = max(self.peak, physical_bytes(pids, self.owned_shm_dir))
+            self.used_delta_peak = max(self.used_delta_peak, host_used_bytes() - self.used_before)
+            self.rss_minus_shmem_peak = max(self.rss_minus_shmem_peak, rss_minus_shmem(pids))
             self.samples += 1
             read = written = 0
-            for pid in process_tree(self.root):
+            for pid in pids:
                 r, w = _io_bytes(pid)
                 read, written = read + r, written + w
             self._disk = (max(self._disk[0], read), max(self._disk[1], written))
@@ -109,6 +168,11 @@ class Sampler:
     def disk_bytes(self) -> tuple[int, int]:
         """(read, written) bytes of the tree so far, exited processes included."""
         return self._disk
+
+    def figures(self, prefix: str = "host") -> dict[str, int]:
+        """The host-memory figures a bench reports: footprint peak, its cross-check, the old figure."""
+        return {f"{prefix}_peak": self.peak, f"{prefix}_used_delta_peak": self.used_delta_peak,
+                f"{prefix}_rss_minus_shmem_peak": self.rss_minus_shmem_peak}
 
     def __enter__(self) -> "Sampler":
         self._thread.start()

@@ -3,12 +3,10 @@
 Starts a real tier-manager daemon and a real training worker (a second process: a GPT
 or a Hugging Face LLaMA trained by `OffloadEngine` from a tierstack or
 DeepSpeed JSON, used as is), and samples both every 100 ms from this process, as an
-outside observer: each one's resident memory less its shared memory (RSS - RssShmem,
-from /proc/<pid>/status), its thread count, and the bytes of the CPU pool's arenas (the
-files in the pool's shm_dir, plus arenas already deleted but still mapped by one of the
-processes, which still hold memory), and of the streamed AdamW's rings (memfds). The
-footprint is the sum: private memory of the daemon and the worker, plus the arenas and
-the rings once each.
+outside observer: the footprint (bench/footprint.py: the PSS of both processes, shared
+memory counted once, the CPU pool's arenas by their files in the pool's shm_dir), each
+one's resident memory less its shared memory (RSS - RssShmem, from /proc/<pid>/status),
+its thread count, and the bytes of the arenas alone.
 
 Figures (the last line printed is one JSON object):
 - footprint_over_budget: the largest footprint sample / the host budget (goal <= 1.0).
@@ -51,13 +49,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from footprint import mapped_sizes, scratch_bytes  # noqa: E402
+from footprint import arena_bytes, physical_bytes  # noqa: E402
 
 log = logging.getLogger("bench.memory")
 
 SAMPLE_SECONDS = 0.1
 WINDOW = 10  # samples (1 s) over which the daemon's settled threads and memory are taken
-ARENA_PREFIX = "tierstack-arena-"  # services/tier_manager/cpu_pool.py
 
 
 @dataclass
@@ -81,21 +78,6 @@ def process_sample(pid: int) -> ProcessSample | None:
     fields = dict(re.findall(r"^(\w+):\s+(\d+)", status, re.MULTILINE))
     kib = {name: int(fields.get(name, 0)) * 1024 for name in ("VmRSS", "RssShmem", "RssAnon")}
     return ProcessSample(kib["VmRSS"], kib["RssShmem"], kib["RssAnon"], int(fields.get("Threads", 0)))
-
-
-def arena_bytes(shm_dir: Path, pids: list[int]) -> int:
-    """Memory the CPU pool's arenas hold: the files there (allocated blocks), and arenas
-    already unlinked that a process still maps (sized by their mapping)."""
-    held: dict[int, int] = {}
-    for f in shm_dir.glob(f"{ARENA_PREFIX}*"):
-        try:
-            st = f.stat()
-        except FileNotFoundError:
-            continue
-        held[st.st_ino] = st.st_blocks * 512
-    for inode, size in mapped_sizes(pids, ARENA_PREFIX, deleted_only=True).items():
-        held[inode] = max(held.get(inode, 0), size)
-    return sum(held.values())
 
 
 @dataclass
@@ -132,10 +114,8 @@ class Sampler:
             d, w = process_sample(self.daemon_pid), process_sample(self.worker_pid)
             if d is None or w is None:
                 continue
-            arenas = arena_bytes(self.shm_dir, [self.daemon_pid, self.worker_pid])
-            rings = scratch_bytes([self.daemon_pid, self.worker_pid])
-            self.footprints.append(d.private + w.private + arenas + rings)
-            self.arenas.append(arenas)
+            self.footprints.append(physical_bytes([self.daemon_pid, self.worker_pid], self.shm_dir))
+            self.arenas.append(arena_bytes(self.shm_dir))
             self.daemon_private.append(d.private)
             self.daemon_anon.append(d.rss_anon)
             self.daemon_threads.append(d.threads)

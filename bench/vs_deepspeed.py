@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from footprint import Sampler  # noqa: E402
+from footprint import Sampler, host_used_bytes  # noqa: E402
 from tierstack.process_tree import kill_tree  # noqa: E402
 from tierstack.worker.run_directory import run_directory  # noqa: E402
 
@@ -523,9 +523,10 @@ def _launch(args, side: str, config: dict, label: str, workdir: Path) -> dict:
            "--ranks", str(args.ranks)]
     start = time.perf_counter()
     log = open(workdir / f"{label}.log", "w")
+    used_before = host_used_bytes()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    with Sampler(proc.pid) as sampler:
+    with Sampler(proc.pid, used_before=used_before) as sampler:
         try:
             out, _ = proc.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -542,7 +543,7 @@ def _launch(args, side: str, config: dict, label: str, workdir: Path) -> dict:
         raise RuntimeError(f"{label} failed ({proc.returncode}):\n{tail}")
     result = json.loads(lines[-1][len("RESULT "):])
     later = result["step_s"][args.warmup:] or result["step_s"]
-    result.update(label=label, side=side, wall_s=wall, host_peak=sampler.peak,
+    result.update(label=label, side=side, wall_s=wall, **sampler.figures("host"),
                   disk_read=sampler.disk_bytes[0], disk_written=sampler.disk_bytes[1],
                   step_median=statistics.median(later),
                   tokens_per_s=args.micro * args.ranks * args.seq / statistics.median(later))
@@ -643,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
                      "reps": args.reps}
     predicted = []
     for key in sorted(runs):
-        for figure in ("tokens_per_s", "step_median", "gpu_peak", "host_peak", "disk_read",
+        for figure in ("tokens_per_s", "step_median", "gpu_peak", "host_peak", "host_used_delta_peak",
+                       "host_rss_minus_shmem_peak", "disk_read",
                        "disk_written", "nvme_read", "nvme_written", "nvme_span", "predicted_step_s"):
             value = med(key, figure)
             if value is not None:
@@ -662,6 +664,12 @@ def main(argv: list[str] | None = None) -> int:
                                                         med(f"ds-{mode}", "host_peak"))
         summary[f"same_budget_host_footprint_ratio_{mode}"] = ratio(
             med(f"ts-budget-{mode}", "host_peak"), med(f"ds-{mode}", "host_peak"))
+        # The cross-check (the machine's MemTotal - MemAvailable growth) and the old figure
+        # (RSS - RssShmem, which leaves DeepSpeed's pinned shared buffers out), side by side.
+        summary[f"host_used_delta_ratio_{mode}"] = ratio(med(f"ts-{mode}", "host_used_delta_peak"),
+                                                         med(f"ds-{mode}", "host_used_delta_peak"))
+        summary[f"host_rss_minus_shmem_ratio_{mode}"] = ratio(
+            med(f"ts-{mode}", "host_rss_minus_shmem_peak"), med(f"ds-{mode}", "host_rss_minus_shmem_peak"))
     if args.ranks > 1:  # keys of one rank's line unchanged; these say what N ranks did
         summary["ranks"] = args.ranks
         summary["global_batch"] = args.micro * args.ranks

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from footprint import Sampler  # noqa: E402
+from footprint import Sampler, host_used_bytes  # noqa: E402
 from tierstack.process_tree import kill_tree  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -67,8 +67,9 @@ def run_one(args, kind: str, side: str, config_path: Path, label: str, workdir: 
         cmd += ["--output-dir", str(workdir / f"{label}-out")]
     log_path = workdir / f"{label}.log"
     with open(log_path, "w") as log:
+        used_before = host_used_bytes()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        with Sampler(proc.pid) as sampler:
+        with Sampler(proc.pid, used_before=used_before) as sampler:
             try:
                 out, _ = proc.communicate(timeout=args.timeout)
             except subprocess.TimeoutExpired:
@@ -79,7 +80,7 @@ def run_one(args, kind: str, side: str, config_path: Path, label: str, workdir: 
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{label} failed ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
     result = json.loads(lines[-1][len("RESULT "):])
-    result.update(label=label, kind=kind, side=side, host_peak=sampler.peak)
+    result.update(label=label, kind=kind, side=side, **sampler.figures("host"))
     if kind == "script":
         measured = result["step_s"][args.warmup:] or result["step_s"]
         result["tokens_per_s"] = (result["tokens_per_step"] * len(measured)
@@ -140,8 +141,9 @@ def _summarize(args, sides: list[str], runs: list[dict]) -> dict:
         for side, values in figures.items():
             if values:
                 summary[f"{kind}_{metric}_{side}"] = statistics.median(values)
-                summary[f"{kind}_host_peak_{side}"] = statistics.median(
-                    r["host_peak"] for r in ok if r["kind"] == kind and r["side"] == side)
+                for figure in ("host_peak", "host_used_delta_peak", "host_rss_minus_shmem_peak"):
+                    summary[f"{kind}_{figure}_{side}"] = statistics.median(
+                        r[figure] for r in ok if r["kind"] == kind and r["side"] == side)
         if figures.get("ds") and figures.get("ts"):
             summary[key] = statistics.median(figures["ts"]) / statistics.median(figures["ds"])
     summary["runs"] = runs

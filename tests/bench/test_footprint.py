@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 from tests.bench import load_bench
 
@@ -38,23 +39,110 @@ def test_a_reaped_childs_writes_count_once(tmp_path):
     assert 32 * MIB <= written < 44 * MIB, written / MIB
 
 
+def _hold(code: str) -> subprocess.Popen:
+    """A child that runs `code`, says ready and holds what it made until its stdin closes."""
+    child = subprocess.Popen([sys.executable, "-c", code + "\nprint('ready', flush=True)\nsys.stdin.read()\n"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
+def _release(child: subprocess.Popen) -> None:
+    child.stdin.close()
+    child.wait(timeout=30)
+
+
 def test_the_streamed_adamw_s_rings_count_once_each_though_mapped_twice():
     """A ring is shared memory (a memfd) mapped twice back to back: RSS - RssShmem leaves
-    it out, so the footprint adds each ring once, at its size."""
+    it out, PSS counts each page once though two mappings hold it."""
     footprint = load_bench("footprint")
-    child = subprocess.Popen(
-        [sys.executable, "-c",
-         "from tierstack.services.tier_manager.adamw_stream import MirrorRing\n"
-         "import sys, time\n"
-         "rings = [MirrorRing(3 << 20), MirrorRing(5 << 20)]\n"
-         "print('ready', flush=True)\n"
-         "sys.stdin.read()\n"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    before = _hold("import sys, torch")
+    try:
+        baseline = footprint.footprint(before.pid)
+    finally:
+        _release(before)
+    child = _hold("import sys, torch\n"
+                  "from tierstack.services.tier_manager.adamw_stream import MirrorRing\n"
+                  "rings = [MirrorRing(24 << 20), MirrorRing(40 << 20)]")
+    try:
+        grown = footprint.footprint(child.pid) - baseline
+        assert 56 * MIB <= grown <= 80 * MIB, grown / MIB  # 64 MiB of rings, once, not twice (128)
+        assert footprint.rss_minus_shmem([child.pid]) < baseline + 16 * MIB  # the old figure missed them
+    finally:
+        _release(child)
+
+
+_SHARE = """
+import mmap, sys, os, time
+fd = os.memfd_create("shared-by-two")
+os.ftruncate(fd, 64 << 20)
+m = mmap.mmap(fd, 64 << 20)
+m[:] = b"x" * (64 << 20)
+pid = os.fork()
+if pid == 0:
+    sum(m[i] for i in range(0, 64 << 20, 4096))  # the child touches every page too
+    print("ready", flush=True)
+    sys.stdin.read()
+    os._exit(0)
+time.sleep(0.5)
+sys.stdin.read()
+os.waitpid(pid, 0)
+"""
+
+
+def test_shared_memory_two_processes_map_counts_once():
+    """DeepSpeed's pinned buffers are shared memory: RSS - RssShmem counts them 0 times,
+    RSS twice; the footprint once."""
+    footprint = load_bench("footprint")
+    child = subprocess.Popen([sys.executable, "-c", _SHARE], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        assert footprint.scratch_bytes([child.pid]) == 8 * MIB
-        assert footprint.footprint(child.pid) >= 8 * MIB
+        pids = footprint.process_tree(child.pid)
+        assert len(pids) == 2
+        assert footprint.physical_bytes(pids) >= 64 * MIB
+        assert footprint.physical_bytes(pids) < 64 * MIB + 2 * 24 * MIB  # two small pythons besides
+        assert footprint.rss_minus_shmem(pids) < 48 * MIB
     finally:
-        child.stdin.close()
-        child.wait(timeout=30)
-    assert footprint.scratch_bytes([child.pid]) == 0  # gone with the process
+        _release(child)
+
+
+def test_an_arena_counts_once_by_its_file(tmp_path):
+    """An arena counts its allocated blocks once, whether it is mapped by one process, two,
+    or none (an owned shm_dir's arenas count unmapped too)."""
+    footprint = load_bench("footprint")
+    arena = tmp_path / f"{footprint.ARENA_PREFIX}0"
+    with open(arena, "wb") as f:
+        f.write(b"a" * (32 << 20))
+    child = _hold(f"import mmap, sys\nf = open({str(arena)!r}, 'r+b')\nm = mmap.mmap(f.fileno(), 0)\n"
+                  "sum(m[i] for i in range(0, len(m), 4096))")
+    other = _hold(f"import mmap, sys\nf = open({str(arena)!r}, 'r+b')\nm = mmap.mmap(f.fileno(), 0)\n"
+                  "sum(m[i] for i in range(0, len(m), 4096))")
+    try:
+        both = footprint.physical_bytes([child.pid, other.pid])
+        alone = footprint.physical_bytes([child.pid]) + footprint.physical_bytes([other.pid])
+        assert alone - both >= 30 * MIB  # counted once together, once each alone
+        assert footprint.arena_bytes(tmp_path) == 32 * MIB
+    finally:
+        _release(child)
+        _release(other)
+    assert footprint.physical_bytes([], owned_shm_dir=tmp_path) == 32 * MIB
+
+
+def test_the_cross_check_sees_a_childs_allocation():
+    footprint = load_bench("footprint")
+    used_before = footprint.host_used_bytes()
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time\nb = bytearray(512 << 20)\nprint('ready', flush=True)\n"
+                              "sys.stdin.read()\n"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    with footprint.Sampler(child.pid, interval=0.05, used_before=used_before) as sampler:
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(0.3)
+        finally:
+            _release(child)
+    assert sampler.peak >= 512 * MIB
+    assert sampler.used_delta_peak >= 256 * MIB  # other programs move it too: a cross-check
+    assert set(sampler.figures("host")) == {"host_peak", "host_used_delta_peak",
+                                            "host_rss_minus_shmem_peak"}
