@@ -54,7 +54,7 @@ def _release(child: subprocess.Popen) -> None:
 
 def test_the_streamed_adamw_s_rings_count_once_each_though_mapped_twice():
     """A ring is shared memory (a memfd) mapped twice back to back: RSS - RssShmem leaves
-    it out, PSS counts each page once though two mappings hold it."""
+    it out; PSS counts each page once though two mappings hold it."""
     footprint = load_bench("footprint")
     before = _hold("import sys, torch")
     try:
@@ -67,7 +67,6 @@ def test_the_streamed_adamw_s_rings_count_once_each_though_mapped_twice():
     try:
         grown = footprint.footprint(child.pid) - baseline
         assert 56 * MIB <= grown <= 80 * MIB, grown / MIB  # 64 MiB of rings, once, not twice (128)
-        assert footprint.rss_minus_shmem([child.pid]) < baseline + 16 * MIB  # the old figure missed them
     finally:
         _release(child)
 
