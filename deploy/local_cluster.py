@@ -3,7 +3,7 @@
 Two loopback "nodes", 127.0.0.1 (head) and 127.0.0.2 (worker), stand for two machines:
 an sshd of our own listens on both (Ray's launcher reaches nodes over SSH, port 22, so
 root only), with its host key, a client key and its config in a private directory
-(/tmp/tierstack-<uid>/local-cluster), which also holds the cluster yaml `ray up` gets
+(/tmp/tierstack-local-cluster-<uid>), which also holds the cluster yaml `ray up` gets
 (cluster-local.yaml with that key) and the node config (deploy/node.json with the NVMe
 pool inside the directory). The sshd gives each session TIERSTACK_HOME (this checkout)
 and TIERSTACK_NODE_CONFIG, which the yaml's commands read on a real node too.
@@ -45,7 +45,9 @@ UP_SECONDS, DOWN_SECONDS, READY_SECONDS = 600, 300, 300
 
 
 def state_dir() -> Path:
-    return user_dir() / "local-cluster"
+    # Beside the per-user directory, not in it: that one is shared with every tierstack
+    # process of the user (a test session that made it removes it when it ends).
+    return Path(f"/tmp/tierstack-local-cluster-{os.getuid()}")
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -93,8 +95,9 @@ def _made_paths() -> list[Path]:
     return [home / "ray_bootstrap_config.yaml", home / "ray_bootstrap_key.pem",
             RAY_TEMP / f"cluster-{name}.state", RAY_TEMP / f"cluster-{name}.lock",
             ssh_root / hashlib.sha256(name.encode()).hexdigest()[:10], ssh_root, cluster,
-            *[user_dir() / f"ray-node-{role}-{ip}-for-{cluster_address()}.log"
-              for role in ("head", "worker") for ip in _node_ips()],
+            *[user_dir() / f"ray-node-{role}-{ip}-for-{address}.log"  # start-node-services.sh's
+              for role in ("head", "worker") for ip in _node_ips()
+              for address in (cluster_address(), f"{NODES[0]}:{RAY_PORT}")],
             SECRETS, RAY_TEMP, user_dir()]
 
 
@@ -151,7 +154,8 @@ def _start_sshd(d: Path) -> int:
         raise InvalidArgumentError("no sshd: install openssh-server (`make test` does, as root)")
     Path("/run/sshd").mkdir(exist_ok=True)  # its privilege-separation directory
     proc = subprocess.Popen([sshd, "-D", "-f", str(d / "sshd_config"), "-E", str(d / "sshd.log")],
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 20
     while not all(_port_open(h, 22) for h in NODES):
         if proc.poll() is not None or time.monotonic() > deadline:
