@@ -120,6 +120,7 @@ def join_cluster_auth(address: str) -> str:
             log.warning("the Ray cluster at %s has token authentication off; joining it "
                         "without a token (this process had %s=token)", gcs, MODE_ENV)
         os.environ[MODE_ENV] = "disabled"
+        _reload_ray_config()
         return gcs
     if answer != "refused":
         raise RayAuthError(f"the Ray cluster at {gcs} does not answer ({answer}); is it up? "
@@ -131,6 +132,7 @@ def join_cluster_auth(address: str) -> str:
             if source.path:  # Ray reads $RAY_AUTH_TOKEN first: only the token that fits stays
                 os.environ.pop(TOKEN_ENV, None)
                 os.environ[TOKEN_PATH_ENV] = source.path
+            _reload_ray_config()
             log.info("Ray cluster %s: token authentication, with the token of %s", gcs, source.name)
             return gcs
         tried.append(source.name)
@@ -150,3 +152,13 @@ def local_ray_auth() -> None:
         return
     os.environ[MODE_ENV] = "token"
     os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
+    _reload_ray_config()
+
+
+def _reload_ray_config() -> None:
+    """Make this process's Ray read the environment again: its config (the auth mode among
+    it) and its token are cached from the first read, which `import ray` may have made."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")  # as Ray's own _enable_token_auth does after setting RAY_AUTH_MODE
+    AuthenticationTokenLoader.instance().reset_cache()
