@@ -271,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_ray_node(ray_node)
     ray_node.set_defaults(func=run_ray_node)
 
+    local = sub.add_parser("local-cluster", help="deploy/cluster-local.yaml on this machine: two loopback "
+                           "nodes over a local sshd (up), and everything removed again (down)",
+                           description=_doc("tierstack.deploy.local_cluster"))
+    from tierstack.deploy.local_cluster import add_arguments as add_local_cluster, run as run_local_cluster
+    add_local_cluster(local)
+    local.set_defaults(func=run_local_cluster)
+
     demo = sub.add_parser("demo", help="write and read tensors through the CPU and NVMe pools, verified",
                           description=_demo.__doc__)
     demo.add_argument("--config", help="tierstack JSON config (defaults otherwise)")

@@ -23,6 +23,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -127,6 +128,8 @@ def node_tier_manager_config(config_path: str | None, node_ip: str, ray_address:
     tm = load_config(config_path).tier_manager
     tm.scheduler_address = tm.scheduler_address or scheduler_address(ray_address)
     tm.node_id = tm.node_id or node_ip
+    # Dashboards label a node by this: the host alone would name every loopback node alike.
+    tm.metrics.node_name = tm.metrics.node_name or f"{socket.gethostname()} {node_ip}"
     cluster = cluster_dir_name(ray_address)
     tm.nvme_pool.paths = [str(Path(p) / cluster / f"node-{node_ip}") for p in tm.nvme_pool.paths]
     if not tm.manifest_path:
@@ -255,9 +258,12 @@ def make_secrets(directory: str) -> int:
     """Write the cluster's token and TLS certificate into `directory` (kept if present)."""
     from tierstack.rpc import write_secrets
 
-    path = write_secrets(directory)
+    # The loopback names too: a browser or curl on a node reaches its dashboards there.
+    path = write_secrets(directory, hosts=("127.0.0.1", "::1", "localhost"))
     print(f"the cluster's token, certificate and key are in {path} (0600 files in a 0700 "
-          f"directory); `ray up` copies {DEFAULT_SECRETS} with the checkout to every node")
+          f"directory); `ray up` copies {DEFAULT_SECRETS} with the checkout to every node. "
+          f"Clients trust {path / 'ca.pem'}: `curl --cacert {path / 'ca.pem'} https://...`, "
+          f"or import it into a browser as a certificate authority")
     return 0
 
 

@@ -16,6 +16,7 @@ reading the source:
     skip: why this block cannot run here (printed)
     requires: promtool, curl         (skipped, saying so, when a program is missing)
     replace: OLD => NEW               (tiny sizes and scratch paths: {tmp} {shm} {port})
+    run-by: tests/deploy/test_x.py    (that test runs the block as written: it needs root, an sshd)
     -->
 """
 
@@ -58,6 +59,7 @@ class Block:
     skip: str = ""
     requires: list[str] = field(default_factory=list)
     replace: list[tuple[str, str]] = field(default_factory=list)
+    run_by: str = ""
 
     @property
     def name(self) -> str:
@@ -95,6 +97,8 @@ def readme_blocks(path: Path = README) -> list[Block]:
                         block.skip = value.strip()
                     elif key == "requires":
                         block.requires = [v.strip() for v in value.split(",")]
+                    elif key == "run-by":
+                        block.run_by = value.strip()
                     elif key == "replace":
                         old, _, new = value.strip().partition(" => ")
                         block.replace.append((old, new))
@@ -181,6 +185,11 @@ def _fresh_user_env(tmp_path: Path) -> dict[str, str]:
 def test_readme_block_runs(block: Block, request, tmp_path: Path):
     if block.skip:
         pytest.skip(f"{block.name}: {block.skip}")
+    if block.run_by:  # that test must exist and read the block from this page, not a copy
+        runner = ROOT / block.run_by
+        assert runner.is_file(), f"{block.name}: run-by {block.run_by}, which does not exist"
+        assert "readme_blocks" in runner.read_text(), f"{block.run_by} does not read {block.path.name}"
+        pytest.skip(f"{block.name}: run as written by {block.run_by}")
     missing = [tool for tool in block.requires if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"{block.name}: needs {', '.join(missing)}, not installed here")

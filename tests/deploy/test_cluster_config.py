@@ -84,3 +84,16 @@ def test_every_node_type_is_a_valid_aws_node():
     assert set(prepared["available_node_types"]) == {"head", "gpu_worker"}
     assert prepared["head_node_type"] == "head"
     assert prepared["available_node_types"]["gpu_worker"]["max_workers"] <= prepared["max_workers"]
+
+
+def test_every_ray_start_uses_the_clusters_token():
+    """Ray's token auth on, explicitly, with the one token the checkout carries to every node
+    (a head started with RAY_AUTH_MODE unset would turn it on by ~/.ray/auth_token alone)."""
+    config = load("cluster.yaml")
+    starts = [c for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+              if "bin/ray\" start" in c]
+    assert len(starts) == 2
+    for command in starts:
+        assert "RAY_AUTH_MODE=token" in command, command
+        assert 'RAY_AUTH_TOKEN_PATH="${TIERSTACK_HOME:-$HOME/tierstack}/deploy/secrets/token"' in command
+    assert "deploy/secrets/token" in config["setup_commands"][0]  # checked before anything starts

@@ -67,3 +67,12 @@ def test_nodes_bound_to_their_ips_are_all_in_the_heads_cluster_view(tmp_path, sh
         finally:
             for node in nodes:
                 node.kill()
+
+
+def test_each_node_is_named_by_its_host_and_address(tmp_path, shm_dir):
+    """Two loopback nodes of one host would both be the host's name in the cluster view."""
+    import socket
+
+    names = {ip: node_tier_manager_config(_node_config(tmp_path, shm_dir), ip, "10.1.2.1:6379")
+             ["metrics"]["node_name"] for ip in ("10.1.2.1", "10.1.2.2")}
+    assert names == {ip: f"{socket.gethostname()} {ip}" for ip in names}

@@ -81,9 +81,13 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
                   f"data-parallel ranks (Ray actors), each keeping 1/{args.ranks} of every block; "
                   f"global batch {args.batch_size}")
     if args.address:
-        ray.init(address=args.address, log_to_driver=True)
+        from tierstack.worker.jobs.ray_auth import join_cluster_auth
+
+        gcs = join_cluster_auth(args.address)  # before ray.init: a mismatch loses every actor
+        ray.init(address=gcs, log_to_driver=True)
         try:
-            return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
+            return _report(train_with_ray(spec, args.ranks, placement=args.placement,
+                                          on_placed=_print_dashboards), args)
         finally:
             ray.shutdown()
     tm = config.tier_manager
@@ -102,9 +106,41 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
                 return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
             with EmbeddedTierManager(tm) as daemon:
                 spec.tier_manager = daemon.address
+                _print_dashboards({"this machine": _http_endpoint(daemon.address)})
                 return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
         finally:
             ray.shutdown()
+
+
+def _http_endpoint(address: str) -> str:
+    from tierstack.services.tier_manager.client import TierManagerClient
+
+    client = TierManagerClient(address)
+    try:
+        return client.http_endpoint()
+    finally:
+        client.close()
+
+
+def _print_dashboards(urls: dict[str, str]) -> None:
+    """Each node's live dashboard, as its tier manager serves it (with how to trust its
+    certificate where it serves TLS)."""
+    for node, url in urls.items():
+        if url:
+            console.print(f"dashboard of {node}: {url}/dashboard/   Prometheus metrics: {url}/metrics",
+                          soft_wrap=True)
+    if any(url.startswith("https://") for url in urls.values()):
+        ca = trusted_ca()
+        console.print(f"  (TLS with the cluster's certificate: trust {ca or 'its ca.pem'}, e.g. "
+                      f"`curl --cacert {ca or 'ca.pem'} URL/api/v1/node`)", soft_wrap=True)
+
+
+def trusted_ca() -> str:
+    """The CA file this process's clients trust ($TIERSTACK_SECURITY_DIR/ca.pem), or ''."""
+    from tierstack.rpc import resolved_security
+
+    security = resolved_security(None)
+    return security.ca_file or security.cert_file
 
 
 def _report(results: list[RankResult], args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -31,6 +32,7 @@ from tierstack.errors import InvalidArgumentError, TierstackError
 from tierstack.process_tree import children, kill_tree
 from tierstack.worker.distributed import RankEnv, free_port
 from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult, run_rank
+from tierstack.worker.jobs.ray_auth import local_ray_auth
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ def start_local_ray(num_cpus: int, object_store_memory: int, attempts: int = RAY
     A failed start leaves its GCS, raylet and helpers running with nothing to stop them
     (`ray.shutdown` knows only a node that started), so they are killed, every process
     this one started during the try, before the next try."""
+    local_ray_auth()
     for attempt in range(1, attempts + 1):
         before = set(children(os.getpid()))
         try:
@@ -88,6 +91,20 @@ class RankActor:
     def free_port(self) -> int:
         return free_port(ray.util.get_node_ip_address())
 
+    def dashboard_url(self, spec: PartitionedSpec) -> str:
+        """The HTTP URL of the tier manager this rank will use, or '' (none, or it serves none)."""
+        from tierstack.services.tier_manager.client import TierManagerClient
+
+        if spec.embedded is not None:
+            return ""
+        client = TierManagerClient(spec.tier_manager or node_tier_manager_address(
+            ray.util.get_node_ip_address(), ray.get_runtime_context().gcs_address),
+            reconnect_timeout=5.0)
+        try:
+            return client.http_endpoint()
+        finally:
+            client.close()
+
     def run(self, env: RankEnv, spec: PartitionedSpec) -> RankResult:
         if spec.tier_manager is None and spec.embedded is None:
             spec.tier_manager = node_tier_manager_address(ray.util.get_node_ip_address(),
@@ -98,8 +115,10 @@ class RankActor:
 
 
 def train_with_ray(spec: PartitionedSpec, ranks: int, use_gpu: bool | None = None,
-                   placement: str = "SPREAD", timeout: float | None = None) -> list[RankResult]:
-    """Train `spec` on `ranks` Ray actors of the connected cluster; results by rank."""
+                   placement: str = "SPREAD", timeout: float | None = None,
+                   on_placed: Callable[[dict[str, str]], None] | None = None) -> list[RankResult]:
+    """Train `spec` on `ranks` Ray actors of the connected cluster; results by rank.
+    `on_placed` gets each node's dashboard URL ('' for none) once the ranks are placed."""
     if not ray.is_initialized():
         raise InvalidArgumentError("connect to Ray first (ray.init) or use `tierstack train --ranks N`")
     if placement not in PLACEMENTS:
@@ -129,6 +148,9 @@ def train_with_ray(spec: PartitionedSpec, ranks: int, use_gpu: bool | None = Non
         port = ray.get(actors[0].free_port.remote())
         nodes = ray.get([a.node_ip.remote() for a in actors])
         log.info("ranks on nodes %s; rendezvous at %s:%d", nodes, master, port)
+        if on_placed is not None:
+            urls = ray.get([a.dashboard_url.remote(spec) for a in actors])
+            on_placed({f"node {node}": url for node, url in zip(nodes, urls)})
         # LOCAL_RANK 0: Ray gives each actor exactly one GPU (CUDA_VISIBLE_DEVICES).
         envs = [RankEnv(r, ranks, 0, master, port) for r in range(ranks)]
         results = ray.get([a.run.remote(env, spec) for a, env in zip(actors, envs)], timeout=timeout)
