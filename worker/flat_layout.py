@@ -97,10 +97,15 @@ class FlatLayout:
 
     def trainable_segments(self, rank: int) -> list[tuple[int, int]]:
         """(start, end) ranges, local to shard `rank`, that hold trainable parameters."""
+        return [(start, end) for _, start, end in self.trainable_slices(rank)]
+
+    def trainable_slices(self, rank: int) -> list[tuple[str, int, int]]:
+        """(parameter name, start, end) of each trainable parameter's part in shard `rank`,
+        local to the shard (a parameter cut by a shard boundary has a part in each)."""
         lo, hi = self.shard_range(rank)
-        segments = []
+        slices = []
         for s in self.slots:
             start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
             if s.trainable and start < end:
-                segments.append((start - lo, end - lo))
-        return segments
+                slices.append((s.name, start - lo, end - lo))
+        return slices
