@@ -173,7 +173,8 @@ class ShardedLayerStore:
             except TierstackError:
                 raise  # the tier manager's own errors (a local load) say what they are
             except Exception as e:  # noqa: BLE001 - a collective's error: a peer is gone
-                raise self.peer_failure(e) from e
+                log.debug("collective failed on rank %d", self.rank, exc_info=True)
+                raise self.peer_failure(e) from None  # one line: the backend's page is in the log
             finally:
                 self._busy_since = None
         return self._comm.submit(run)

@@ -219,3 +219,61 @@ def test_two_ranks_resume_from_an_engine_checkpoint_bit_for_bit(shared_daemon, t
         for name, want in r["whole"].items():
             assert torch.equal(r["again"][name], want), name
         assert r["lr"] == pytest.approx([HYPER["lr"] * _schedule(STEPS)] * 2)
+
+
+def test_a_rank_that_dies_fails_the_other_in_one_line_within_seconds_and_leaves_nothing(tmp_path):
+    """Two ranks of a DeepSpeed-style script (tests/worker/scripts/ds_style_train.py) under
+    torchrun's variables, one node's daemon; rank 1 is SIGKILLed at its third step. Rank 0
+    ends within seconds, its error one line naming the partitioned job's failure, and the
+    node holds nothing of the job once the daemon's grace period has passed."""
+    import subprocess
+    import sys
+    import time
+
+    from tierstack.config import load_config
+    from tierstack.services.tier_manager.client import TierManagerClient
+    from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+    from tierstack.worker.distributed import free_port
+    from tierstack.worker.jobs.partitioned_job import small_embedded_node
+
+    node = small_embedded_node(size_mib=4)
+    node["nvme_pool"]["paths"] = [str(tmp_path / "nvme")]
+    node["manifest_path"] = str(tmp_path / "manifest.sqlite")
+    node["jobs"] = {"grace_seconds": 0.5}
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ds_style_train.py")
+    with EmbeddedTierManager(load_config({"tier_manager": node}).tier_manager) as daemon:
+        port = free_port()
+        ranks = []
+        for rank in range(2):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "TIERSTACK_TIER_MANAGER": daemon.address, "TIERSTACK_JOB": "dies",
+                   "TIERSTACK_PEER_TIMEOUT": "2", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+            ranks.append(subprocess.Popen([sys.executable, script, "--steps", "50", "--die-at", "2"],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+        try:
+            died_out, _ = ranks[1].communicate(timeout=120)
+            died = time.monotonic()
+            out, err = ranks[0].communicate(timeout=30)
+            ended = time.monotonic()
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        assert ranks[1].returncode == -9 and "rank 1 dies at step 2" in died_out
+        assert ranks[0].returncode not in (0, None), out + err
+        assert ended - died < 15, (ended - died, err[-2000:])
+        last = err.strip().splitlines()[-1].removeprefix("[rank0]: ")  # torch's excepthook's prefix
+        assert last.startswith("tierstack.errors.RankFailedError: "), err[-3000:]
+        assert "rank 0 of 2" in last or "rank 1 of 2" in last, last
+        assert "step 49" not in out
+        client = TierManagerClient(daemon.address)
+        try:
+            deadline = time.monotonic() + 10
+            while left := [j for j in client.jobs() if j.job.startswith("dies")]:
+                assert time.monotonic() < deadline, f"state left on the node: {left}"
+                time.sleep(0.1)
+        finally:
+            client.close()
