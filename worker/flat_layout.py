@@ -64,8 +64,10 @@ class FlatLayout:
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
 
-    def nbytes(self, dtype: torch.dtype | None = None) -> int:
-        return self.numel * (dtype or self.torch_dtype).itemsize
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full layer in its dtype (as LayerLayout.nbytes: the engine reads either)."""
+        return self.numel * self.torch_dtype.itemsize
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel

@@ -294,7 +294,7 @@ class ShardedLayerStore:
         return len(self.layouts)
 
     def layer_nbytes(self, index: int) -> int:
-        return self.layouts[index].nbytes()
+        return self.layouts[index].nbytes
 
     def allocate(self, index: int, copy: DeviceCopy) -> None:
         layout = self.layouts[index]

@@ -277,3 +277,66 @@ def test_a_rank_that_dies_fails_the_other_in_one_line_within_seconds_and_leaves_
                 time.sleep(0.1)
         finally:
             client.close()
+
+
+def _rank_placed(env, address: str, out_dir: str) -> None:
+    """A partitioned engine with an HBM budget: rank 0's is ample, rank 1's none to speak of
+    (placing on its own, rank 1 would keep no block on the device and gather blocks rank 0
+    never gathers: their collectives would diverge). Blocks 0 and 1 may be placed on the
+    device, block 2 streams."""
+    from tierstack.budgets import Budgets
+    from tierstack.config import OptimizerConfig, TrainConfig
+    from tierstack.worker.distributed import init_process_group
+    from tierstack.worker.engine import OffloadEngine
+    from tierstack.worker.layers import LayerStore
+    from tierstack.worker.sharded_engine import ShardedEngine
+    from tierstack.worker.sharded_store import ShardedLayerStore
+
+    sharded = env.world_size > 1
+    if sharded:
+        init_process_group(env)
+    hbm = 1 << 30 if env.rank == 0 else 4096
+    train = TrainConfig(optimizer=OptimizerConfig(lr=3e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0))
+    torch.manual_seed(0)
+    model = Net()
+    store = (ShardedLayerStore if sharded else LayerStore)(f"placed-{env.world_size}", device="cpu",
+                                                           address=address, durable=False)
+    try:
+        engine = (ShardedEngine if sharded else OffloadEngine)(
+            model, store, train, Budgets(hbm=hbm, host=8 << 30, nvme=8 << 30),
+            tiers=["auto", "auto", "cpu"])
+        per = ROWS // env.world_size
+        losses = [engine.train_step(ids[env.rank * per:(env.rank + 1) * per],
+                                    targets[env.rank * per:(env.rank + 1) * per])
+                  for ids, targets in _micro_batches(3)]
+        result = {"losses": losses, "resident": sorted(engine.placement.resident),
+                  "hbm": engine.budgets.hbm}
+        engine.close()
+    finally:
+        store.close()
+        if sharded:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{env.rank}.pt"))
+
+
+def test_rank_zero_places_for_every_rank(shared_daemon):
+    """Both ranks keep rank 0's choice of blocks on the device (its budgets, its probe) and
+    train as one rank with that placement and as plain PyTorch (losses to 1e-5)."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=0.0)
+    expected = []
+    for ids, targets in _micro_batches(3):
+        loss = _loss(model(ids), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    one = _launch(_rank_placed, 1, shared_daemon.address)
+    two = _launch(_rank_placed, 2, shared_daemon.address)
+    assert one[0]["resident"] == [0, 1]
+    for r in two:
+        assert r["resident"] == [0, 1] and r["hbm"] == 1 << 30
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
