@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 PREFIX = "tierstack/peers/"
 BEAT_SECONDS = 0.5
 TIMEOUT_ENV = "TIERSTACK_PEER_TIMEOUT"
-DEFAULT_TIMEOUT = 5.0
+DEFAULT_TIMEOUT = 10.0
 """Seconds a peer may give no sign of life (its watch thread beats; a rank busy in a long
 kernel or RPC still beats, since those release the GIL)."""
 
@@ -73,12 +73,16 @@ class PeerWatch:
         self._stop = threading.Event()
         self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                     timeout=timedelta(seconds=max(1.0, self.timeout)))
+        # A process group may see several partitioned stores one after the other (an engine
+        # closed, a fresh one built): the n-th watch of every rank shares the n-th keys, so
+        # the last one's `ended` marks are not read as this one's.
+        self._generation = self._store.add(f"{PREFIX}generation/{rank}", 1)
         self._store.add(self._key("beat", rank), 1)
         self._thread = threading.Thread(target=self._run, name="tierstack-peer-watch", daemon=True)
         self._thread.start()
 
     def _key(self, what: str, rank: int) -> str:
-        return f"{PREFIX}{what}/{rank}"
+        return f"{PREFIX}{self._generation}/{what}/{rank}"
 
     def _run(self) -> None:
         peers = [r for r in range(self.world) if r != self.rank]

@@ -178,7 +178,7 @@ def test_two_ranks_under_initialize_train_as_one_rank_and_plain_pytorch(shared_d
             assert r["steps"] == STEPS and r["lr"] == pytest.approx([HYPER["lr"] * _schedule(STEPS)] * 2)
             for name, want in weights.items():
                 torch.testing.assert_close(r["weights"][name], want, rtol=1e-4, atol=1e-5,
-                                           msg=lambda m, name=name: f"{name}: {m}")
+                                           msg=lambda m, name=name, w=len(results): f"{w} rank(s), {name}: {m}")
     for name in weights:  # the ranks hold one model
         assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name
 
