@@ -147,3 +147,9 @@ class RetryLaterError(TierstackError):
     def __init__(self, message: str, retry_after: float = 0.005) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class RankFailedError(TierstackError):
+    """Another rank of a partitioned job died or failed: this rank cannot go on (its
+    collectives have no partner), so the job ends on every rank. The message names the
+    rank and what is known of why. Never crosses the wire (ranks fail, not RPCs)."""

@@ -64,8 +64,10 @@ class FlatLayout:
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
 
-    def nbytes(self, dtype: torch.dtype | None = None) -> int:
-        return self.numel * (dtype or self.torch_dtype).itemsize
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full layer in its dtype (as LayerLayout.nbytes: the engine reads either)."""
+        return self.numel * self.torch_dtype.itemsize
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
@@ -97,10 +99,15 @@ class FlatLayout:
 
     def trainable_segments(self, rank: int) -> list[tuple[int, int]]:
         """(start, end) ranges, local to shard `rank`, that hold trainable parameters."""
+        return [(start, end) for _, start, end in self.trainable_slices(rank)]
+
+    def trainable_slices(self, rank: int) -> list[tuple[str, int, int]]:
+        """(parameter name, start, end) of each trainable parameter's part in shard `rank`,
+        local to the shard (a parameter cut by a shard boundary has a part in each)."""
         lo, hi = self.shard_range(rank)
-        segments = []
+        slices = []
         for s in self.slots:
             start, end = max(lo, s.offset), min(hi, s.offset + s.numel)
             if s.trainable and start < end:
-                segments.append((start - lo, end - lo))
-        return segments
+                slices.append((s.name, start - lo, end - lo))
+        return slices

@@ -26,16 +26,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from tierstack.addresses import JOB_ENV
 from tierstack.config import TierstackConfig, load_config
 from tierstack.errors import ConfigError
 from tierstack.worker.daemon_address import check_reachable, running_tier_manager
+from tierstack.worker.distributed import RankEnv, init_process_group
 from tierstack.worker.engine import OffloadEngine, job_budgets, materialize
 from tierstack.worker.layers import LayerStore, layer_tensors
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.model_blocks import check_blocks, find_blocks
 from tierstack.worker.run_directory import job_directories
+from tierstack.worker.sharded_engine import ShardedEngine
+from tierstack.worker.sharded_store import ShardedLayerStore
 from tierstack.worker.training_engine import TrainingEngine
 
 log = logging.getLogger(__name__)
@@ -62,16 +66,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     with the most parameters), `tier_manager` (a running daemon's address), `job` (the
     job's name on the node; default $TIERSTACK_JOB, else the script's name and pid).
     """
-    del distributed_port, dist_init_required, mesh_param  # one rank: nothing to set up
+    del distributed_port, dist_init_required, mesh_param  # ranks join as torchrun's variables say
     if mpu is not None:
         raise ConfigError("initialize(mpu=...): model parallelism is not supported; tierstack's "
                           "ranks are data-parallel")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"initialize needs model=, a torch.nn.Module; got {type(model).__name__}")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError(f"initialize: WORLD_SIZE is {os.environ['WORLD_SIZE']}, and several ranks "
-                          f"under initialize are not supported yet; run one rank (tierstack "
-                          f"train --ranks N trains the built-in models partitioned)")
     raw = _config_dict(args, config, config_params)
     settings = load_config(raw)
     train = settings.train
@@ -80,19 +80,28 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     check_blocks(model, blocks_attr)
     job = _job_name(job)
     device = _device()
+    ranks = _ranks()
     stack = contextlib.ExitStack()
     try:
+        if ranks is not None:
+            _join_ranks(ranks, device, stack)
         address = _tier_manager(settings, job, tier_manager, stack)
         blocks = model.get_submodule(blocks_attr)
         layer_bytes = max(LayerLayout.of(layer_tensors(b)).nbytes for b in blocks)
-        store = LayerStore(job, device=device, device_budget=train.device_budget_bytes(layer_bytes),
-                           address=address, durable=False)
+        budget = train.device_budget_bytes(layer_bytes)
+        if ranks is None:
+            store = LayerStore(job, device=device, device_budget=budget, address=address,
+                               durable=False)
+        else:  # each rank keeps 1/N of every block (worker/sharded_store.py)
+            store = ShardedLayerStore(job, device=device, device_budget=budget, address=address,
+                                      durable=False)
         stack.callback(store.close)
         budgets = job_budgets(settings.budgets, store)
-        core = OffloadEngine(model, store, train, budgets, blocks_attr=blocks_attr,
-                             initialize=materialize, param_groups=groups)
+        engine_class = OffloadEngine if ranks is None else ShardedEngine
+        core = engine_class(model, store, train, budgets, blocks_attr=blocks_attr,
+                            initialize=materialize, param_groups=groups)
         stack.callback(core.close)
-        loader = _dataloader(training_data, train.micro_batch_size, collate_fn)
+        loader = _dataloader(training_data, train.micro_batch_size, collate_fn, ranks)
         scheduler = lr_scheduler
         engine = TrainingEngine(core, train, training_dataloader=loader,
                                 on_close=stack.pop_all().close)
@@ -104,19 +113,50 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     except BaseException:
         stack.close()
         raise
-    log.info("tierstack.initialize: job %s on %s, blocks %s (%d), %s, budgets %s", job, device,
+    log.info("tierstack.initialize: job %s on %s%s, blocks %s (%d), %s, budgets %s", job, device,
+             "" if ranks is None else f" (rank {ranks.rank} of {ranks.world_size}, partitioned)",
              blocks_attr, len(blocks), train.precision, budgets.describe())
     return engine, engine.optimizer, loader, scheduler
 
 
 def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
-    """deepspeed.init_distributed: one rank needs no process group, so this checks that the
-    job is one rank and does nothing else (a DeepSpeed script calls it unchanged)."""
-    del dist_backend, kwargs
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ConfigError(f"init_distributed: WORLD_SIZE is {world}, and several ranks under "
-                          f"tierstack.initialize are not supported yet; run one rank")
+    """deepspeed.init_distributed: with WORLD_SIZE > 1 (torchrun's variables), join the
+    job's process group now (NCCL on a GPU, gloo on the CPU; `dist_backend` must agree);
+    one rank needs none. initialize joins it too where the script did not call this."""
+    del kwargs
+    ranks = _ranks()
+    if ranks is None or dist.is_initialized():
+        return
+    device = _device()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if dist_backend is not None and dist_backend != backend:
+        raise ConfigError(f"init_distributed(dist_backend={dist_backend!r}): this rank's device is "
+                          f"{device}, whose backend is {backend!r}; leave dist_backend out")
+    init_process_group(ranks, device)
+
+
+# ---- ranks ---------------------------------------------------------------------------------
+
+
+def _ranks() -> RankEnv | None:
+    """This process's place among the job's ranks (torchrun's variables), None for one rank."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    return RankEnv.from_environ()
+
+
+def _join_ranks(ranks: RankEnv, device: torch.device, stack: contextlib.ExitStack) -> None:
+    """Join the process group (unless the script did: init_distributed, or torch's own);
+    one that initialize joined is left when the engine closes."""
+    if dist.is_initialized():
+        if dist.get_world_size() != ranks.world_size or dist.get_rank() != ranks.rank:
+            raise ConfigError(
+                f"initialize: the process group has rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but RANK/WORLD_SIZE say {ranks.rank} of "
+                f"{ranks.world_size}; start the ranks with one launcher (torchrun, tierstack launch)")
+        return
+    init_process_group(ranks, device)
+    stack.callback(dist.destroy_process_group)
 
 
 # ---- config -----------------------------------------------------------------------------
@@ -203,14 +243,17 @@ def _configured_schedule(optimizer: torch.optim.Optimizer, train):
     return build_schedule(optimizer, train.lr_schedule)
 
 
-def _dataloader(data: Any, micro_batch_size: int, collate_fn: Callable | None):
-    """DeepSpeed's training loader: the dataset in micro-batches, shuffled."""
+def _dataloader(data: Any, micro_batch_size: int, collate_fn: Callable | None,
+                ranks: RankEnv | None = None):
+    """DeepSpeed's training loader: the dataset in micro-batches, shuffled; with several
+    ranks each rank's own share of it (a DistributedSampler, as DeepSpeed's)."""
     if data is None:
         return None
-    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-    return DataLoader(data, batch_size=micro_batch_size, sampler=RandomSampler(data),
-                      collate_fn=collate_fn)
+    sampler = (RandomSampler(data) if ranks is None else
+               DistributedSampler(data, num_replicas=ranks.world_size, rank=ranks.rank))
+    return DataLoader(data, batch_size=micro_batch_size, sampler=sampler, collate_fn=collate_fn)
 
 
 # ---- services and budgets ----------------------------------------------------------------

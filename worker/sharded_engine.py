@@ -19,6 +19,7 @@ summation order differs (see tests/worker/test_sharded.py for the tolerance).
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -30,6 +31,7 @@ from tierstack.tiers import AUTO
 from tierstack.worker.engine import OffloadEngine, job_budgets
 from tierstack.worker.layout import LayerLayout
 from tierstack.worker.offload import OffloadedBlocks
+from tierstack.worker.placement import DeviceFootprint
 from tierstack.worker.partitioned_stash import PartitionedActivationStash, daemon_rooms
 from tierstack.worker.sharded_store import ShardedLayerStore
 from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
@@ -48,11 +50,11 @@ class ShardedAdamW(TieredAdamW):
     """
 
     def __init__(self, blocks: OffloadedBlocks, config: OptimizerConfig | None = None,
-                 masters: bool = False) -> None:
+                 masters: bool = False, group_of: Callable[[int, str], int] | None = None) -> None:
         if not isinstance(blocks.store, ShardedLayerStore):
             raise InvalidArgumentError("ShardedAdamW needs blocks registered with a ShardedLayerStore")
         self.store: ShardedLayerStore = blocks.store
-        super().__init__(blocks, config, masters)
+        super().__init__(blocks, config, masters, group_of)
         # Ranks must decide alike (their collectives in the same order): no update may be
         # in flight when the next forward starts prefetching.
         self.asynchronous = False
@@ -74,9 +76,12 @@ class ShardedAdamW(TieredAdamW):
             exp_avg=local.key(i, "exp_avg"), exp_avg_sq=local.key(i, "exp_avg_sq"),
             param_dtype=layout.dtype, grad_dtype=layout.dtype, state_nbytes=state.nbytes,
             state_placement=local.placement(i, "state"),
+            # One segment per parameter's part of the shard, in that parameter's param group
+            # (a shard may hold parts of parameters of several groups).
             segments=tuple(AdamWSegment(numel=b - a, param_offset=a * itemsize,
-                                        grad_offset=a * itemsize, state_offset=a * 4)
-                           for a, b in layout.trainable_segments(self.store.rank)))
+                                        grad_offset=a * itemsize, state_offset=a * 4,
+                                        group=self.group_of(i, name))
+                           for name, a, b in layout.trainable_slices(self.store.rank)))
 
 
 class ShardedEngine(OffloadEngine):
@@ -84,17 +89,31 @@ class ShardedEngine(OffloadEngine):
 
     def __init__(self, model: torch.nn.Module, store: ShardedLayerStore, train: TrainConfig,
                  budgets: Budgets | None = None, **kwargs) -> None:
-        """As OffloadEngine, but every block's shards are placed "auto" (the CPU pool keeps
-        what fits, the rest on NVMe) and nothing is placed on the device: ranks that placed
-        on their own could diverge in their collectives (worker/jobs/ray_train_job.py's
-        check_train_config says what is not applied)."""
+        """As OffloadEngine, with every block's shards placed "auto" (the CPU pool keeps
+        what fits, the rest on NVMe). What lives on the device is one placement for all
+        ranks: rank 0's budgets are every rank's (a broadcast here), and the placement's
+        probe footprint is rank 0's (`_probe`), so every rank places the same blocks on the
+        device and their collectives stay in step (ranks that placed on their own could
+        diverge). `budgets` None: the job's budgets with no HBM budget, nothing placed on
+        the device (every block streamed: the partitioned job's and its benchmark's way)."""
         if not isinstance(store, ShardedLayerStore):
             raise InvalidArgumentError("ShardedEngine needs a ShardedLayerStore (use OffloadEngine "
                                        "with a LayerStore for one rank)")
         count = len(model.get_submodule(kwargs.get("blocks_attr", "blocks")))
         kwargs.setdefault("tiers", [AUTO] * count)
-        budgets = (budgets or job_budgets(BudgetsConfig(), store)).with_(hbm=0)
+        if budgets is None:
+            budgets = job_budgets(BudgetsConfig(), store).with_(hbm=0)
+        budgets = store.broadcast_object(budgets)
         super().__init__(model, store, train, budgets, **kwargs)
+
+    def _probe(self, run_loss: Callable[[], torch.Tensor]) -> DeviceFootprint:
+        """Every rank runs the probe step (its forward gathers every block, as the others'
+        do); rank 0's footprint is the one every rank places by, so the placement, a pure
+        function of it and of the (broadcast) budgets, is rank 0's on every rank."""
+        footprint = self.store.broadcast_object(super()._probe(run_loss))
+        log.info("placement: rank %d of %d follows rank 0's probe (peak %d bytes)",
+                 self.store.rank, self.store.world, footprint.peak)
+        return footprint
 
     def _partition_activations(self) -> None:
         """Spread the block inputs sent to the tier manager over the ranks' tier managers
@@ -113,7 +132,9 @@ class ShardedEngine(OffloadEngine):
                  store.world, self.activation_policy)
 
     def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool) -> ShardedAdamW:
-        return ShardedAdamW(self.blocks, optimizer, masters=masters)
+        prefixes = [f"{self.blocks_attr}.{p}." for p in self.blocks.positions]
+        return ShardedAdamW(self.blocks, optimizer, masters=masters,
+                            group_of=lambda i, name: self._group_of[prefixes[i] + name])
 
     def _gradient_norm(self) -> float:
         """The global batch's gradient norm: the blocks' shards are disjoint (their squares

@@ -29,16 +29,19 @@ Layers are laid out by `FlatLayout` (worker/flat_layout.py): one dtype per layer
 from __future__ import annotations
 
 import logging
+import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from tierstack.errors import InvalidArgumentError
+from tierstack.errors import InvalidArgumentError, RankFailedError, TierstackError
 from tierstack.worker.flat_layout import FlatLayout
 from tierstack.worker.grad_norm import squared_norm
 from tierstack.worker.layers import DEFAULT_DEVICE_BUDGET, LayerStore, layer_tensors
+from tierstack.worker.peer_watch import BEAT_SECONDS, PeerWatch, abort_process_group
 from tierstack.worker.prefetch_depths import PrefetchDepths
 from tierstack.worker.residency import DeviceCopy, DeviceResidency
 
@@ -83,6 +86,11 @@ class ShardedLayerStore:
         self.layouts: list[FlatLayout] = []
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="tierstack-collective")
         self._comm_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # A peer that dies ends this rank too, in one line (worker/peer_watch.py): the
+        # watch needs the time the communication thread has waited in its current op.
+        self._busy_since: float | None = None
+        self._failure: RankFailedError | None = None
+        self.watch = self._watch_peers()
         # Layers gathered ahead of use (prefetch_ahead); OffloadedBlocks sets them. Which
         # gathers a rank queues depends on them, so every rank must change them at the same
         # layer, or the ranks' collectives diverge: a plan given to any rank (`set_plan`) is
@@ -151,13 +159,51 @@ class ShardedLayerStore:
         self.local.set_access_order(layers)
 
     def _collective(self, fn: Callable[[], T]) -> Future:
-        """Queue `fn` on the communication thread (every collective goes through here)."""
+        """Queue `fn` on the communication thread (every collective goes through here).
+        A collective that fails because a peer is gone raises `RankFailedError`."""
         def run() -> T:
-            if self.cuda:
-                with torch.cuda.stream(self._comm_stream):
-                    return fn()
-            return fn()
+            if self._failure is not None:
+                raise self._failure
+            self._busy_since = time.monotonic()
+            try:
+                if self.cuda:
+                    with torch.cuda.stream(self._comm_stream):
+                        return fn()
+                return fn()
+            except TierstackError:
+                raise  # the tier manager's own errors (a local load) say what they are
+            except Exception as e:  # noqa: BLE001 - a collective's error: a peer is gone
+                log.debug("collective failed on rank %d", self.rank, exc_info=True)
+                raise self.peer_failure(e) from None  # one line: the backend's page is in the log
+            finally:
+                self._busy_since = None
         return self._comm.submit(run)
+
+    def _watch_peers(self) -> PeerWatch | None:
+        """This rank's watch over the others, through the job's rendezvous store."""
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if self.world == 1 or self.group is not None or not host or not port:
+            return None  # one rank, a subgroup, or a launcher without torchrun's variables
+        busy = lambda: 0.0 if self._busy_since is None else time.monotonic() - self._busy_since  # noqa: E731
+        return PeerWatch(self.rank, self.world, host, int(port), busy_seconds=busy,
+                         on_failure=lambda reason: abort_process_group())
+
+    def peer_failure(self, error: BaseException) -> RankFailedError:
+        """The one-line error for a collective that failed (`error`): the watch's account of
+        which peer is gone, once it has one (it is waited for a beat past its timeout)."""
+        if self._failure is None:
+            watch = self.watch
+            if watch is not None:
+                deadline = time.monotonic() + watch.timeout + 4 * BEAT_SECONDS
+                while watch.reason is None and time.monotonic() < deadline:
+                    time.sleep(BEAT_SECONDS / 5)
+            reason = watch.reason if watch is not None else None
+            if reason is None:
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                reason = (f"a collective of rank {self.rank} of {self.world} failed ({first[:200]}): "
+                          f"another rank has died or ended early; see the other ranks' logs")
+            self._failure = RankFailedError(reason)
+        return self._failure
 
     def _after_caller(self) -> object | None:
         """An event after the caller's queued work, for the communication stream to wait on."""
@@ -248,7 +294,7 @@ class ShardedLayerStore:
         return len(self.layouts)
 
     def layer_nbytes(self, index: int) -> int:
-        return self.layouts[index].nbytes()
+        return self.layouts[index].nbytes
 
     def allocate(self, index: int, copy: DeviceCopy) -> None:
         layout = self.layouts[index]
@@ -275,8 +321,10 @@ class ShardedLayerStore:
                 self.local.release_layer(index)
             self.bytes_gathered += shard.numel() * shard.element_size() * (self.world - 1)
             copy.done(filled=gathered)
-        except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
+        except TierstackError as e:  # handed to ensure_layer
             copy.done(error=e)
+        except BaseException as e:  # noqa: BLE001 - the all-gather's: a peer is gone
+            copy.done(error=self.peer_failure(e))
 
     # ---- gradients, optimizer state and reads ----------------------------------------------
 
@@ -432,10 +480,37 @@ class ShardedLayerStore:
         """Wait for every rank to get here (queued behind this rank's collectives)."""
         self._collective(lambda: dist.barrier(group=self.group)).result()
 
+    def broadcast_object(self, value: T) -> T:
+        """Rank 0's `value` on every rank (a collective; any picklable value)."""
+        def op() -> T:
+            box = [value]
+            dist.broadcast_object_list(
+                box, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
+                group=self.group, device=self.device if self.cuda else None)
+            return box[0]
+
+        return self._collective(op).result()
+
+    def forget_layer(self, index: int, kinds: Sequence[str] = ()) -> None:
+        """Layer `index` moved to the device for good (on every rank alike): drop its full
+        copy here and delete this rank's shards of it from the tier manager."""
+        if index in self.residency:
+            self.release_layer(index)
+        self.grad_sq_norms.pop(index, None)
+        self.local.forget_layer(index, kinds)
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self.depths.depth
+
     def close(self) -> None:
-        self._comm.shutdown(wait=True)
-        self.residency.clear()
-        self.local.close()
+        try:
+            self._comm.shutdown(wait=True)
+            self.residency.clear()
+            self.local.close()
+        finally:
+            if self.watch is not None:
+                self.watch.close()
 
     def __enter__(self) -> "ShardedLayerStore":
         return self

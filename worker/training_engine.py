@@ -244,7 +244,9 @@ class TrainingEngine(torch.nn.Module):
         return self.train(False)
 
     def no_sync(self):
-        """DeepSpeed's: one rank here, no gradient reduction to put off."""
+        """DeepSpeed's: nothing to put off. One rank reduces nothing; partitioned ranks
+        reduce-scatter each block's gradients as its backward stores them (the window's
+        sum is kept as shards), so there is no reduction left for the boundary."""
         return contextlib.nullcontext()
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -265,10 +267,13 @@ class TrainingEngine(torch.nn.Module):
                              if hasattr(self.lr_scheduler, "state_dict") else None),
         }
         checkpoint.save_checkpoint(self.core, save_dir / tag, extra={"engine": state})
+        store = self.core.store
         if save_latest:
-            staged = save_dir / f".{LATEST_FILE}.writing"
-            staged.write_text(tag)
-            staged.replace(save_dir / LATEST_FILE)
+            if store.writes_checkpoint:  # partitioned: rank 0 writes, as the checkpoint
+                staged = save_dir / f".{LATEST_FILE}.writing"
+                staged.write_text(tag)
+                staged.replace(save_dir / LATEST_FILE)
+            store.barrier()  # no rank reads `latest` before it points at this one
         return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None,

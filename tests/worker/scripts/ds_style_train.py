@@ -3,6 +3,7 @@ its own model, loss and loop. `tierstack launch` runs it (tests/worker/test_laun
 
 import argparse
 import os
+import signal
 
 import torch
 import torch.nn as nn
@@ -30,6 +31,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fail-at", type=int, default=-1)
+    parser.add_argument("--die-at", type=int, default=-1,
+                        help="rank --die-rank is killed (SIGKILL) at this step")
+    parser.add_argument("--die-rank", type=int, default=1)
     args = parser.parse_args()
     torch.manual_seed(0)
     model = Net()
@@ -40,6 +44,9 @@ def main() -> None:
     for step in range(args.steps):
         if step == args.fail_at:
             raise RuntimeError(f"the script's own error at step {step}")
+        if step == args.die_at and int(os.environ.get("RANK", 0)) == args.die_rank:
+            print(f"rank {args.die_rank} dies at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         ids = torch.randint(0, 40, (4, 12), generator=g)
         loss = F.cross_entropy(engine(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
         engine.backward(loss)
