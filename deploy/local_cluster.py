@@ -165,18 +165,23 @@ def _start_sshd(d: Path) -> int:
     return proc.pid
 
 
-def _tier_manager_answers(node_ip: str, timeout: float = 2.0) -> bool:
+def tier_manager_instance(node_ip: str, ray_address: str, timeout: float = 2.0) -> str | None:
+    """The instance id of the tier manager of `node_ip` in the cluster at `ray_address`,
+    or None when none answers within `timeout` seconds."""
     from tierstack.services.tier_manager.client import TierManagerClient
 
-    client = TierManagerClient(node_tier_manager_address(node_ip, cluster_address()),
+    client = TierManagerClient(node_tier_manager_address(node_ip, ray_address),
                                reconnect_timeout=timeout)
     try:
-        client.node()
-        return True
+        return client.node().instance_id
     except Exception:  # noqa: BLE001 - not (or no longer) running
-        return False
+        return None
     finally:
         client.close()
+
+
+def _tier_manager_answers(node_ip: str, timeout: float = 2.0) -> bool:
+    return tier_manager_instance(node_ip, cluster_address(), timeout) is not None
 
 
 def up() -> int:

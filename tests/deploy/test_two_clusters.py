@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.test_ray_up import _answers
 from tierstack.addresses import SECURITY_DIR_ENV, cluster_dir_name, node_dir
+from tierstack.deploy.local_cluster import tier_manager_instance
 from tierstack.deploy.ray_node import scheduler_address
 from tierstack.rpc import security_from_dir, write_secrets
 from tierstack.services.scheduler.client import SchedulerClient
@@ -104,7 +104,7 @@ class Cluster:
         assert commands == ["scheduler", "tier-manager"], commands
 
     def tier_manager_id(self, timeout: float = 5.0) -> str | None:
-        return _answers(NODE_IP, self.ray_address, timeout)
+        return tier_manager_instance(NODE_IP, self.ray_address, timeout)
 
     def scheduler_nodes(self, security) -> list[str]:
         client = SchedulerClient(scheduler_address(self.ray_address), timeout=10.0, security=security)
