@@ -84,7 +84,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     stack = contextlib.ExitStack()
     try:
         if ranks is not None:
-            _join_ranks(ranks, device, stack)
+            _join_ranks(ranks, device)
         address = _tier_manager(settings, job, tier_manager, stack)
         blocks = model.get_submodule(blocks_attr)
         layer_bytes = max(LayerLayout.of(layer_tensors(b)).nbytes for b in blocks)
@@ -145,9 +145,11 @@ def _ranks() -> RankEnv | None:
     return RankEnv.from_environ()
 
 
-def _join_ranks(ranks: RankEnv, device: torch.device, stack: contextlib.ExitStack) -> None:
-    """Join the process group (unless the script did: init_distributed, or torch's own);
-    one that initialize joined is left when the engine closes."""
+def _join_ranks(ranks: RankEnv, device: torch.device) -> None:
+    """Join the process group (unless the script did: init_distributed, or torch's own).
+    It stays joined for the process's life, as DeepSpeed's does: an engine built after
+    another joins nothing again (leaving and re-joining on one MASTER_PORT races: a fast
+    rank's new rendezvous can find a slow rank's old store still serving)."""
     if dist.is_initialized():
         if dist.get_world_size() != ranks.world_size or dist.get_rank() != ranks.rank:
             raise ConfigError(
@@ -156,7 +158,6 @@ def _join_ranks(ranks: RankEnv, device: torch.device, stack: contextlib.ExitStac
                 f"{ranks.world_size}; start the ranks with one launcher (torchrun, tierstack launch)")
         return
     init_process_group(ranks, device)
-    stack.callback(dist.destroy_process_group)
 
 
 # ---- config -----------------------------------------------------------------------------

@@ -129,6 +129,7 @@ def _train(engine, rank: int, world: int, start: int, stop: int):
 def _weights(engine) -> dict[str, torch.Tensor]:
     """Every weight, the blocks' gathered from the ranks' shards (a collective)."""
     core = engine.core
+    core.wait_for_optimizer()  # one rank: the last step's updates run behind, not waited for
     out = {n: p.detach().cpu().clone() for n, p in engine.module.named_parameters()
            if not n.startswith("blocks.")}
     for i in range(LAYERS):
