@@ -220,6 +220,9 @@ def up() -> int:
     except BaseException as e:
         print(f"local-cluster up failed ({type(e).__name__}: {e}); removing what it made",
               file=sys.stderr)
+        for log in sorted(user_dir().glob("ray-node-*.log")) + sorted(
+                (user_dir() / cluster_dir_name(cluster_address())).glob("node-*/*.log")):
+            print(f"--- the end of {log}:\n{(_read(log) or '')[-1500:]}", file=sys.stderr)
         down()
         return 1
     print(f"local cluster up: Ray at {cluster_address()}, nodes {NODES[0]} (head) and "
