@@ -8,8 +8,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 rm -rf /tmp/pkg && mkdir -p /tmp/pkg
-cp -r tierstack /tmp/pkg/
-cp -r services worker proto dashboards deploy /tmp/pkg/tierstack/
+# The folders come from pyproject's package-dir (one owner of the layout: a room added
+# there, as cli/ was, is assembled here too).
+python3 - <<'PY'
+import shutil, tomllib
+dirs = tomllib.load(open("pyproject.toml", "rb"))["tool"]["setuptools"]["package-dir"]
+for package, folder in dirs.items():
+    shutil.copytree(folder, "/tmp/pkg/" + package.replace(".", "/"), dirs_exist_ok=True)
+PY
 cc -O2 -std=c11 -D_GNU_SOURCE -shared -fPIC -pthread \
     -o /tmp/pkg/tierstack/services/tier_manager/native/libtierstack_blockio.so \
     services/tier_manager/native/blockio.c
