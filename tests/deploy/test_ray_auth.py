@@ -59,8 +59,12 @@ def _ray_head(env: dict[str, str]):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
+        try:  # `ray start --block` often outwaits a SIGTERM by far (30 s here): a short grace
+            proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
         for entry in Path("/proc").iterdir():  # whatever of that head outlived its group
             with contextlib.suppress(OSError, ProcessLookupError):
                 if entry.name.isdigit() and str(temp) in (entry / "cmdline").read_text():
