@@ -69,13 +69,13 @@ def test_a_killed_workers_holds_and_its_jobs_state_go_with_it(tmp_path, shm_dir)
         daemon.kill()
 
 
-ROUNDS = 1000
+ROUNDS = 300  # the bug lost 8-25 of 250 writes: 300 rounds see it many times over
 
 
 def test_reopening_a_job_while_its_ended_state_is_deleted_loses_no_acknowledged_write(tmp_path, shm_dir):
     """A worker that closed its job opens it again while the job's state is being deleted
     (issue 35: 8-25 of 250 acknowledged writes were lost, and the job was forgotten while
-    the worker held it). 1,000 rounds of: close, a DeleteJob racing a re-open, writes after
+    the worker held it). 300 rounds of: close, a DeleteJob racing a re-open, writes after
     the re-open; every write acknowledged after the re-open reads back, and the job stays
     listed as held by its worker."""
     import random
@@ -145,7 +145,7 @@ def test_reopening_a_job_while_its_ended_state_is_deleted_loses_no_acknowledged_
         elapsed = time.monotonic() - start
         print(f"{ROUNDS} rounds in {elapsed:.1f} s: {acked} writes acknowledged after a re-open, "
               f"{lost} lost; {deleted} rounds deleted the ended state first, {forgotten} forgot the job")
-        assert lost == 0 and forgotten == 0 and acked >= 1000
+        assert lost == 0 and forgotten == 0 and acked >= 2 * ROUNDS
         assert deleted > ROUNDS // 10  # the race was run, not only the easy order
     finally:
         arenas.close()

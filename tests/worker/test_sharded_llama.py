@@ -53,8 +53,9 @@ def _plain_reference(spec: PartitionedSpec):
     return model, losses
 
 
-def test_a_spec_with_hf_llama_trains_on_two_ranks_as_on_one_and_as_plain_pytorch():
-    """fp32, the same global batch of 4: 2 ranks x 2 rows == 1 rank x 4 rows == plain AdamW,
+def test_a_spec_with_hf_llama_trains_on_two_ranks_as_plain_pytorch():
+    """fp32, the same global batch of 4: 2 ranks x 2 rows == plain AdamW on the 4 rows (one
+    rank against plain PyTorch is test_sharded.py's, the same engine),
     to summation order (losses at 1e-5 relative, weights at rtol 1e-4 / atol 1e-5, as in
     test_sharded.py: a dropped or doubled shard moves weights by ~lr = 1e-3)."""
     spec = _spec()
@@ -62,7 +63,7 @@ def test_a_spec_with_hf_llama_trains_on_two_ranks_as_on_one_and_as_plain_pytorch
     assert type(reference).__name__ == "LlamaForCausalLM"
     assert reference.config._attn_implementation == "sdpa" and not reference.config.tie_word_embeddings
     want = dict(reference.named_parameters())
-    for results in (launch_partitioned(spec, 1), launch_partitioned(spec, 2)):
+    for results in (launch_partitioned(spec, 2),):
         losses = [s.loss for s in results[0].steps]
         for step, (loss, ref) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(loss - ref) <= 1e-5 * abs(ref), (len(results), step, loss, ref)
