@@ -146,6 +146,13 @@ def _start_all(pool: ThreadPoolExecutor, workers: int) -> None:
     started.wait()
 
 
+def use_every_core() -> None:
+    """PyTorch's intra-op threads, set once for the daemon's process when its first step
+    comes: the step's one compute thread uses them all; nothing else there runs torch
+    kernels."""
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
 class AdamWStepper:
     """Runs AdamW steps over state kept by one node's registry."""
 

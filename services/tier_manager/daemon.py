@@ -13,8 +13,6 @@ import logging
 import os
 import threading
 
-import torch
-
 from tierstack.addresses import TIER_MANAGER_ENV, default_tier_manager_address
 from tierstack.config import SecurityConfig, TierManagerConfig
 from tierstack.doctor import OK, log_checks, map_count_check, raise_open_files_limit
@@ -36,9 +34,6 @@ class TierManagerDaemon:
 
     def __init__(self, config: TierManagerConfig, max_workers: int = 32,
                  security: SecurityConfig | None = None, recover: bool = False) -> None:
-        # PyTorch's intra-op threads, set once for the process: the optimizer step's one
-        # compute thread uses them all (adamw.py); nothing else here runs torch kernels.
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
         bound_malloc_arenas()  # before the gRPC and IO threads exist (heap.py says why)
         self.config = config
         self.endpoint = ServiceEndpoint(config.listen or default_tier_manager_address(),

@@ -12,8 +12,7 @@ read, the daemon's own IO, up to LOAD_WAIT_SECONDS.
 from __future__ import annotations
 
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from tierstack.dtypes import dtype_from_name
 from tierstack.errors import InvalidArgumentError
@@ -27,6 +26,9 @@ from tierstack.services.tier_manager.requests import validate_key
 from tierstack.services.tier_manager.spill import Spill
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes
 from tierstack.services.tier_manager.types import TensorInfo
+
+if TYPE_CHECKING:
+    import torch
 
 LOAD_WAIT_SECONDS = 1.0
 """The longest a fetch waits for another fetch's read of the same tensor before it is
@@ -127,6 +129,8 @@ class Leases:
     def get(self, key: str) -> torch.Tensor:
         """A fresh CPU tensor with the current bytes of `key`, checksums verified (for
         tools and tests in this process: it waits for an update or load to end)."""
+        import torch
+
         validate_key(key)
         deadline = time.monotonic() + GET_WAIT_SECONDS
         with self.records.lock:

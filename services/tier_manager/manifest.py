@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierstack.dtypes import dtype_from_name, nbytes_of
+from tierstack.dtypes import check_dtype_name, nbytes_of
 from tierstack.errors import (ConfigError, ManifestError, NvmePoolFullError, StorageIOError,
                               TierstackError)
 from tierstack.private_paths import ensure_private_dir, hold_lock, open_private_file
@@ -219,7 +219,7 @@ class Manifest:
             shape = tuple(json.loads(shape_text))
             if not all(type(d) is int and d >= 0 for d in shape):
                 raise ValueError(f"shape {shape_text!r:.40}")
-            dtype_from_name(dtype)
+            check_dtype_name(dtype)
             if nbytes_of(dtype, shape) != nbytes or type(version) is not int or version < 0:
                 raise ValueError(f"{dtype}{list(shape)} is not {nbytes} bytes, or a bad version")
             extent = NvmeExtent.from_json(json.loads(extent_text))

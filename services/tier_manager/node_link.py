@@ -27,8 +27,7 @@ import logging
 import socket
 import threading
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from tierstack.config import MiB, SecurityConfig, TierManagerConfig
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError, TierstackError
@@ -36,6 +35,9 @@ from tierstack.services.scheduler.client import SchedulerClient, Stream
 from tierstack.services.scheduler.model import TIERS, Bandwidths, JobNodePlan, NodePlanUpdate, NodeSpec
 from tierstack.services.tier_manager.eviction import JobPlan
 from tierstack.services.tier_manager.tiers import NodeTiers
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,8 @@ def probe_bandwidths(tiers: NodeTiers, nbytes: int = PROBE_BYTES, repeats: int =
 
 
 def _probe_device(view: memoryview, nbytes: int, repeats: int) -> tuple[float, float]:
+    import torch
+
     host = torch.frombuffer(view, dtype=torch.uint8)
     cuda = torch.cuda.is_available()
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
@@ -102,6 +106,8 @@ def _probe_device(view: memoryview, nbytes: int, repeats: int) -> tuple[float, f
 
 
 def node_spec(tiers: NodeTiers, config: TierManagerConfig, bandwidth: Bandwidths) -> NodeSpec:
+    import torch
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu_bytes = sum(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
     return NodeSpec(node_id=node_id_of(config), gpu_bytes=gpu_bytes, cpu_bytes=tiers.cpu_pool.capacity,

@@ -19,11 +19,10 @@ updates.py) and the jobs' accounts. It is the one place that decides what a tier
 from __future__ import annotations
 
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from tierstack.config import TierManagerConfig
-from tierstack.dtypes import dtype_from_name, dtype_name, nbytes_of
+from tierstack.dtypes import check_dtype_name, dtype_from_name, dtype_name, nbytes_of
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
 from tierstack.services.tier_manager.extent_header import ExtentMeta
@@ -35,6 +34,10 @@ from tierstack.services.tier_manager.tiers import NodeTiers, open_tiers
 from tierstack.services.tier_manager.types import NodeStats, TensorInfo
 from tierstack.services.tier_manager.updates import Updates
 from tierstack.tiers import HOST_TIERS, Placement
+
+if TYPE_CHECKING:
+    import torch
+
 
 class TierRegistry:
     """Maps tensor keys to CPU-pool buffers and NVMe extents, durably for NVMe.
@@ -100,7 +103,7 @@ class TierRegistry:
         validate_key(key)
         validate_placement(placement)
         validate_shape(shape)
-        dtype_from_name(dtype)
+        check_dtype_name(dtype)
         nbytes = nbytes_of(dtype, tuple(shape))
         held = buffer.nbytes if buffer is not None else 0
         if held != nbytes:
@@ -240,6 +243,8 @@ class TierRegistry:
 
 def tensor_view(registry: TierRegistry, info: TensorInfo, buffer: CpuBuffer | None) -> torch.Tensor:
     """A tensor over a fetched CPU-pool buffer (no copy); valid until `release`."""
+    import torch
+
     if buffer is None:
         return torch.empty(info.shape, dtype=dtype_from_name(info.dtype))
     return tensor_from_buffer(registry.view(buffer), info.dtype, info.shape)

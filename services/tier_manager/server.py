@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierstack.config import JobsConfig
 from tierstack.errors import TierstackError
@@ -24,7 +25,6 @@ from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import StreamSlots, checked_interval, rpc_method, rpc_stream
 from tierstack.services.tier_manager import wire
-from tierstack.services.tier_manager.adamw import AdamWStepper
 from tierstack.services.tier_manager.admission import CallSlots
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
 from tierstack.services.tier_manager.heap import trim_heap
@@ -35,6 +35,10 @@ from tierstack.services.tier_manager.sessions import (ClientHolds, SessionWatche
                                                       reclaim_stale_sessions, session_of)
 from tierstack.services.tier_manager.types import (BufferLease, FetchResult, NodeInfo, NodeStats,
                                                    Resident)
+
+
+if TYPE_CHECKING:
+    from tierstack.services.tier_manager.adamw import AdamWStepper
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +89,10 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         reclaim_stale_sessions(session_dir)
         self.jobs = JobTable(registry, registry.durable.manifest, jobs_config or JobsConfig())
         self._prefetcher = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="tierstack-prefetch")
-        self.adamw = AdamWStepper(registry)
+        # Made at the first AdamWStep: it needs torch, whose import is most of a daemon's
+        # start, and a tier manager that only stores bytes never runs a step.
+        self._adamw: AdamWStepper | None = None
+        self._adamw_made = threading.Lock()
         self._stopping = threading.Event()
 
     # ---- node -----------------------------------------------------------------------
@@ -206,7 +213,15 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     @long_call
     def AdamWStep(self, request, context):
         blocks, hyper, durable = wire.adamw_request_from(request)
-        return wire.adamw_result_pb(self.adamw.step(blocks, hyper, durable))
+        return wire.adamw_result_pb(self._stepper().step(blocks, hyper, durable))
+
+    def _stepper(self) -> AdamWStepper:
+        with self._adamw_made:
+            if self._adamw is None:
+                from tierstack.services.tier_manager.adamw import AdamWStepper, use_every_core
+                use_every_core()
+                self._adamw = AdamWStepper(self.registry)
+            return self._adamw
 
     # ---- stats ------------------------------------------------------------------------
 
@@ -302,4 +317,6 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         self._stopping.set()
         self.streams.close_all()
         self._prefetcher.shutdown(wait=True)
-        self.adamw.close()
+        with self._adamw_made:
+            if self._adamw is not None:
+                self._adamw.close()

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from tierstack.dtypes import dtype_from_name, dtype_name, nbytes_of
 from tierstack.errors import InvalidArgumentError
 
+if TYPE_CHECKING:
+    import torch
+
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A flat uint8 view of a CPU tensor's bytes (copied only if it is not contiguous)."""
+    import torch
+
     if tensor.device.type != "cpu":
         raise InvalidArgumentError(f"expected a CPU tensor, got one on {tensor.device}")
     dtype_name(tensor.dtype)
@@ -20,6 +26,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 def tensor_from_buffer(buffer: memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor sharing `buffer`'s memory (no copy), with the given dtype and shape."""
+    import torch
+
     expected = nbytes_of(dtype, shape)
     if len(buffer) != expected:
         raise InvalidArgumentError(
