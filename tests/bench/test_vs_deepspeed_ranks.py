@@ -5,6 +5,7 @@ the bench (--device cpu --sides ts --ranks 2, see its docstring)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -71,3 +72,29 @@ def test_a_failing_rank_stops_the_others_and_its_code_is_returned(bench):
 
 def test_ranks_that_all_succeed_return_zero(bench):
     assert bench.run_ranks([[sys.executable, "-c", "pass"]] * 2) == 0
+
+
+def test_n_ranks_summary_names_each_mode_against_deepspeed_as_the_issue_does(bench, monkeypatch, tmp_path):
+    """One call runs both sides on N ranks, the same JSON for both (the global batch in it),
+    and the last line has vs_deepspeed_<N>gpu_<mode> = tierstack's tokens/s over
+    DeepSpeed's, with each tierstack rank's phases (the runs stubbed: no GPU here)."""
+    launched = []
+
+    def launch(args, side, config, label, workdir):
+        launched.append((side, label, config))
+        tokens = {"ds": 1000.0, "ts": 1600.0}[side]
+        result = {"tokens_per_s": tokens, "step_median": 1.0, "host_peak": 1, "gpu_peak": 1}
+        if side == "ts":
+            result["rank_phases"] = [{"rank": r, "forward_s": 0.1} for r in range(2)]
+        return result
+
+    monkeypatch.setattr(bench, "_launch", launch)
+    out = tmp_path / "summary.json"
+    assert bench.main(["--ranks", "2", "--modes", "cpu", "--micro", "4", "--nvme-dir", str(tmp_path / "nvme"),
+                       "--out", str(out)]) == 0
+    assert [(side, label) for side, label, _ in launched] == [("ds", "ds-cpu-0"), ("ts", "ts-cpu-0")]
+    assert launched[0][2] == launched[1][2] and launched[0][2]["train_batch_size"] == 8
+    summary = json.loads(out.read_text())
+    assert summary["vs_deepspeed_2gpu_cpu"] == 1.6 and summary["global_batch"] == 8
+    assert summary["ts-cpu.rank_phases"][1]["forward_s"] == 0.1
+    assert summary["vs_deepspeed_2gpu_nvme"] is None  # not run in this call
