@@ -46,11 +46,12 @@ import torch
 from tierstack.config import GiB, MiB, OptimizerConfig, TierManagerConfig, config_dict, parse_size
 from tierstack.worker.engine import training_state_bytes
 from tierstack.worker.jobs.gpt import GPTConfig
-from tierstack.worker.jobs.partitioned_job import PartitionedSpec, build_model, launch_partitioned
+from tierstack.worker.jobs.partitioned_job import PHASES, PartitionedSpec, build_model, launch_partitioned
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}  # --check's expected max relative loss difference
 FIELDS = ("cpu_pool_read", "cpu_pool_written", "nvme_read", "nvme_written", "gathered")
-TIMES = ("stalled_s", "daemon_adamw_s", "daemon_state_reads_s")  # where a rank's step went
+# Where a rank's step went (seconds; worker/jobs/partitioned_job.StepFigures says what each is).
+TIMES = ("stalled_s", "daemon_adamw_s", "daemon_state_reads_s") + PHASES
 
 
 def model_spec(args: argparse.Namespace) -> PartitionedSpec:
@@ -67,7 +68,8 @@ def model_spec(args: argparse.Namespace) -> PartitionedSpec:
                     "max_position_embeddings": max(2048, args.seq_len)}
     return PartitionedSpec(gpt=gpt, hf_llama=hf_llama, steps=args.steps, global_batch=args.global_batch,
                            optimizer=OptimizerConfig(lr=1e-4), precision=args.precision,
-                           device=None if args.device == "cuda" else args.device, data="random")
+                           device=None if args.device == "cuda" else args.device, data="random",
+                           time_phases=True)
 
 
 def node_config(args: argparse.Namespace, mode: str, n: int, state_bytes: int) -> dict:
@@ -125,7 +127,13 @@ def summarize(rows: list[dict], tokens: int) -> dict:
             "per_rank_nvme_written_MB": round(pick("nvme_written") / 1e6, 2),
             "per_rank_all_gather_in_MB": round(pick("gathered") / 1e6, 2),
             "per_rank_tier_bytes_MB": round(tier_bytes / 1e6, 2),
-            **{f"per_rank_{t}": round(pick(t), 4) for t in TIMES}}
+            **{f"per_rank_{t}": round(pick(t), 4) for t in TIMES},
+            # Each rank's own medians (over its settled steps in every repeat): a rank slower
+            # than the others shows here, and it sets everyone's step.
+            "phases_by_rank": {str(rank): {t: round(statistics.median(r[t] for r in mine), 4)
+                                           for t in ("step_s",) + TIMES}
+                               for rank in sorted({r["rank"] for r in rows})
+                               for mine in [[r for r in rows if r["rank"] == rank]]}}
 
 
 def print_table(mode: str, ranks: list[int], summary: dict) -> None:
@@ -173,12 +181,19 @@ def main() -> None:
     model, blocks_attr, _ = build_model(spec, "meta")  # sizes only: nothing is created
     state_bytes = training_state_bytes(model.get_submodule(blocks_attr), args.precision)
     params = sum(p.numel() for p in model.parameters())
+    itemsize = 2 if args.precision == "bf16" else 4
+    block_params = sum(p.numel() for p in model.get_submodule(blocks_attr).parameters())
     cores = os.cpu_count() or 1
     config = {"model": args.model, "parameters": params, "layers": args.layers, "dim": args.dim,
               "heads": args.heads, "vocab": args.vocab, "seq_len": args.seq_len,
               "global_batch": args.global_batch, "precision": args.precision, "device": args.device,
               "steps": args.steps, "nvme_steps": args.nvme_steps or args.steps,
-              "torch": torch.__version__}
+              "torch": torch.__version__,
+              # What the collectives move (services/scheduler/scaling.py reads these): the
+              # blocks' parameters, all-gathered twice and reduce-scattered once a step, and
+              # the rest (embeddings, head, norms), whose gradients are all-reduced.
+              "block_param_bytes": block_params * itemsize,
+              "persistent_param_bytes": (params - block_params) * itemsize}
     if spec.hf_llama:
         config["hf_llama"] = spec.hf_llama
     print(f"{args.model}: {params / 1e6:.1f}M parameters, blocks' training state "

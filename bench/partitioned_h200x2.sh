@@ -7,7 +7,16 @@
 #       vocab 32000), sequence 2048, global batch 16 (micro-batch 8 per GPU at N=2, the
 #       whole 16 on one GPU at N=1), bf16, N=1 and N=2, in mode cpu (each rank's CPU pool
 #       holds its share of the 19.4 GB of block state) and mode nvme (a 2 GiB pool per
-#       rank: the state streams through /var/tmp, ~45 GB a step).
+#       rank: the state streams through /var/tmp, ~45 GB a step); each rank's per-phase
+#       figures (forward, backward, all-gather / reduce-scatter / all-reduce seconds by CUDA
+#       events, waits for its tiers, its daemon's AdamW) are in their JSON;
+#   (c) DeepSpeed on the same two GPUs: bench/vs_deepspeed.py --ranks 2, the 1.3B LLaMA, the
+#       same JSON for both sides (micro-batch 8 per GPU, global batch 16), one mode a run
+#       (vs_deepspeed_cpu, vs_deepspeed_nvme): vs_deepspeed_2gpu_<mode> in the summary.
+# All of it does not fit one 10-minute call: ONLY="name ..." runs just those runs, appending
+# to an existing $OUT/partitioned_h200x2.json (so point OUT at a directory kept between
+# calls of a warm machine, and copy it to the device tool's $OUT at the end); the summary
+# line is made again from every run line in the file. Without ONLY: (a) and (b) as before.
 # Every run's last-line JSON goes, one line each as {"run", "rc", "wall_s", "result"}, to
 # $OUT/partitioned_h200x2.json, then one {"run": "summary"} line with the figures the
 # issue asks for; everything printed goes to $OUT/partitioned_h200x2.log. Runs are capped
@@ -22,16 +31,30 @@ out=${OUT:-/tmp/partitioned_h200x2}
 mkdir -p "$out"
 json=$out/partitioned_h200x2.json
 log=$out/partitioned_h200x2.log
-: > "$json"
-: > "$log"
+if [[ -z ${ONLY:-} ]]; then
+    : > "$json"
+    : > "$log"
+fi
+wanted() {  # whether run $1 is to run in this call
+    if [[ -z ${ONLY:-} ]]; then [[ $1 != vs_deepspeed_* ]]; else [[ " $ONLY " == *" $1 "* ]]; fi
+}
 export NCCL_NVLS_ENABLE=0 PYTHONWARNINGS=ignore PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 nvme=/var/tmp/tierstack-bench-partitioned
 deadline=$(( $(date +%s) + ${BUDGET_S:-530} ))
 
 bench() {  # name, cap in seconds, bench/partitioned.py flags
-    local name=$1 cap=$2
-    shift 2
+    run_capped bench/partitioned.py "$1" "$2" --device "${DEVICE:-cuda}" --nvme-path "$nvme" "${@:3}"
+}
+
+vs_deepspeed() {  # name, cap in seconds, bench/vs_deepspeed.py flags
+    run_capped bench/vs_deepspeed.py "$1" "$2" --ranks 2 --device "${DEVICE:-cuda}" --nvme-dir "$nvme" "${@:3}"
+}
+
+run_capped() {  # script, name, cap in seconds, flags: the script's run, its JSON line recorded
+    local script=$1 name=$2 cap=$3
+    shift 3
+    wanted "$name" || return 0
     local left=$(( deadline - $(date +%s) ))
     (( left < cap )) && cap=$left
     if (( cap < 30 )); then
@@ -42,8 +65,7 @@ bench() {  # name, cap in seconds, bench/partitioned.py flags
     local start
     start=$(date +%s)
     # timeout signals its whole process group: the spawned ranks and their daemons too.
-    timeout -k 15 "$cap" "$py" bench/partitioned.py --device "${DEVICE:-cuda}" --nvme-path "$nvme" "$@" \
-        > "$out/$name.out" 2>&1
+    timeout -k 15 "$cap" "$py" "$script" "$@" > "$out/$name.out" 2>&1
     local rc=$?
     cat "$out/$name.out" >> "$log"
     rm -rf "$nvme"
@@ -84,9 +106,17 @@ bench check_gpt_bf16 75 $check $gpt_small --precision bf16
 bench scale_llama1b_cpu 180 $llama_1b --modes cpu --steps 4
 bench scale_llama1b_nvme 300 $llama_1b --modes nvme --steps 2 --cpu-pool-size 2GiB
 
+vs_ds="--model 1.3b --seq 2048 --micro 8 --reps 1"
+if [[ ${TINY:-0} == 1 ]]; then
+    vs_ds="--model tiny --seq 64 --micro 2 --reps 1 --sides ts"  # no DeepSpeed on a CPU machine
+fi
+vs_deepspeed vs_deepspeed_cpu 560 $vs_ds --modes cpu --steps 4
+vs_deepspeed vs_deepspeed_nvme 560 $vs_ds --modes nvme --steps 3
+
 "$py" - "$json" >> "$json" <<'EOF'
 import json, sys
-runs = {r["run"]: r.get("result") or {} for r in map(json.loads, open(sys.argv[1]))}
+runs = {r["run"]: r.get("result") or {} for r in map(json.loads, open(sys.argv[1]))
+        if r.get("run") != "summary"}  # an earlier call's summary line is made again here
 summary = {"run": "summary", "max_rel_loss_diff_2v1": {}, "check_ok": {}, "per_rank_bytes_2v1": {}}
 for name, result in runs.items():
     if name.startswith("check_"):
@@ -98,6 +128,7 @@ for mode in ("cpu", "nvme"):
     summary["per_rank_bytes_2v1"][mode] = (result.get("per_rank_bytes_2v1") or {}).get(mode)
     for n in (1, 2):
         summary[f"tokens_per_s_{mode}_N{n}"] = (result.get(f"N={n}") or {}).get("tokens_per_s")
+    summary[f"vs_deepspeed_2gpu_{mode}"] = runs.get(f"vs_deepspeed_{mode}", {}).get(f"vs_deepspeed_2gpu_{mode}")
 print(json.dumps(summary))
 EOF
 tail -n 1 "$json"

@@ -313,7 +313,7 @@ def run_tierstack_ranks(args, config_dict: dict) -> dict:
     import resource
     from dataclasses import replace
 
-    from partitioned import run as run_partitioned
+    from partitioned import per_rank_row, run as run_partitioned
 
     from tierstack.budgets import measure
     from tierstack.config import load_config
@@ -324,7 +324,9 @@ def run_tierstack_ranks(args, config_dict: dict) -> dict:
     config = load_config(config_dict)
     train = config.train
     if train.gradient_accumulation_steps != 1:
-        raise SystemExit("the partitioned engine does not accumulate: use gradient_accumulation_steps 1")
+        raise SystemExit("bench/vs_deepspeed.py --ranks N trains the partitioned job's spec, which "
+                         "has no accumulation setting: use gradient_accumulation_steps 1 (the "
+                         "engine accumulates under tierstack.initialize)")
     # The host and NVMe budgets only: this process never touches a GPU (a CUDA context
     # here would count in tierstack's footprint), the ranks do.
     budgets = config.budgets.resolve(measure(args.nvme_dir, "cpu"))
@@ -339,7 +341,8 @@ def run_tierstack_ranks(args, config_dict: dict) -> dict:
         optimizer=train.optimizer, precision=train.precision, gradient_clipping=train.gradient_clipping,
         prefetch_depth=max(1, train.params.buffer_count - 1), device_budget_layers=layers,
         device=None if args.device == "cuda" else args.device,  # None: rank r on cuda:r
-        activation_policy=train.activations.policy, partition_activations=train.activations.partition)
+        activation_policy=train.activations.policy, partition_activations=train.activations.partition,
+        time_phases=True)
     model, _, _ = build_model(spec, "meta")  # sizes only
     tm = config.tier_manager
     run_dir = Path(args.nvme_dir) / f"ts-{uuid.uuid4().hex[:8]}"
@@ -356,6 +359,9 @@ def run_tierstack_ranks(args, config_dict: dict) -> dict:
             "nvme_written": sum(s.nvme_written for s in steps),
             "gathered_per_rank": sum(s.gathered for s in steps),
             "cpu_pool_size": tm.cpu_pool.size, "devices": [r.device for r in ranks],
+            # Where each rank's step went (bench/partitioned.py's per-rank medians of the
+            # steps after the first: forward, backward, collectives, tier waits, AdamW).
+            "rank_phases": [per_rank_row(r) for r in ranks],
             # this launcher's own share of the footprint (torch and transformers imported)
             "launcher_rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -655,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
                 predicted.append(r["predicted_step_s"] / r["step_median"])
             if r.get("placement"):
                 summary[f"{key}.placement"] = r["placement"]
+            if r.get("rank_phases"):
+                summary[f"{key}.rank_phases"] = r["rank_phases"]
     for mode in ("cpu", "nvme"):
         summary[f"same_config_{mode}_ratio"] = ratio(med(f"ts-{mode}", "tokens_per_s"),
                                                      med(f"ds-{mode}", "tokens_per_s"))
@@ -675,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["global_batch"] = args.micro * args.ranks
         for mode in ("cpu", "nvme"):
             summary[f"tokens_per_s_vs_deepspeed_{mode}"] = summary[f"same_config_{mode}_ratio"]
+            # the name for it (docs/bench/partitioned_h200x2.json)
+            summary[f"vs_deepspeed_{args.ranks}gpu_{mode}"] = summary[f"same_config_{mode}_ratio"]
     if runs.get("ts-nvme"):
         summary["disk_phases_nvme"] = _median_phases(runs["ts-nvme"], args.warmup)
     if args.fio and runs.get("ts-nvme"):

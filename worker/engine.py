@@ -62,6 +62,7 @@ from tierstack.worker.param_groups import group_by_name, param_groups_of
 from tierstack.worker.placement import (MiB, BlockPlacement, DeviceFootprint, SavedBytes,
                                         check_policy_fits, place_blocks, under_policy)
 from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
+from tierstack.worker.step_phases import NO_PHASES, NoPhases, PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +262,7 @@ class OffloadEngine:
         self.footprint: DeviceFootprint | None = None
         self.last_gradient_norm: float | None = None  # of the last step, where it was computed
         self._placement_pending = bool(budgets.hbm > 0 and positions)
+        self.phases: PhaseClock | NoPhases = NO_PHASES  # time_phases() turns it on
 
     def _offload_blocks(self, block_list: torch.nn.Module, positions: list[int],
                         initialize: Callable[[torch.nn.Module, torch.device], None]) -> None:
@@ -520,16 +522,26 @@ class OffloadEngine:
         self.zero_grad()
         losses = []
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        phases = self.phases
         for i, (x, y) in enumerate(micro):
-            loss = self._loss(x, y)
+            with phases.device("forward"):
+                loss = self._loss(x, y)
             losses.append(loss.detach())
             # A block's step may start inside the backward only once its gradients are
             # complete: the last micro-batch.
-            self.backward(loss * (scale / len(micro)), boundary=i == len(micro) - 1)
-        applied = self.step(scale)
+            with phases.device("backward"):
+                self.backward(loss * (scale / len(micro)), boundary=i == len(micro) - 1)
+        with phases.device("optimizer"):
+            applied = self.step(scale)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=not applied)
         return torch.stack(losses).mean().item()
+
+    def time_phases(self) -> PhaseClock:
+        """From now on, time each step's forward, backward and optimizer call (on CUDA as
+        the device ran them: worker/step_phases.py); the clock's totals() are running sums."""
+        self.phases = PhaseClock(self.store.device)
+        return self.phases
 
     # ---- placement: budgets in, what lives on the device out -------------------------------
 

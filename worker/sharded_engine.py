@@ -34,6 +34,7 @@ from tierstack.worker.offload import OffloadedBlocks
 from tierstack.worker.placement import DeviceFootprint
 from tierstack.worker.partitioned_stash import PartitionedActivationStash, daemon_rooms
 from tierstack.worker.sharded_store import ShardedLayerStore
+from tierstack.worker.step_phases import PhaseClock
 from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,13 @@ class ShardedEngine(OffloadEngine):
         log.info("train.activations.partition: block inputs kept by the tier managers are "
                  "spread over %d ranks' nodes in proportion to their pools (policy %r)",
                  store.world, self.activation_policy)
+
+    def time_phases(self) -> PhaseClock:
+        """OffloadEngine's phases, and the store's collectives and waits for its tiers on
+        the same clock (all_gather, reduce_scatter, all_reduce, broadcast, tier_wait)."""
+        clock = super().time_phases()
+        self.store.phases = clock
+        return clock
 
     def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool) -> ShardedAdamW:
         prefixes = [f"{self.blocks_attr}.{p}." for p in self.blocks.positions]

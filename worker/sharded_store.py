@@ -44,6 +44,7 @@ from tierstack.worker.layers import DEFAULT_DEVICE_BUDGET, LayerStore, layer_ten
 from tierstack.worker.peer_watch import BEAT_SECONDS, PeerWatch, abort_process_group
 from tierstack.worker.prefetch_depths import PrefetchDepths
 from tierstack.worker.residency import DeviceCopy, DeviceResidency
+from tierstack.worker.step_phases import NO_PHASES, NoPhases, PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class ShardedLayerStore:
         self.bytes_gathered = 0  # bytes received from the other ranks by all-gathers
         self.bytes_reduced = 0   # gradient bytes this rank sent into reduce-scatters
         self.bytes_exchanged = 0  # bytes this rank sent to the others by all-to-alls
+        # Seconds of each kind of collective and of waits for this rank's tiers, when a
+        # ShardedEngine's time_phases() asks (worker/step_phases.py).
+        self.phases: PhaseClock | NoPhases = NO_PHASES
 
     # ---- plumbing ------------------------------------------------------------------------
 
@@ -146,8 +150,9 @@ class ShardedLayerStore:
 
         def op() -> list[int]:
             t = torch.tensor(offer, dtype=torch.int64, device=self.device)
-            dist.broadcast(t, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
-                           group=self.group)
+            with self.phases.device("broadcast"):
+                dist.broadcast(t, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
+                               group=self.group)
             return t.tolist()
 
         version, depth, read_ahead = self._collective(op).result()
@@ -310,10 +315,12 @@ class ShardedLayerStore:
     def _gather(self, index: int, copy: DeviceCopy, allocated) -> None:
         try:
             self._comm_wait(allocated)
-            shard = self.local.ensure_layer(index)["shard"]  # waits for the local load
+            with self.phases.host("tier_wait"):
+                shard = self.local.ensure_layer(index)["shard"]  # waits for the local load
             gathered = None
             try:
-                _all_gather(copy.buffer, shard, group=self.group)
+                with self.phases.device("all_gather"):
+                    _all_gather(copy.buffer, shard, group=self.group)
                 if self.cuda:
                     gathered = torch.cuda.Event()
                     gathered.record(self._comm_stream)
@@ -363,7 +370,8 @@ class ShardedLayerStore:
             if self.cuda:  # made on the caller's stream, read here: not reused before that
                 full.record_stream(self._comm_stream)
             out = torch.empty(full.numel() // self.world, dtype=full.dtype, device=full.device)
-            _reduce_scatter(out, full, group=self.group)
+            with self.phases.device("reduce_scatter"):
+                _reduce_scatter(out, full, group=self.group)
             out.div_(self.world)
             self.bytes_reduced += full.numel() * full.element_size()
             return out
@@ -422,7 +430,8 @@ class ShardedLayerStore:
                 for t in tensors:
                     t.record_stream(self._comm_stream)
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            dist.all_reduce(flat, group=self.group)
+            with self.phases.device("all_reduce"):
+                dist.all_reduce(flat, group=self.group)
             flat.div_(self.world)
             offset = 0
             for t in tensors:

@@ -85,6 +85,9 @@ class PartitionedSpec:
     partition_activations: bool = False
     """train.activations.partition: spread the inputs sent to the tier managers ("cpu",
     "nvme") over the ranks' nodes (worker/partitioned_stash.py)."""
+    time_phases: bool = False
+    """Time each step's phases (StepFigures' forward_s ... tier_wait_s; the engine's
+    time_phases): on CUDA a few timing events per collective, so off unless asked."""
 
     def train_config(self) -> TrainConfig:
         """How each rank's engine trains, as the train section says it."""
@@ -111,6 +114,24 @@ class StepFigures:
     stalled_s: float = 0.0
     daemon_adamw_s: float = 0.0
     daemon_state_reads_s: float = 0.0
+    # With spec.time_phases (worker/step_phases.py), else 0: the main thread's forward,
+    # backward and optimizer call (one after the other, so they add up to at most the
+    # step), the communication thread's collectives by kind (one at a time: each kind,
+    # and all of them, at most the step; they overlap the forward and backward) and its
+    # waits for this rank's shards to come from its tiers.
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    all_gather_s: float = 0.0
+    reduce_scatter_s: float = 0.0
+    all_reduce_s: float = 0.0
+    broadcast_s: float = 0.0
+    tier_wait_s: float = 0.0
+
+
+PHASES = ("forward_s", "backward_s", "optimizer_s", "all_gather_s", "reduce_scatter_s",
+          "all_reduce_s", "broadcast_s", "tier_wait_s")
+"""StepFigures' phase fields, filled when the spec asks for time_phases."""
 
 
 @dataclass
@@ -244,13 +265,17 @@ def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: s
         batches = ((rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size))
                    for x, y in itertools.islice(global_batches(spec), start, None))
 
+        phases = engine.time_phases() if spec.time_phases else None
+
         def counters() -> dict[str, float]:
             node, optimizer = store.client.stats(), engine.block_optimizer
+            timed = {} if phases is None else {f"{name}_s": s for name, s in phases.totals().items()}
             return {"cpu_pool_read": store.local.bytes_read, "cpu_pool_written": store.local.bytes_written,
                     "nvme_read": node.nvme_bytes_read, "nvme_written": node.nvme_bytes_written,
                     "gathered": store.bytes_gathered, "exchanged": store.bytes_exchanged,
                     "stalled_s": store.stall_seconds, "daemon_adamw_s": optimizer.update_seconds,
-                    "daemon_state_reads_s": optimizer.wait_seconds}
+                    "daemon_state_reads_s": optimizer.wait_seconds,
+                    **{name: timed.get(name, 0.0) for name in PHASES}}
 
         steps = [StepFigures(r.loss, r.seconds, **{k: v if k.endswith("_s") else int(v)
                                                    for k, v in r.moved.items()})
