@@ -260,9 +260,12 @@ def _train(args, job: Job, job_name: str, device: torch.device, budget: int, add
             from tierstack.worker.plan_follower import PlanFollower
             from tierstack.worker.plan_keeper import PlanKeeper
             follower = PlanFollower(store, scheduler, node_id=LOCAL_NODE)
-            # The first step probes the placement and creates the optimizer state.
+            # The first step probes the placement and creates the optimizer state; a short
+            # run traces fewer iterations, so that a step still runs under the plan.
+            remaining = args.steps - start
+            warmup = min(1, remaining - 1)
             keeper = PlanKeeper(follower, lambda: engine.block_optimizer.block_seconds,
-                                warmup=min(1, args.steps - start - 1))
+                                warmup=warmup, iterations=max(1, min(3, remaining - warmup - 1)))
         url = store.dashboard_url()
         if url:
             progress.say(f"dashboard: {url}/dashboard/   Prometheus metrics: {url}/metrics")
