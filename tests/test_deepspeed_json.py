@@ -18,6 +18,7 @@ from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.layers import LayerStore
+from tierstack.worker.tiered_adamw import MOMENTS
 
 HYPER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 
@@ -237,3 +238,45 @@ def test_only_translated_keys_are_renamed_in_a_message():
     assert translation.in_user_keys("tier_manager.nvme_pool.paths: z") == (
         "zero_optimization.offload_param.nvme_path and "
         "zero_optimization.offload_optimizer.nvme_path: z")
+
+
+def test_optimizer_state_a_deepspeed_json_puts_on_nvme_is_on_nvme_and_out_of_the_cpu_pool(tmp_path):
+    """offload_optimizer.device "nvme" is a pin, as in DeepSpeed: after every step each
+    block's moments are on NVMe and not in the CPU pool, which holds the parameters the
+    file keeps there (offload_param.device "cpu") and no more than a few blocks' state in
+    flight, whatever room the machine's budget gives it."""
+    ds = _deepspeed("cpu", "")
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    config = load_config(ds)
+    assert config.train.optimizer_state.tier() == "nvme"
+    torch.manual_seed(0)
+    model = TinyGPT(dim=128, layers=4)
+    block_params = sum(p.numel() for p in model.blocks[0].parameters()) * 4  # fp32
+    tm = config.tier_manager
+    tm.metrics.http_listen = ""
+    with EmbeddedTierManager(tm) as daemon:
+        client = TierManagerClient(daemon.address)
+        store = LayerStore("ds-pin", device="cpu", address=daemon.address, durable=False,
+                           device_budget=config.train.device_budget_bytes(1 << 20))
+        try:
+            engine = OffloadEngine(model, store, config.train)
+            g = torch.Generator().manual_seed(2)
+            used = []
+            for _ in range(3):
+                engine.train_step(torch.randint(0, 256, (4, 32), generator=g),
+                                  torch.randint(0, 256, (4, 32), generator=g))
+                engine.wait_for_optimizer()
+                used.append(client.stats().cpu_used)
+            moments = [client.describe(store.key(i, kind)) for i in range(4) for kind in MOMENTS]
+            params = [client.describe(store.key(i)) for i in range(4)]
+            stats = client.stats()
+            engine.close()
+        finally:
+            store.close()
+    assert all(m.on_nvme and not m.in_cpu for m in moments), moments
+    assert all(p.in_cpu for p in params), params  # the file keeps the parameters in the pool
+    state_on_nvme = sum(m.nbytes for m in moments)
+    assert stats.nvme_used >= state_on_nvme
+    # Between steps the pool holds the four blocks' parameters and their layouts; the
+    # moments (twice the parameters) would have tripled it.
+    assert max(used) < 4 * block_params + state_on_nvme / 4, (used, block_params)

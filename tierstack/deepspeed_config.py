@@ -27,7 +27,9 @@ ones raised while the translated config is validated, names the key the user wro
 Offload sections: `device` (none, cpu, nvme) and `nvme_path` in both; `buffer_count`,
 `buffer_size` and `max_in_cpu` of offload_param mean what they mean in DeepSpeed (see
 tierstack/config.py's ParamOffloadConfig). offload_optimizer has no max_in_cpu in
-DeepSpeed, so its nvme state gets tierstack's default: the CPU pool keeps what fits.
+DeepSpeed, whose nvme optimizer state lives on NVMe and passes through swap buffers: its
+`device: "nvme"` is a pin here too (train.optimizer_state.max_in_cpu 0), so the state
+leaves the CPU pool between steps and the pool holds only what is in flight.
 """
 
 from __future__ import annotations
@@ -311,6 +313,11 @@ class _Translator:
         if out.get("device") == "nvme" and "nvme_path" not in section:
             raise ConfigError(f"{key}.device is 'nvme' but {key}.nvme_path is missing: name the "
                               f"directory on the NVMe drive")
+        if key == "zero_optimization.offload_optimizer" and out.get("device") == "nvme":
+            # A pin, as DeepSpeed keeps it: the state lives on NVMe and only passes through
+            # the CPU pool while its block steps. Left to tierstack's default (the pool
+            # keeps what fits) the H200's nvme JSON had its optimizer state in a 98 GiB pool.
+            self.put(out, "max_in_cpu", 0, f"{into}.max_in_cpu", f"{key}.device")
         return out
 
     def aio_section(self, value: Any) -> None:

@@ -25,8 +25,10 @@ placement and eviction order reach the node's tier manager directly from the sch
 
 from __future__ import annotations
 
+import glob
 import logging
 import socket
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -36,6 +38,7 @@ import torch
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.model import JobTrace, Plan, TensorSpec
+from tierstack.tiers import CPU, NVME
 from tierstack.worker.plan_watcher import PlanWatcher
 from tierstack.worker.layers import LayerStore
 
@@ -108,6 +111,38 @@ class UseRecorder:
         self._last_end, self._waited = now, 0.0
 
 
+def _iteration(recorder: UseRecorder) -> tuple[list[_Use], list[float]]:
+    """One recorded iteration's finished uses and each one's compute seconds."""
+    uses = [u for u in recorder.uses if u.end is not None]
+    compute = [u.end - u.start + u.after for u in uses]
+    if compute:
+        compute[0] += recorder.lead
+    return uses, compute
+
+
+def pinned_tiers(store: LayerStore, tensors: Sequence[TensorSpec]) -> dict[str, str]:
+    """The tiers the job pins its tensors to (LayerStore.place: "cpu" kept in the CPU pool,
+    "nvme" out of it between uses), as trace overrides. The tier manager honours a pin
+    whatever a plan says, so a plan must start from them: without them the planner put the
+    main job's NVMe-pinned blocks in the CPU pool and predicted a step with no disk in it.
+    A kind pinned alike in every layer is one pattern (the planner matches each pattern
+    against every key)."""
+    by_kind: dict[str, dict[str, str]] = {}  # kind -> key -> pinned tier ("" where none)
+    for t in tensors:
+        kind = t.key.rsplit("/", 1)[-1]
+        placement = store.placement(t.layer, "params" if t.kind == "params" else kind)
+        by_kind.setdefault(kind, {})[t.key] = placement if placement in (CPU, NVME) else ""
+    overrides: dict[str, str] = {}
+    prefix = glob.escape(store.job)
+    for kind, tiers in by_kind.items():
+        uniform = set(tiers.values())
+        if len(uniform) == 1 and "" not in uniform:
+            overrides[f"{prefix}/layer*/{glob.escape(kind)}"] = uniform.pop()
+        else:
+            overrides.update({glob.escape(k): tier for k, tier in tiers.items() if tier})
+    return overrides
+
+
 class PlanFollower:
     """Reports one store's trace and keeps its prefetch depths on the current plan."""
 
@@ -123,6 +158,15 @@ class PlanFollower:
 
     def record(self) -> None:
         """Start recording the store's layer uses afresh (the next iteration's trace)."""
+        self.recorded: list[UseRecorder] = []  # earlier iterations of the same trace
+        self.recorder = self.store.recorder = UseRecorder(self.store.device)
+
+    def next_iteration(self) -> None:
+        """The iteration being recorded ended; record the next one into the same trace
+        (each use's compute is then the median over the iterations: one step of a shared
+        machine can take twice the next one's)."""
+        self.recorder.finish()
+        self.recorded.append(self.recorder)
         self.recorder = self.store.recorder = UseRecorder(self.store.device)
 
     def trace(self, nodes: list[str] | None = None,
@@ -133,18 +177,22 @@ class PlanFollower:
         store = self.store
         store.recorder = None
         self.recorder.finish()
-        uses = [u for u in self.recorder.uses if u.end is not None]
+        uses, compute = _iteration(self.recorder)
         if not uses:
             raise InvalidArgumentError(
                 "no layer use was recorded: run one iteration (ensure_layer ... release_layer "
                 "for each layer) between creating the PlanFollower and report_trace")
+        order = [u.layer for u in uses]
+        # Earlier iterations count where they used the layers in the same order (a new
+        # placement can change which blocks stream).
+        same = [c for u, c in map(_iteration, self.recorded) if [x.layer for x in u] == order]
+        if same:
+            compute = [statistics.median(c) for c in zip(compute, *same)]
         seen: set[int] = set()
         backward = []
         for use in uses:
             backward.append(use.layer in seen)
             seen.add(use.layer)
-        compute = [u.end - u.start + u.after for u in uses]
-        compute[0] += self.recorder.lead
         # What moves through this node's tiers: a partitioned store's node holds its shards.
         node_store = getattr(store, "local", store)
         tensors = [TensorSpec(store.key(i), i, "params", layout.nbytes)
@@ -153,10 +201,11 @@ class PlanFollower:
                     for (i, kind), nbytes in sorted(store.stored_kinds.items())
                     if i not in store.forgotten]
         return JobTrace(job=store.job, nodes=list(nodes or [self.node_id]),
-                        step_layer=[u.layer for u in uses], step_compute=compute,
+                        step_layer=order, step_compute=compute,
                         step_backward=backward, tensors=tensors,
                         optimizer_seconds=[float(t) for t in optimizer_seconds],
-                        tier_overrides=dict(tier_overrides or {}), device_budget=store.budget.capacity,
+                        tier_overrides={**pinned_tiers(store, tensors), **(tier_overrides or {})},
+                        device_budget=store.budget.capacity,
                         # The store drops a layer at release_layer: its budget is all buffers.
                         device_residency=False)
 

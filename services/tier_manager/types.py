@@ -154,8 +154,10 @@ class AdamWHyper:
 @dataclass
 class AdamWResult:
     updated: list[TensorInfo] = field(default_factory=list)
-    update_seconds: float = 0.0  # time in the AdamW kernel
-    wait_seconds: float = 0.0  # time waiting for state to be read into the CPU pool
+    update_seconds: float = 0.0  # time in the AdamW kernel itself
+    # The rest of the step's time: state read into the CPU pool, a streamed block's reads
+    # and writes, and queueing behind another request's kernel (one compute thread).
+    wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

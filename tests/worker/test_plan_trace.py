@@ -5,6 +5,7 @@ time per block, so the plan's predicted step can be held against the measured on
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from tests.worker.test_offload import TinyGPT
 from tierstack.budgets import Budgets
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
+from tierstack.services.scheduler.model import CPU, TIERS
 from tierstack.services.scheduler.synthetic import node
 from tierstack.worker.engine import OffloadEngine
 from tierstack.worker.layers import LayerStore
@@ -94,3 +96,55 @@ def test_streamed_blocks_are_traced_and_resident_ones_are_not_layers_of_it(daemo
     assert trace.step_layer.tolist() == streamed + streamed[::-1]
     assert trace.step_compute.sum() <= seconds
     assert {t.layer for t in trace.tensors} == set(streamed)
+
+
+def test_state_pinned_to_nvme_is_on_nvme_in_the_plan_and_its_disk_time_in_the_prediction(daemon, scheduler):
+    """make run's placement (parameters and optimizer state out of the CPU pool between
+    uses): the trace carries the pins, so the plan has every block's parameters and
+    moments on NVMe, its disk in the prediction, although the node's CPU pool (2 GB) would
+    hold them all. With the pins left to the planner it kept them in the CPU pool."""
+    pinned = {"device": "nvme", "max_in_cpu": 0}
+    trace, plan, _, _, _ = _traced_step(daemon, scheduler, "trace-pinned", 0,
+                                        params=pinned, optimizer_state=pinned)
+    tiers = {t.key: TIERS[int(code)] for t, code in zip(trace.tensors, plan.nodes["trace-node"].tiers)}
+    kinds = {key.rsplit("/", 1)[1] for key in tiers}
+    assert {"params", "exp_avg", "exp_avg_sq"} <= kinds
+    for key, tier in tiers.items():
+        kind = key.rsplit("/", 1)[1]
+        assert tier == ("nvme" if kind != "grad" else "cpu"), (key, tier)
+    # One pattern per kind pinned alike in every layer, not one per key.
+    assert set(trace.tier_overrides.values()) == {"nvme"} and len(trace.tier_overrides) == 3
+    # The same trace without its pins: the planner's own placement keeps everything in
+    # the CPU pool, and no disk time is in the prediction.
+    unpinned = dataclasses.replace(trace, tier_overrides={}, job="trace-unpinned")
+    loose = SchedulerClient(scheduler.address).report_trace(unpinned)
+    assert set(loose.nodes["trace-node"].tiers.tolist()) == {CPU}
+    assert plan.lower_bound_seconds >= loose.lower_bound_seconds
+    assert plan.predicted_step_seconds > loose.predicted_step_seconds
+
+
+def test_a_trace_of_several_iterations_takes_each_use_s_median(daemon, scheduler):
+    """One slow iteration among three (a busy machine) does not set the trace's compute."""
+    torch.manual_seed(0)
+    store = LayerStore("trace-median", device="cpu", device_budget=64 << 20, address=daemon.address,
+                       durable=False)
+    try:
+        engine = OffloadEngine(TinyGPT(dim=64, layers=LAYERS), store,
+                               _train_config(params={"device": "cpu"}),
+                               budgets=Budgets(hbm=0, host=8 << 30, nvme=8 << 30))
+        follower = PlanFollower(store, scheduler.address, node_id="trace-node")
+        batches = _data(4, 4)
+        engine.train_step(*batches[0])
+        for i, (x, y) in enumerate(batches[1:]):
+            follower.record() if i == 0 else follower.next_iteration()
+            engine.train_step(x, y)
+        time.sleep(0.3)  # counted as compute of the last iteration's last use
+        follower.report_trace()
+        trace = follower._trace
+        follower.close()
+        engine.close()
+    finally:
+        store.close()
+    # The sleep is in the last iteration's last use; the median of three leaves it out.
+    assert trace.step_compute[-1] < 0.3
+    assert len(trace.step_layer) == 2 * LAYERS

@@ -255,9 +255,17 @@ def _train(args, job: Job, job_name: str, device: torch.device, budget: int, add
             start = _resume(args, engine, data, signature, schedule)
             progress.done = progress.first = start
             progress.say(f"resumed from {args.checkpoint_dir} after step {start}")
-        if scheduler:  # records the first iteration's layer uses for the trace
+        keeper = None
+        if scheduler:  # traces settled iterations, and again when a plan's step is off
             from tierstack.worker.plan_follower import PlanFollower
+            from tierstack.worker.plan_keeper import PlanKeeper
             follower = PlanFollower(store, scheduler, node_id=LOCAL_NODE)
+            # The first step probes the placement and creates the optimizer state; a short
+            # run traces fewer iterations, so that a step still runs under the plan.
+            remaining = args.steps - start
+            warmup = min(1, remaining - 1)
+            keeper = PlanKeeper(follower, lambda: engine.block_optimizer.block_seconds,
+                                warmup=warmup, iterations=max(1, min(3, remaining - warmup - 1)))
         url = store.dashboard_url()
         if url:
             progress.say(f"dashboard: {url}/dashboard/   Prometheus metrics: {url}/metrics")
@@ -267,20 +275,20 @@ def _train(args, job: Job, job_name: str, device: torch.device, budget: int, add
                             extra={**signature, "step": step, "data_state": data.state(),
                                    "lr_schedule": schedule.state_dict() if schedule else None})
 
-        # The trace is of the second step when there is one: the first also probes the
-        # placement and creates the optimizer state.
-        traced = min(1, args.steps - start - 1)
+        said = [0]  # the last plan version the progress named
 
         def report(step: StepRecord) -> None:
-            if follower is not None and step.index == traced - 1:
-                follower.record()
-            if follower is not None and step.index == traced:
-                plan = follower.report_trace(optimizer_seconds=engine.block_optimizer.block_seconds)
-                mine = plan.nodes[LOCAL_NODE]
-                progress.say(f"scheduler plan v{plan.version}: prefetch depth {mine.prefetch_depth}, "
-                             f"NVMe read-ahead {mine.read_ahead}, predicted step "
-                             f"{plan.predicted_step_seconds:.3f} s (step {step.index + 1} measured "
-                             f"{step.seconds:.3f} s)")
+            if keeper is not None:
+                keeper.step_done(step.seconds)
+                plan = follower.plan
+                if plan is not None and plan.version != said[0]:
+                    said[0] = plan.version
+                    mine = plan.nodes[LOCAL_NODE]
+                    progress.say(f"scheduler plan v{plan.version}: prefetch depth "
+                                 f"{mine.prefetch_depth}, NVMe read-ahead {mine.read_ahead}, "
+                                 f"predicted step {plan.predicted_step_seconds:.3f} s (step "
+                                 f"{start + step.index + 1} measured {step.seconds:.3f} s; "
+                                 f"{plan.reason})")
             plan = follower.plan if follower is not None else None
             store.report_step(step.seconds, plan.predicted_step_seconds if plan is not None else 0.0)
             progress.step(step)
@@ -323,6 +331,10 @@ def _train(args, job: Job, job_name: str, device: torch.device, budget: int, add
             f"NVMe read {_volume(end.nvme_bytes_read - first.nvme_bytes_read)}, "
             f"written {_volume(end.nvme_bytes_written - first.nvme_bytes_written)}; "
             f"device budget peak {_mib(store.budget.peak)} of {_mib(store.budget.capacity)}")
+        for record in keeper.plans if keeper is not None else ():
+            progress.say(f"plan v{record.version}: predicted {record.predicted_seconds:.3f} s, "
+                         f"measured {record.measured_seconds:.3f} s (median of {len(record.steps)} "
+                         f"steps), {record.ratio:.2f}x ({record.reason})")
         return stop.exit_code if stop.requested else 0
     finally:
         if follower is not None:
