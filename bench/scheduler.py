@@ -203,11 +203,14 @@ def main() -> None:
                         help="the worker's device for the real run")
     parser.add_argument("--rows", type=int, nargs=2, default=(256, 16), metavar=("COMPUTE", "DISK"),
                         help="activation rows per matmul of the compute-bound and disk-bound runs")
+    parser.add_argument("--layers", type=int, default=16, help="layers of the real runs")
+    parser.add_argument("--layer-mib", type=int, default=8, help="MiB per layer of the real runs")
     args = parser.parse_args()
     planning = plan_100k_on_64_nodes(3 if args.quick else 5)
     print(f"plan 100k tensors on 64 nodes: {planning['seconds']:.3f} s (median of {planning['all']})")
     regimes = {"compute-bound": args.rows[0], "disk-bound": args.rows[1]}
-    runs = [sim_vs_measured(iterations=3 if args.quick else 5, rows=rows, device=args.device)
+    runs = [sim_vs_measured(layers=args.layers, layer_mib=args.layer_mib,
+                            iterations=3 if args.quick else 5, rows=rows, device=args.device)
             for _ in range(1 if args.quick else 3) for rows in regimes.values()]
     for r in runs:
         print(f"real run ({r['rows']} rows, compute {statistics.median(r['compute_s_per_iteration']):.3f} s): measured {r['measured_steps']} s/step, simulated {r['simulated_steps']} -> "

@@ -41,7 +41,7 @@ RAY_PORT = 6379
 SECRETS = REPO / "deploy" / "secrets"
 BASHRC_MARK = "tierstack-ray-path"  # the yaml's setup command tags its ~/.bashrc line
 RAY_TEMP = Path("/tmp/ray")
-UP_SECONDS, DOWN_SECONDS, READY_SECONDS = 600, 300, 300
+UP_SECONDS, DOWN_SECONDS, READY_SECONDS = 600, 120, 300
 
 
 def state_dir() -> Path:
@@ -258,9 +258,7 @@ def down() -> int:
         return 0
     status = 0
     if (d / "cluster.yaml").exists():
-        out = subprocess.run([RAY, "down", "-y", d / "cluster.yaml"], env=_ray_env(),
-                             stdin=subprocess.DEVNULL, timeout=DOWN_SECONDS)
-        status = out.returncode
+        status = _ray_down(d / "cluster.yaml")
     deadline = time.monotonic() + 90  # `ray stop` stopped the raylets; the services follow them
     nodes = _node_ips()
     while any(_tier_manager_answers(n, 1.0) or (node_dir(n, cluster_address()) / "ray-node.pid").exists()
@@ -291,6 +289,24 @@ def down() -> int:
             _rmdir(path)
     print("local cluster down: Ray, the node services, the sshd and every file `up` made are gone")
     return status
+
+
+def _ray_down(cluster_yaml: Path) -> int:
+    """`ray down`, bounded. It runs `ray stop` on the head over ssh, then waits until the
+    provider's state file shows every node torn down; when that `ray stop` did not reach
+    the head (seen once after a failed `up` on a loaded machine), the head's autoscaler
+    lives on and rewrites the file, and `ray down` waits forever. The head is this host,
+    so the way out is the same `ray stop` run here, then `ray down` again."""
+    def ray_down() -> int:
+        return subprocess.run([RAY, "down", "-y", cluster_yaml], env=_ray_env(),
+                              stdin=subprocess.DEVNULL, timeout=DOWN_SECONDS).returncode
+    try:
+        return ray_down()
+    except subprocess.TimeoutExpired:
+        print(f"`ray down` did not finish within {DOWN_SECONDS} s (its `ray stop` did not "
+              f"reach the head); running `ray stop` here, then `ray down` again", file=sys.stderr)
+    subprocess.run([RAY, "stop"], env=_ray_env(), stdin=subprocess.DEVNULL, timeout=DOWN_SECONDS)
+    return ray_down()
 
 
 def _rmdir(path: Path) -> None:

@@ -20,7 +20,7 @@ TINY = {  # script -> arguments that make it a few seconds' run on the CPU
                               "--reps", "1", "--device", "cpu", "--nvme-dir", "{tmp}/nvme"],
     "bench/train.py": ["--layers", "2", "--dim", "64", "--heads", "2", "--seq-len", "32",
                        "--batch-size", "2", "--steps", "2", "--warmup", "1", "--nvme-dir", "{tmp}/nvme"],
-    "bench/scheduler.py": ["--quick", "--device", "cpu"],
+    "bench/scheduler.py": ["--quick", "--device", "cpu", "--layers", "4", "--layer-mib", "2"],
     "bench/partitioned.py": ["--ranks", "1", "--modes", "cpu", "--steps", "2", "--repeats", "1",
                              "--layers", "2", "--dim", "64", "--heads", "2"],
 }

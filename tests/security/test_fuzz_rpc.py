@@ -17,7 +17,7 @@ UNAVAILABLE without a hint (a dead daemon) or DEADLINE_EXCEEDED (a hang). Beside
 drawn requests, a sweep sets every numeric field of every method's request to its
 extremes (0, -1, 2^63, 2^64-1, as its type holds them; NaN and infinities for floats)
 and every string field to NUL, '..', 4 KiB and invalid UTF-8. Time-bounded: FUZZ_SECONDS in all
-(TIERSTACK_FUZZ_SECONDS, default 20; longer runs: bench/hardening.py), in batches of
+(TIERSTACK_FUZZ_SECONDS, default 12 in the suite; longer runs: bench/hardening.py), in batches of
 hypothesis examples until the budget is spent; the figures are printed at the end.
 """
 
@@ -50,7 +50,7 @@ from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.worker.arenas import ArenaMap
 
-FUZZ_SECONDS = float(os.environ.get("TIERSTACK_FUZZ_SECONDS") or 20.0)
+FUZZ_SECONDS = float(os.environ.get("TIERSTACK_FUZZ_SECONDS") or 12.0)
 CALL_TIMEOUT = 20.0
 STREAM_WINDOW = 1.0
 OK = grpc.StatusCode.OK

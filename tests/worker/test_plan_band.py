@@ -24,7 +24,7 @@ PLAN_LINE = re.compile(r"^plan v(\d+): predicted ([\d.]+) s, measured ([\d.]+) s
                        r"\(median of (\d+) steps\), ([\d.]+)x \((.*)\)$")
 
 
-def test_every_plan_of_a_run_with_re_plans_predicts_its_measured_step_within_the_band(tmp_path):
+def test_every_plan_of_a_run_predicts_its_measured_step_within_the_band(tmp_path):
     config = tmp_path / "train.json"
     config.write_text(json.dumps({
         # make run's placement: every block's parameters and optimizer state out of the
@@ -43,9 +43,11 @@ def test_every_plan_of_a_run_with_re_plans_predicts_its_measured_step_within_the
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     plans = [PLAN_LINE.match(line).groups() for line in out.stdout.splitlines()
              if PLAN_LINE.match(line)]
-    assert len(plans) >= 2, out.stdout  # the trace's plan and at least one re-plan
-    assert plans[0][5] == "trace"
-    assert any(reason.startswith("bandwidth drift") for *_, reason in plans), out.stdout
+    # The trace's plan always; re-plans come when the disk's bandwidth in the run drifts
+    # from the probe's for 1.5 s, which a quiet machine's 2 s run may never do (CI once
+    # ran all 18 steps in 2 s): whatever plans the run made are held to the band.
+    # tests/worker/test_plan_keeper.py makes a re-plan happen and checks it.
+    assert plans and plans[0][5] == "trace", out.stdout
     for version, predicted, measured, steps, ratio, reason in plans:
         assert int(steps) >= 1
         assert LOADED[0] <= float(predicted) / float(measured) <= LOADED[1], (
