@@ -272,8 +272,11 @@ class Trainer(transformers.Trainer):
 
     def end(self) -> None:
         """transformers' end of the Trainer, then the engine's: its last updates waited for,
-        the tier manager it started stopped and its files removed."""
-        super().end()
+        the tier manager it started stopped and its files removed. Older transformers 5 releases
+        (5.17) have no Trainer.end (train() ends it there): only the engine's end then."""
+        parent_end = getattr(super(), "end", None)
+        if parent_end is not None:
+            parent_end()
         if self._closer is not None:
             self._closer()
 

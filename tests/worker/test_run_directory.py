@@ -96,7 +96,11 @@ def test_a_killed_runs_directories_are_reported_by_doctor_and_removed_by_jobs_cl
     import sys
 
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
-    script = ("import sys, time\n"
+    # Python raises KeyboardInterrupt on SIGINT only where SIGINT was not ignored at its
+    # start, and a background job of a non-interactive shell (nohup ... &) starts with it
+    # ignored (POSIX): the child puts Python's handler back so the SIGINT below ends it.
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "from tierstack.worker.run_directory import job_directories\n"
               "with job_directories([sys.argv[1]], sys.argv[2]) as (d,):\n"
               "    open(d + '/data', 'wb').write(b'x' * 1048576)\n"
