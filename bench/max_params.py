@@ -9,6 +9,13 @@ lives and the device's peak memory; the last line is one JSON object.
 Run (GPU machine): python bench/max_params.py --dim 6144 --layers 34 --gpu-blocks 12 \
     --cpu-pool 100GiB --nvme-size 48GiB --nvme-dir /var/tmp/tsmax
 
+Host bytes per parameter (issue 36 item 2): --weights-from-masters auto|on|off sets
+train.params.weights_from_masters; the JSON line reports what the daemon holds of the
+blocks' state (weights, masters, moments: `describe` of each key) per block parameter,
+in the CPU pool and on NVMe only. Dev machine (docs/bench/host_bytes_per_param_dev.txt):
+  python bench/max_params.py --dim 256 --layers 4 --seq-len 64 --steps 3 \
+      --cpu-pool 10MiB --weights-from-masters auto
+
 With --auto nothing is sized by hand: the job gets the machine's budgets (HBM: the device
 less a margin; host: a share of MemAvailable; NVMe: the free space at --nvme-dir less a
 margin), the pools' caps are 'auto', and the engine's placement decides which blocks
@@ -29,7 +36,9 @@ from pathlib import Path
 import torch
 
 from tierstack.budgets import Budgets
-from tierstack.config import BudgetsConfig, GiB, OptimizerConfig, TierManagerConfig, TrainConfig, parse_size
+from tierstack.config import (WEIGHTS_FROM_MASTERS, BudgetsConfig, GiB, OptimizerConfig,
+                              ParamOffloadConfig, TierManagerConfig, TrainConfig, parse_size)
+from tierstack.errors import KeyNotFoundError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine import OffloadEngine, job_budgets
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
@@ -48,6 +57,23 @@ def random_batches(batch_size: int, seq_len: int):
 def pool_line(stats) -> str:
     return (f"CPU pool {stats.cpu_used / GiB:.1f}/{stats.cpu_capacity / GiB:.1f} GiB, NVMe "
             f"{stats.nvme_used / GiB:.1f} GiB")
+
+
+def block_state_bytes(store: LayerStore) -> tuple[int, int]:
+    """Bytes of the blocks' weights, masters and moments the daemon holds: (in the CPU
+    pool, on NVMe only)."""
+    in_cpu = nvme_only = 0
+    for i in range(len(store.layouts)):
+        for kind in ("params", "master", "exp_avg", "exp_avg_sq"):
+            try:
+                info = store.client.describe(store.key(i, kind))
+            except KeyNotFoundError:  # no weights stored: made from the masters
+                continue
+            if info.in_cpu:
+                in_cpu += info.nbytes
+            elif info.on_nvme:
+                nvme_only += info.nbytes
+    return in_cpu, nvme_only
 
 
 def main() -> None:
@@ -70,13 +96,17 @@ def main() -> None:
                         help="with --auto: HBM,HOST,NVME budgets (sizes) instead of the machine's, "
                              "as a config's budgets section states them (the CPU pool gets the "
                              "host budget's pool share, the NVMe pool the NVMe budget)")
+    parser.add_argument("--weights-from-masters", default="auto", choices=WEIGHTS_FROM_MASTERS,
+                        help="train.params.weights_from_masters")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = GPTConfig(seq_len=args.seq_len, dim=args.dim, heads=args.heads or max(1, args.dim // 128),
                        layers=args.layers)
+    torch.manual_seed(0)  # the same weights every run: runs' losses compare
     with torch.device("meta"):
         model = GPT(config)
     params = sum(p.numel() for p in model.parameters())
+    block_numels = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     layer_bytes = sum(p.numel() for p in model.blocks[0].parameters()) * 2
     budget = parse_size(args.device_budget, "--device-budget") if args.device_budget else 4 * layer_bytes
     nvme_dir = Path(args.nvme_dir)
@@ -115,18 +145,18 @@ def main() -> None:
             store = LayerStore("max-params", device=device, device_budget=budget,
                                address=daemon.address, durable=False)
             engine = None
+            train = TrainConfig(precision="bf16", optimizer=OptimizerConfig(lr=1e-4),
+                                params=ParamOffloadConfig(weights_from_masters=args.weights_from_masters))
             try:
                 if args.auto:
                     node = store.client.node()
                     result.update(cpu_pool_bytes=node.cpu_capacity, nvme_pool_bytes=node.nvme_capacity)
-                    train = TrainConfig(precision="bf16", optimizer=OptimizerConfig(lr=1e-4))
                     engine = OffloadEngine(model, store, train, budgets=stated)
                     result["budgets"] = vars(engine.budgets)
                 else:
                     # A placement by hand: the blocks' tiers as given, nothing placed on the
                     # device beyond them (an HBM budget of 0).
-                    engine = OffloadEngine(model, store, TrainConfig(precision="bf16",
-                                                                     optimizer=OptimizerConfig(lr=1e-4)),
+                    engine = OffloadEngine(model, store, train,
                                            job_budgets(BudgetsConfig(), store).with_(hbm=0), tiers=tiers)
                 result["init_seconds"] = round(time.perf_counter() - start, 1)
                 print(f"built and stored in {result['init_seconds']} s", flush=True)
@@ -136,6 +166,14 @@ def main() -> None:
                                       f"{pool_line(store.client.stats())}", flush=True))
                 stats = store.client.stats()
                 losses = [step.loss for step in steps]
+                engine.wait_for_optimizer()
+                in_cpu, nvme_only = block_state_bytes(store)
+                offloaded = sum(block_numels[engine.blocks.positions[i]] for i in engine.blocks.offloaded())
+                result.update(weights_from_masters=args.weights_from_masters,
+                              from_masters=store.from_masters,
+                              host_bytes_per_param=round(in_cpu / max(offloaded, 1), 3),
+                              nvme_only_bytes_per_param=round(nvme_only / max(offloaded, 1), 3),
+                              block_state_in_cpu_bytes=in_cpu, block_state_nvme_only_bytes=nvme_only)
                 if engine.placement is not None:
                     result["placement"] = engine.placement.describe(len(engine.blocks.blocks))
                     result["gpu_blocks"] = len(engine.placement.resident)

@@ -943,6 +943,19 @@ def trains_in_bf16_with_fp32_masters(runs, e):
             assert has_masters == (dtype == torch.bfloat16)
 
 
+@effect("train.params.weights_from_masters", "on", ENGINE, base={"train": {"precision": "bf16"}})
+def no_bf16_weights_kept_by_the_daemon(runs, e):
+    # 'on': the daemon keeps the masters and no bf16 copy (each load rounds the masters);
+    # the default 'auto' keeps the copy where the pool holds it, as this one does.
+    losses = {}
+    for config, stored in ((e.with_value(), False), (e.with_default(), True)):
+        with runs.engine(config) as engine:
+            losses[stored] = runs.train(engine, 3)
+            assert (runs.state(engine, 0, "params") is not None) == stored
+            assert runs.state(engine, 0, "master") is not None
+    assert losses[False] == losses[True]  # the same rounding, on the way instead of in the daemon
+
+
 @effect("train.device_budget", "64KiB", ENGINE)
 def layers_on_the_device_within_budget(runs, e):
     with runs.engine(e.with_value()) as engine:

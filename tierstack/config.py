@@ -331,6 +331,10 @@ def _validate_offload(prefix: str, device: str, max_in_cpu: int) -> None:
         raise ConfigError(f"{prefix}.max_in_cpu must be >= 0, got {max_in_cpu}")
 
 
+WEIGHTS_FROM_MASTERS = ("auto", "on", "off")
+"""train.params.weights_from_masters' values."""
+
+
 @dataclass
 class ParamOffloadConfig:
     """Where the blocks' parameters live beyond the device (DeepSpeed's offload_param).
@@ -360,6 +364,16 @@ class ParamOffloadConfig:
     counted). The blocks past it leave the pool after each use (evicted before anything
     else); 0 sends them all out. The pool itself is shared by the node's jobs and bounded by
     tier_manager.cpu_pool.size."""
+    weights_from_masters: str = "auto"
+    """With precision bf16 or fp16: 'on' keeps no low-precision copy of an offloaded
+    block's weights in host memory (12 instead of 14 bytes per parameter there: fp32
+    master and two moments): each load copies the fp32 masters to the device and rounds
+    them there (to nearest even, as torch's .to() does), twice the bytes over PCIe per
+    load, and the tier manager's AdamW writes no low-precision weights. 'off' keeps the
+    copy. 'auto': 'on' only where the offloaded blocks' host state at 14 bytes per
+    parameter does not fit the CPU pool and at 12 it does (a model that fits keeps the
+    faster loads). Partitioned (multi-rank) jobs refuse 'on' and 'auto' stays off there
+    (docs/architecture/design-notes.md)."""
 
     def tier(self) -> BlockTier:
         """The tier of a block with no override: 'gpu', 'cpu', 'nvme' or 'auto'."""
@@ -367,6 +381,9 @@ class ParamOffloadConfig:
 
     def validate(self, prefix: str) -> None:
         _validate_offload(prefix, self.device, self.max_in_cpu)
+        if self.weights_from_masters not in WEIGHTS_FROM_MASTERS:
+            raise ConfigError(f"{prefix}.weights_from_masters: {self.weights_from_masters!r} is "
+                              f"not one of {', '.join(WEIGHTS_FROM_MASTERS)}")
         if self.buffer_count < 1:
             raise ConfigError(f"{prefix}.buffer_count must be at least 1, got {self.buffer_count}")
         if self.buffer_size < 0:
@@ -573,6 +590,10 @@ class TrainConfig:
         if self.gradient_clipping < 0:
             raise ConfigError(f"{prefix}.gradient_clipping must be >= 0")
         self.params.validate(f"{prefix}.params")
+        if self.params.weights_from_masters == "on" and self.precision == "fp32":
+            raise ConfigError(f"{prefix}.params.weights_from_masters 'on' needs {prefix}.precision "
+                              f"bf16 or fp16 (fp32 weights are their own masters); set it to "
+                              f"'auto' or 'off'")
         self.optimizer_state.validate(f"{prefix}.optimizer_state")
         self.optimizer.validate(f"{prefix}.optimizer")
         self.activations.validate(f"{prefix}.activations")

@@ -27,6 +27,9 @@ class BlockStore(Protocol):
     """The node's tier manager (services/tier_manager/client.py)."""
     recorder: object
     """A plan_follower.UseRecorder while a trace is recorded, else None."""
+    from_masters: bool
+    """The blocks' weights are made from their fp32 masters on each load (no copy of them
+    stored: worker/layers.py); a store that cannot do this keeps it False."""
     writes_from_any_thread: bool
     """write_back may run on a thread of the caller's other than the one that made the
     tensors (False where a write is a collective every rank must issue in order)."""

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from tierstack.budgets import Budgets, measure
-from tierstack.config import BudgetsConfig, OptimizerConfig, TrainConfig
+from tierstack.config import DEVICE_BUDGET_LAYERS, BudgetsConfig, OptimizerConfig, TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
 from tierstack.services.tier_manager.types import NodeInfo
@@ -128,19 +128,55 @@ def state_tiers(train: TrainConfig, blocks_attr: str, count: int,
     return tiers
 
 
-def _updated_bytes_per_parameter(precision: str) -> int:
-    """Bytes an AdamW step writes per parameter: the parameter in the training dtype, its
-    two fp32 moments, and its fp32 master where the parameters are not fp32."""
+def _updated_bytes_per_parameter(precision: str, from_masters: bool = False) -> int:
+    """Bytes an AdamW step writes per parameter: the parameter in the training dtype
+    (none with weights made from the masters), its two fp32 moments, and its fp32 master
+    where the parameters are not fp32."""
     itemsize = PRECISIONS[precision].itemsize
-    return itemsize + (4 if itemsize != 4 else 0) + 8
+    return (0 if from_masters else itemsize) + (4 if itemsize != 4 else 0) + 8
 
 
-def training_state_bytes(model: torch.nn.Module, precision: str) -> int:
+def host_state_bytes(numel: int, precision: str, from_masters: bool) -> int:
+    """Bytes the tier manager keeps between steps for `numel` offloaded parameters: 14
+    per parameter in bf16 or fp16 (weights, fp32 master, two moments), 12 with the weights
+    made from the masters, 12 in fp32 (the weights are the masters). Gradients are not
+    counted: each block's are consumed by its update as they arrive."""
+    return numel * _updated_bytes_per_parameter(precision, from_masters)
+
+
+def training_state_bytes(model: torch.nn.Module, precision: str, from_masters: bool = False) -> int:
     """Bytes of a model's training state: what a step updates (parameters, moments,
-    masters) and the gradients in the training dtype (16 bytes per parameter either way;
-    meta tensors count: nothing needs to exist)."""
-    per_parameter = _updated_bytes_per_parameter(precision) + PRECISIONS[precision].itemsize
+    masters) and the gradients in the training dtype (16 bytes per parameter either way,
+    14 with the weights made from the masters; meta tensors count: nothing needs to exist)."""
+    per_parameter = _updated_bytes_per_parameter(precision, from_masters) + PRECISIONS[precision].itemsize
     return sum(p.numel() * per_parameter for p in model.parameters())
+
+
+def masterless_tensors(block: torch.nn.Module) -> list[str]:
+    """The tensors of a block that would have no fp32 master: buffers, frozen and
+    non-floating parameters (meta tensors count: nothing needs to exist)."""
+    trainable = {n for n, p in block.named_parameters() if p.requires_grad and p.is_floating_point()}
+    return [n for n in block.state_dict(keep_vars=True) if n not in trainable]
+
+
+def weights_from_masters(setting: str, precision: str, numel: int, cpu_pool: int,
+                         unsupported: str = "") -> bool:
+    """Whether offloaded blocks' weights are made from their masters on the way to the
+    device (train.params.weights_from_masters): 'on', 'off', or 'auto': on only where the
+    `numel` offloaded parameters' host state does not fit `cpu_pool` bytes at 14 bytes
+    per parameter and does at 12. `unsupported`: why this engine cannot ('' if it can);
+    'on' is refused with it, 'auto' stays off."""
+    if setting == "off" or precision == "fp32":  # fp32 'on' is refused by the config
+        return False
+    if unsupported:
+        if setting == "on":
+            raise ConfigError(f"train.params.weights_from_masters 'on': {unsupported}; set it "
+                              f"to 'auto' or 'off'")
+        return False
+    if setting == "on":
+        return True
+    return (host_state_bytes(numel, precision, False) > cpu_pool
+            >= host_state_bytes(numel, precision, True))
 
 
 def pending_moment_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
@@ -150,7 +186,7 @@ def pending_moment_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Te
 
 
 def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeInfo,
-                   largest_block: int = 0) -> None:
+                   largest_block: int = 0, from_masters: bool = False) -> None:
     """Refuse, before anything is stored, a model whose training state cannot fit the HBM
     budget and the tier manager's pools together; name the smallest budgets that would.
     `largest_block`: the parameters of the largest block. A streamed block's step writes
@@ -158,9 +194,12 @@ def check_capacity(model: torch.nn.Module, precision: str, hbm: int, node: NodeI
     daemon pipelines two blocks' steps, so the pools need room for two blocks' new
     versions besides the state (the H200's 19.49e9-parameter GPT, its state 97% of the
     budgets, ran out of NVMe room in its second step with one block's room counted). A
-    model whose whole state fits the HBM budget streams nothing and needs no such room."""
-    state = training_state_bytes(model, precision)
-    working = 0 if state <= hbm else 2 * largest_block * _updated_bytes_per_parameter(precision)
+    model whose whole state fits the HBM budget streams nothing and needs no such room.
+    `from_masters`: the weights are made from the masters, none stored (2 bytes per
+    parameter fewer in bf16 and fp16)."""
+    state = training_state_bytes(model, precision, from_masters)
+    working = 0 if state <= hbm else \
+        2 * largest_block * _updated_bytes_per_parameter(precision, from_masters)
     need = state + working
     have = hbm + node.cpu_capacity + node.nvme_capacity
     if need > have:
@@ -225,7 +264,20 @@ class OffloadEngine:
         ModuleTiers(train.tier_overrides).check_matches(name for name, _ in model.named_modules())
         if budgets is None:
             budgets = job_budgets(BudgetsConfig(), store)
-        check_capacity(model, train.precision, budgets.hbm, store.client.node(), max(numels, default=0))
+        node = store.client.node()
+        planned = tiers if tiers is not None else block_tiers(train, blocks_attr, count, numels)
+        offloaded = [i for i, t in enumerate(planned) if t != GPU]
+        self.from_masters = weights_from_masters(
+            train.params.weights_from_masters, train.precision,
+            sum(numels[i] for i in offloaded), node.cpu_capacity,
+            self._why_not_from_masters(block_list, blocks_attr, offloaded))
+        store.from_masters = self.from_masters
+        if self.from_masters:
+            log.info("train.params.weights_from_masters %r: the offloaded blocks' weights are "
+                     "their fp32 masters rounded on the way to the device (12 bytes per "
+                     "parameter in host memory, not 14)", train.params.weights_from_masters)
+        check_capacity(model, train.precision, budgets.hbm, node, max(numels, default=0),
+                       self.from_masters)
         self.model = model
         self.store = store
         self.train = train
@@ -255,6 +307,12 @@ class OffloadEngine:
         positions = [i for i, t in enumerate(self.tiers) if t != GPU]
         self._resident_ok = [ok for ok, t in zip(resident_ok, self.tiers) if t != GPU]
         self._offload_blocks(block_list, positions, initialize)
+        if self.from_masters and not train.device_budget and positions:
+            # "Three layers' worth" of loads: each holds its staging masters too (a stated
+            # train.device_budget is a bound that includes them, and stays as it is).
+            loads = DEVICE_BUDGET_LAYERS * max(store.layer_nbytes(i) for i in range(len(positions)))
+            if loads > store.budget.capacity:
+                store.budget.resize(loads)
         self._keep_the_rest(model, initialize)
         self.placement: BlockPlacement | None = None
         # Where the loss may stop the model to take it a chunk at a time (None: no head).
@@ -263,6 +321,18 @@ class OffloadEngine:
         self.last_gradient_norm: float | None = None  # of the last step, where it was computed
         self._placement_pending = bool(budgets.hbm > 0 and positions)
         self.phases: PhaseClock | NoPhases = NO_PHASES  # time_phases() turns it on
+
+    def _why_not_from_masters(self, block_list: torch.nn.Module, blocks_attr: str,
+                              offloaded: list[int]) -> str:
+        """Why this engine cannot make the offloaded blocks' weights from their masters
+        ('' where it can): every tensor of such a block needs a master to be made from.
+        A partitioned engine says its own reason."""
+        for i in offloaded:
+            others = masterless_tensors(block_list[i])
+            if others:
+                return (f"block {blocks_attr}.{i} holds {others[0]!r}, which has no fp32 master "
+                        f"(a buffer or a frozen parameter) to make it from")
+        return ""
 
     def _offload_blocks(self, block_list: torch.nn.Module, positions: list[int],
                         initialize: Callable[[torch.nn.Module, torch.device], None]) -> None:
@@ -285,7 +355,7 @@ class OffloadEngine:
             if dtype == torch.float32:
                 return
             trainable = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
-            if defer and all(p.dtype == dtype for _, p in trainable):
+            if defer and not self.from_masters and all(p.dtype == dtype for _, p in trainable):
                 # Weights already in the training dtype: their masters are those values
                 # widened, made once the placement knows where the block lives (on the
                 # device for a resident block) rather than held in host memory ahead of it.
@@ -340,7 +410,7 @@ class OffloadEngine:
         if policy == "keep" and blocks.blocks:
             # Every block's tensors stay from its forward to its backward, with the
             # prefetch window on top: the layer store must hold them all.
-            layers = [self.store.layouts[i].nbytes for i in blocks.offloaded()]
+            layers = [self.store.layer_nbytes(i) for i in blocks.offloaded()]
             need = sum(layers) + self.store.prefetch_depth * max(layers)
             if need > self.store.budget.capacity:
                 log.info("train.activations.policy 'keep': the device budget grows from %d to "
@@ -630,6 +700,8 @@ class OffloadEngine:
         stashed = self.blocks.probe_stashed_bytes
         store = self.store
         layers = tuple(store.layouts[i].nbytes for i in range(len(self.blocks.blocks)))
+        # A load holds its staging buffer too (weights made from masters): the window's bytes.
+        loads = tuple(store.layer_nbytes(i) for i in range(len(self.blocks.blocks)))
         activations = tuple(self.blocks.activation_bytes)
         inputs = tuple(self.blocks.input_bytes)
         states, numels = [], []
@@ -654,8 +726,8 @@ class OffloadEngine:
             persistent = sum(p.numel() * (2 * p.element_size() + (0 if m is p else 4))
                              for p, m in zip(self.persistent, self.persistent_masters))
             peak = (persistent + extra + outside.bytes + stashed
-                    + (store.prefetch_depth + 1) * max(layers) + max(activations, default=0))
-        return DeviceFootprint(int(peak), tuple(states), layers, activations, inputs)
+                    + (store.prefetch_depth + 1) * max(loads) + max(activations, default=0))
+        return DeviceFootprint(int(peak), tuple(states), loads, activations, inputs)
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the model's logits; with large logits, a chunk of tokens at

@@ -14,6 +14,15 @@ other and the caller's compute. The store composes its parts: `TierSession` (the
 its arenas, surviving its restarts), `DeviceResidency` (what is on the device, within
 the budget), `PrefetchDepths` (how far ahead, as the scheduler's plan says) and
 `WorkerMetrics` (what it moved and waited, reported to the node).
+
+Weights from masters (`from_masters`, train.params.weights_from_masters): the tier manager
+keeps no low-precision copy of a layer's weights, only its fp32 masters (kind "master",
+every tensor of the layer a trainable parameter with one). A load fetches the masters,
+copies them to the device into a staging buffer and rounds them there into the layer's
+buffer (`round_masters`, round-to-nearest-even as torch's .to() does); the staging bytes
+are reserved in the device budget with the layer (`layer_nbytes`). On the CPU device the
+pool's pinned masters are the staging buffer: they are rounded straight into the layer's
+buffer, the same arithmetic.
 """
 
 from __future__ import annotations
@@ -36,6 +45,18 @@ from tierstack.worker.tier_session import TierSession
 log = logging.getLogger(__name__)
 
 DEFAULT_DEVICE_BUDGET = 4 << 30
+
+
+def master_name(name: str) -> str:
+    """The name of tensor `name`'s fp32 master in a layer's "master" kind."""
+    return f"{name}.master"
+
+
+def round_masters(tensors: Mapping[str, torch.Tensor], masters: Mapping[str, torch.Tensor]) -> None:
+    """Each of a layer's `tensors` (its low-precision weights on the device) made from its
+    fp32 master, rounded to nearest even (copy_ rounds as .to() does)."""
+    for name, tensor in tensors.items():
+        tensor.copy_(masters[master_name(name)])
 
 
 def layer_tensors(layer: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,6 +103,10 @@ class LayerStore:
         self._loader = ThreadPoolExecutor(2, thread_name_prefix="tierstack-load")
         self.recorder = None  # a plan_follower.UseRecorder while a trace is recorded
         self._ensures = 0
+        # Set by the engine before register_layers (attach reads it from the job's meta).
+        self.from_masters = False
+        """Whether the layers' weights are their fp32 masters rounded on the way to the
+        device: no low-precision copy is stored (module docstring)."""
         # Bytes moved and waits, reported to the node's tier manager (worker/metrics.py).
         self.metrics = WorkerMetrics() if metrics else None
         self.worker_id = new_worker_id(job)
@@ -94,6 +119,10 @@ class LayerStore:
 
     def key(self, index: int, kind: str = "params") -> str:
         return f"{self.job}/layer{index}/{kind}"
+
+    def load_key(self, index: int) -> str:
+        """The key a load of layer `index` reads: its parameters, or its masters."""
+        return self.key(index, "master") if self.from_masters else self.key(index)
 
     def place(self, index: int, params: str = AUTO, state: str = AUTO) -> None:
         """Keep layer `index`'s parameters, and its other state (gradients, optimizer
@@ -170,15 +199,28 @@ class LayerStore:
             layout = LayerLayout.of(tensors)
             self.session.write_block(self.key(i, "layout"),
                                      torch.frombuffer(bytearray(layout.to_json()), dtype=torch.uint8))
-            self._write_layer(self.key(i), layout, tensors, placement=self.placement(i))
+            if self.from_masters:  # `prepare` stored the masters: the weights are made from them
+                self._check_masters(i, layout)
+            else:
+                self._write_layer(self.key(i), layout, tensors, placement=self.placement(i))
             layouts.append(layout)
             del tensors
             if done is not None:
                 done(i)
         self.layouts = layouts
-        self.session.write_block(f"{self.job}/meta", torch.tensor([len(layouts)], dtype=torch.int64))
+        self.session.write_block(f"{self.job}/meta", torch.tensor([len(layouts), int(self.from_masters)],
+                                                                  dtype=torch.int64))
         self.set_access_order(range(len(layouts)))
         return layouts
+
+    def _check_masters(self, index: int, layout: LayerLayout) -> None:
+        """Every tensor of layer `index` has a stored fp32 master of its shape (the engine
+        checked this of the model before; here it is the store's invariant)."""
+        masters = {s.name: s for s in self.layout_of(index, "master").slots}
+        for slot in layout.slots:
+            master = masters.get(master_name(slot.name))
+            assert master is not None and master.shape == slot.shape and master.dtype == "float32", \
+                f"layer {index}: tensor {slot.name} has no fp32 master to make it from"
 
     def forget_layer(self, index: int, kinds: Sequence[str] = ()) -> None:
         """Delete layer `index`'s state of every kind from the tier manager (it moved to
@@ -203,11 +245,12 @@ class LayerStore:
         """Tell the daemon the cyclic order layers will be loaded in (a layer may come
         back: a training step's forward then backward), so that it evicts the one needed
         furthest in the future."""
-        self.client.set_access_order([self.key(i) for i in layers])
+        self.client.set_access_order([self.load_key(i) for i in layers])
 
     def attach(self) -> list[LayerLayout]:
         """Load the layouts of a job another worker (or an earlier run) registered."""
         meta = self.session.read_block(f"{self.job}/meta").view(torch.int64)
+        self.from_masters = len(meta) > 1 and bool(meta[1])  # a job registered before: one entry
         self.layouts = [LayerLayout.from_json(bytes(self.session.read_block(self.key(i, "layout")).numpy()))
                         for i in range(int(meta[0]))]
         return self.layouts
@@ -238,6 +281,11 @@ class LayerStore:
                 layout = LayerLayout.of(tensors)
         if kind == "params" and index in self.residency:
             self.release_layer(index)  # a device copy of the old version must not be reused
+        if kind == "params" and self.from_masters:
+            # Its weights are its masters rounded: what a caller restores is the masters
+            # (a checkpoint's load writes them next), checked against these where they exist.
+            layout.check(tensors)
+            return
         if kind != "params":
             self.declare_layout(index, kind, layout)
         self._write_layer(self.key(index, kind), layout, tensors, durable,
@@ -278,7 +326,13 @@ class LayerStore:
     # ---- reading layers ------------------------------------------------------------------
 
     def read_layer(self, index: int, kind: str = "params") -> dict[str, torch.Tensor]:
-        """A CPU copy of a stored layer's tensors."""
+        """A CPU copy of a stored layer's tensors (its weights made from its masters where
+        no copy of them is stored)."""
+        if kind == "params" and self.from_masters:
+            masters = self.read_layer(index, "master")
+            tensors = self.layouts[index].views(torch.empty(self.layouts[index].nbytes, dtype=torch.uint8))
+            round_masters(tensors, masters)
+            return tensors
         return self.layout_of(index, kind).views(self.session.read_block(self.key(index, kind)))
 
     def layout_of(self, index: int, kind: str) -> LayerLayout:
@@ -299,7 +353,7 @@ class LayerStore:
 
     def hint(self, index: int) -> None:
         """Ask the daemon to start reading layer `index` from NVMe (nothing moves to the device)."""
-        self.session.hint(self.key(index))
+        self.session.hint(self.load_key(index))
 
     def set_plan(self, version: int, prefetch_depth: int, read_ahead: int, staging_buffers: int = 0,
                  reset: bool = False) -> None:
@@ -339,18 +393,27 @@ class LayerStore:
         return len(self.layouts)
 
     def layer_nbytes(self, index: int) -> int:
-        return self.layouts[index].nbytes
+        """Device bytes a load of layer `index` holds: its weights, and with weights from
+        masters the staging buffer its fp32 masters are copied into first."""
+        return self.layouts[index].nbytes + self.staging_nbytes(index)
+
+    def staging_nbytes(self, index: int) -> int:
+        """Bytes of the fp32 masters a load of layer `index` stages on the device (0
+        where its weights are stored)."""
+        return self.layout_of(index, "master").nbytes if self.from_masters else 0
 
     def allocate(self, index: int, copy: DeviceCopy) -> None:
-        if not self.cuda:  # views of the CPU pool, made when the layer is pinned
+        if not self.cuda and not self.from_masters:  # views of the CPU pool, made when pinned
             return
-        copy.buffer = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
+        weights = self.layouts[index].nbytes  # the staging buffer is the loader's, for the copy
+        copy.buffer = torch.empty(weights, dtype=torch.uint8, device=self.device)
         copy.tensors = self.layouts[index].views(copy.buffer)
 
     def fill(self, index: int, copy: DeviceCopy, allocated) -> None:
         self.hint(index)  # the daemon starts reading NVMe while the loader gets going
         if not self.cuda:
-            copy.deferred = lambda: self._pin_view(index, copy)
+            view = self._round_on_cpu if self.from_masters else self._pin_view
+            copy.deferred = lambda: view(index, copy)
             return
         self._loader.submit(self._load, index, copy, allocated)
 
@@ -382,6 +445,25 @@ class LayerStore:
         except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
             copy.done(error=e)
 
+    def _round_on_cpu(self, index: int, copy: DeviceCopy) -> None:
+        """The CPU device's load of a layer made from its masters: the pinned masters in
+        the pool (there is no device to copy them to) rounded into the layer's buffer."""
+        key = self.key(index, "master")
+        masters = self.layout_of(index, "master")
+        try:
+            arenas, res = self._fetch(key, masters.nbytes)
+            try:
+                round_masters(copy.tensors, masters.views(arenas.view(res.arena, res.offset,
+                                                                      masters.nbytes)))
+            finally:
+                self._unpin((key, res.info.version))
+            self.session.count(read=masters.nbytes)
+            if self.metrics is not None:
+                self.metrics.copied_to_device(masters.nbytes)
+            copy.done()
+        except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
+            copy.done(error=e)
+
     def _unpin(self, pin: tuple[str, int]) -> None:
         """Let the daemon move or update a CPU view's bytes again. At once, in the caller's
         thread (~0.2 ms): the next layer's fetch may need the room in a small pool, and
@@ -395,26 +477,37 @@ class LayerStore:
     def _load(self, index: int, copy: DeviceCopy, allocated) -> None:
         """The CUDA device's load: fetch the layer's block, copy it to the device on the
         copy stream, release the pin once the copy is done."""
-        key = self.key(index)
+        key = self.load_key(index)
+        nbytes = self.staging_nbytes(index) or copy.nbytes
         try:
-            arenas, res = self._fetch(key, copy.nbytes)
+            arenas, res = self._fetch(key, nbytes)
             try:
-                src = arenas.view(res.arena, res.offset, copy.nbytes)
+                src = arenas.view(res.arena, res.offset, nbytes)
                 with torch.cuda.stream(self._copy_stream):
                     self._copy_stream.wait_event(allocated)
-                    copy.buffer.copy_(src, non_blocking=True)
+                    if self.from_masters:
+                        # fp32 over PCIe into a staging buffer (reserved with the layer in
+                        # the budget), rounded into the weights on the copy stream; freed
+                        # for reuse once the stream has passed the rounding.
+                        staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                        staging.copy_(src, non_blocking=True)
+                        round_masters(copy.tensors, self.layout_of(index, "master").views(staging))
+                        staging.record_stream(self._copy_stream)
+                        del staging
+                    else:
+                        copy.buffer.copy_(src, non_blocking=True)
                     copy.buffer.record_stream(self._copy_stream)
                     copied = torch.cuda.Event()
                     copied.record(self._copy_stream)
                 if self.metrics is not None:
-                    self.metrics.copied_to_device(copy.nbytes)
+                    self.metrics.copied_to_device(nbytes)
             except BaseException:
                 torch.cuda.current_stream(self.device).synchronize()
                 self._copy_stream.synchronize()  # no copy may still read the arena
                 self.session.release_after(key, res.info.version)
                 raise
             self.session.release_after(key, res.info.version, copied)
-            self.session.count(read=copy.nbytes)
+            self.session.count(read=nbytes)
             copy.done(filled=copied)
         except BaseException as e:  # noqa: BLE001 - handed to ensure_layer
             copy.done(error=e)

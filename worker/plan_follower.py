@@ -130,7 +130,7 @@ def pinned_tiers(store: LayerStore, tensors: Sequence[TensorSpec]) -> dict[str, 
     by_kind: dict[str, dict[str, str]] = {}  # kind -> key -> pinned tier ("" where none)
     for t in tensors:
         kind = t.key.rsplit("/", 1)[-1]
-        placement = store.placement(t.layer, "params" if t.kind == "params" else kind)
+        placement = store.placement(t.layer, kind)  # a made-from masters' key: their own
         by_kind.setdefault(kind, {})[t.key] = placement if placement in (CPU, NVME) else ""
     overrides: dict[str, str] = {}
     prefix = glob.escape(store.job)
@@ -195,9 +195,16 @@ class PlanFollower:
             seen.add(use.layer)
         # What moves through this node's tiers: a partitioned store's node holds its shards.
         node_store = getattr(store, "local", store)
-        tensors = [TensorSpec(store.key(i), i, "params", layout.nbytes)
-                   for i, layout in enumerate(node_store.layouts) if i not in store.forgotten]
-        tensors += [TensorSpec(store.key(i, kind), i, "grad" if kind.startswith("grad") else kind, nbytes)
+        # With weights made from the masters, the masters are what each use moves to the
+        # device (the scheduler's "params" kind), and no weights are stored.
+        loaded = "master" if getattr(node_store, "from_masters", False) else "params"
+        if loaded == "params":
+            tensors = [TensorSpec(store.key(i), i, "params", layout.nbytes)
+                       for i, layout in enumerate(node_store.layouts) if i not in store.forgotten]
+        else:
+            tensors = []
+        tensors += [TensorSpec(store.key(i, kind), i, "params" if kind == loaded else
+                               "grad" if kind.startswith("grad") else kind, nbytes)
                     for (i, kind), nbytes in sorted(store.stored_kinds.items())
                     if i not in store.forgotten]
         return JobTrace(job=store.job, nodes=list(nodes or [self.node_id]),

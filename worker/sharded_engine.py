@@ -107,6 +107,13 @@ class ShardedEngine(OffloadEngine):
         budgets = store.broadcast_object(budgets)
         super().__init__(model, store, train, budgets, **kwargs)
 
+    def _why_not_from_masters(self, block_list, blocks_attr: str, offloaded: list[int]) -> str:
+        """Partitioned blocks keep their weights as flat shards that the ranks all-gather
+        in the training dtype; making them from fp32 master shards would gather twice the
+        bytes (or round each shard first, a path not built): not supported."""
+        return ("partitioned (multi-rank) jobs keep each block's weights as shards gathered "
+                "in the training dtype, which this does not make from masters")
+
     def _probe(self, run_loss: Callable[[], torch.Tensor]) -> DeviceFootprint:
         """Every rank runs the probe step (its forward gathers every block, as the others'
         do); rank 0's footprint is the one every rank places by, so the placement, a pure

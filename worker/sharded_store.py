@@ -480,6 +480,10 @@ class ShardedLayerStore:
     writes_from_any_thread = False
     """A gradient write is a reduce-scatter: every rank issues its collectives in one order."""
 
+    from_masters = False
+    """Shards are gathered in the training dtype: never made from masters (the engine
+    refuses train.params.weights_from_masters 'on' for a partitioned job)."""
+
     @property
     def writes_checkpoint(self) -> bool:
         """Rank 0 writes a partitioned job's checkpoints (every rank gathers for it)."""

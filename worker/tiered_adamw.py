@@ -4,7 +4,8 @@ Each block's parameters, gradients, moments (kinds "exp_avg", "exp_avg_sq") and,
 `masters`, fp32 master weights (kind "master") are kept by the node's tier manager. A
 step sends the daemon only keys and layouts (`AdamWStep`); the daemon runs PyTorch's
 fused CPU AdamW on its CPU-pool buffers in place (services/tier_manager/adamw.py), and
-rounds the masters into the block's low-precision parameters. No state byte comes back
+rounds the masters into the block's low-precision parameters (unless the store makes
+those from the masters on each load: `LayerStore.from_masters`, no parameters stored). No state byte comes back
 to the worker, and no block's state is on the device at any time.
 
 Two ways to start a block's step, one request per block, two in flight (the daemon
@@ -112,7 +113,9 @@ class TieredAdamW:
         state = state_layout(trainable, "exp_avg")
         offsets = {s.name[:-len(".exp_avg")]: s.offset for s in state.slots}
         return AdamWBlock(
-            params=store.key(i), grads=store.key(i, "grad"),
+            # No parameters where the store makes them from the masters on each load.
+            params="" if getattr(store, "from_masters", False) else store.key(i),
+            grads=store.key(i, "grad"),
             master=store.key(i, "master") if self.masters else "",
             exp_avg=store.key(i, "exp_avg"), exp_avg_sq=store.key(i, "exp_avg_sq"),
             param_dtype=param_dtype, grad_dtype=dtype_name(trainable[0][2]),

@@ -281,7 +281,9 @@ class AdamWStepper:
         # A small block's windows hold what it has, not a full tile of scratch.
         state_elements = align_up(max(1, block.state_nbytes // _STATE_ITEMSIZE), TILE_ALIGN)
         held = _Held(block, claim, tile_elements=min(self.tile_elements, state_elements))
-        infos = {"params": registry.info(block.params), "grads": registry.info(block.grads)}
+        infos = {"grads": registry.info(block.grads)}
+        if block.params:  # none where the worker rounds the masters on their way to it
+            infos["params"] = registry.info(block.params)
         if block.master:
             infos["master"] = registry.info(block.master)
         if hyper.step > 1:
@@ -306,7 +308,8 @@ class AdamWStepper:
                     key = getattr(block, name)
                     if not (load and self._create_zeros(key, block.state_nbytes, block.state_placement)):
                         held.new[name] = key  # created streamed, straight to NVMe
-            targets = [("params", block.params)] + ([("master", block.master)] if block.master else [])
+            targets = [("params", block.params)] if block.params else []
+            targets += [("master", block.master)] if block.master else []
             targets += [(n, getattr(block, n)) for n in ("exp_avg", "exp_avg_sq") if n not in held.new]
             # With masters, the new parameters are the masters rounded: a streamed step reads
             # only the parameters' blocks that hold other bytes (buffers, padding).
@@ -318,7 +321,7 @@ class AdamWStepper:
                     info, buffer = registry.updates.begin(claim, key, load=False)
                 held.exclusive.append(info)
                 held.infos[name] = info
-                if name == "params" and buffer is None:
+                if name == _read_next(block) and buffer is None:
                     self._copy_in_pool(held, name, info.nbytes)
                 held.sources[name] = self._source(info, buffer, held.span, claim.location,
                                                   writable=True, overwritten=overwritten.get(name, ()),
@@ -434,7 +437,8 @@ class AdamWStepper:
         covers in every tensor held."""
         block = held.block
         p_dtype, g_dtype = dtype_from_name(block.param_dtype), dtype_from_name(block.grad_dtype)
-        kernel = self._native if self._native is not None and self._native.covers(p_dtype, g_dtype) \
+        native = self._native
+        kernel = native if native is not None and native.covers(p_dtype, g_dtype, bool(block.params)) \
             else self._torch
         whole = kernel.max_elements is None and all(isinstance(s, _Resident) for s in held.sources.values())
         elements = min(held.tile_elements, kernel.max_elements or held.tile_elements)
@@ -465,7 +469,8 @@ class AdamWStepper:
             for s, first, n in tile:
                 st = (spans["state"][0], s.state_offset, first, n, _FLOAT)
                 pieces.setdefault(s.group, []).append(Piece(
-                    params=_piece(windows["params"], spans["params"][0], s.param_offset, first, n, p_dtype),
+                    params=_piece(windows["params"], spans["params"][0], s.param_offset, first, n, p_dtype)
+                    if block.params else None,
                     master=_piece(windows["master"], *st) if block.master else None,
                     grads=_piece(windows["grads"], spans["grads"][0], s.grad_offset, first, n, g_dtype),
                     exp_avg=_piece(windows["exp_avg"], *st), exp_avg_sq=_piece(windows["exp_avg_sq"], *st)))
@@ -547,7 +552,7 @@ class AdamWStepper:
                 # their update: kept in the pool until then, not sent out and read back.
                 out.append(self.registry.updates.end(held.claim, info, ok, durable,
                                                      written.pop(name, None),
-                                                     read_ahead=name == "params",
+                                                     read_ahead=name == _read_next(held.block),
                                                      cpu_copy=held.copies.pop(name, None)))
             except Exception as e:  # noqa: BLE001
                 first_error = first_error or e
@@ -673,7 +678,7 @@ def _check_groups(block: AdamWBlock, hyper: AdamWHyper) -> None:
     wrong = sorted({s.group for s in block.segments if s.group >= count})
     if wrong:
         raise InvalidArgumentError(
-            f"block {block.params!r}: segments name param groups {wrong} but the request gives "
+            f"block {_name(block)!r}: segments name param groups {wrong} but the request gives "
             f"{len(hyper.groups)} groups' lr and weight decay (give one per group, or none "
             f"and group 0 everywhere)")
 
@@ -682,24 +687,40 @@ def _check_block(block: AdamWBlock) -> None:
     validate_placement(block.state_placement)
     for dtype in (block.param_dtype, block.grad_dtype):
         if not dtype_from_name(dtype).is_floating_point:
-            raise InvalidArgumentError(f"block {block.params!r}: {dtype} is not a floating-point dtype")
+            raise InvalidArgumentError(f"block {_name(block)!r}: {dtype} is not a floating-point dtype")
     if not block.master and block.param_dtype != "float32":
         raise InvalidArgumentError(
-            f"block {block.params!r}: {block.param_dtype} parameters need float32 master "
+            f"block {_name(block)!r}: {block.param_dtype} parameters need float32 master "
             f"weights (name a master key)")
-    for key in (block.params, block.grads, block.exp_avg, block.exp_avg_sq):
+    if not block.params and not block.master:
+        raise InvalidArgumentError(
+            f"block {_name(block)!r}: name its parameters, or its master weights (a block "
+            f"whose worker rounds the masters on their way to the device stores no parameters)")
+    for key in (block.grads, block.exp_avg, block.exp_avg_sq):
         if not key:
-            raise InvalidArgumentError(f"block {block.params!r}: every state key must be named")
+            raise InvalidArgumentError(f"block {_name(block)!r}: every state key must be named")
         validate_key(key)
-    if block.master:
-        validate_key(block.master)
+    for key in (block.params, block.master):
+        if key:
+            validate_key(key)
     if block.state_nbytes % _STATE_ITEMSIZE:
         raise InvalidArgumentError(
-            f"block {block.params!r}: state_nbytes {block.state_nbytes} is not a whole number "
+            f"block {_name(block)!r}: state_nbytes {block.state_nbytes} is not a whole number "
             f"of float32 elements")
 
 
 _ROLES = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
+
+
+def _name(block: AdamWBlock) -> str:
+    """The block's name in messages: its parameters' key, or its masters' without them."""
+    return block.params or block.master
+
+
+def _read_next(block: AdamWBlock) -> str:
+    """The tensor the next forward reads right after the update: the parameters, or the
+    masters where the worker makes its parameters from them."""
+    return "params" if block.params else "master"
 
 
 def _changed_keys(blocks: list[AdamWBlock], hyper: AdamWHyper) -> list[str]:
@@ -733,17 +754,17 @@ def _check_sizes(block: AdamWBlock, sizes: dict[str, int]) -> None:
     for name in ("master", "exp_avg", "exp_avg_sq"):
         if name in sizes and sizes[name] != block.state_nbytes:
             raise InvalidArgumentError(
-                f"AdamW state {name} of {block.params!r} holds {sizes[name]} bytes but the "
+                f"AdamW state {name} of {_name(block)!r} holds {sizes[name]} bytes but the "
                 f"request says {block.state_nbytes}")
     for s in block.segments:
-        spans = [("params", s.param_offset, s.numel * p_size, p_size),
-                 ("grads", s.grad_offset, s.numel * g_size, g_size),
+        spans = [("params", s.param_offset, s.numel * p_size, p_size)] if "params" in sizes else []
+        spans += [("grads", s.grad_offset, s.numel * g_size, g_size),
                  ("exp_avg", s.state_offset, s.numel * _STATE_ITEMSIZE, _STATE_ITEMSIZE)]
         for name, offset, nbytes, align in spans:
             if offset % align or offset + nbytes > sizes[name]:
                 raise InvalidArgumentError(
                     f"AdamW segment of {s.numel} elements at byte {offset} does not fit "
-                    f"{name} of block {block.params!r} ({sizes[name]} bytes, {align}-byte "
+                    f"{name} of block {_name(block)!r} ({sizes[name]} bytes, {align}-byte "
                     f"elements): the request's layout does not match the stored tensors")
 
 
@@ -755,7 +776,7 @@ def _check_order(block: AdamWBlock) -> None:
         offsets = [getattr(s, f"{which}_offset") for s in ordered]
         if offsets != sorted(offsets) or len(set(offsets)) != len(offsets):
             raise InvalidArgumentError(
-                f"block {block.params!r}: its segments are not in the same order in the "
+                f"block {_name(block)!r}: its segments are not in the same order in the "
                 f"parameters, gradients and state, which a step streamed from NVMe needs "
                 f"(lay the state out in parameter order), or give the CPU pool room for the "
                 f"block's state")

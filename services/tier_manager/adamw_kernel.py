@@ -43,6 +43,7 @@ numel % width elements of each tensor through a scalar loop that rounds differen
 (adamw.c). A capability not listed here (DEFAULT: no FMA at all) keeps PyTorch's kernel."""
 
 _NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # adamw.c's TSADAM_FLOAT32, _BFLOAT16
+NO_PARAMS = 1  # adamw.c's TSADAM_NO_PARAMS bit of tsadam_features()
 _NATIVE_PIECE = np.dtype([(name, np.uint64) for name in
                           ("params", "master", "grads", "exp_avg", "exp_avg_sq")] + [("numel", np.int64)])
 """Mirrors tsadam_piece in native/adamw.c."""
@@ -53,9 +54,10 @@ class Piece:
     """One run of elements: 1-D views of equal length into each state tensor.
 
     `params` is updated in place when `master` is None (then it is float32); with a
-    master, the master is updated and written into `params` in their dtype."""
+    master, the master is updated and written into `params` in their dtype, or, with
+    `params` None, nowhere else (the worker rounds the masters on their way to the device)."""
 
-    params: torch.Tensor
+    params: torch.Tensor | None
     master: torch.Tensor | None
     grads: torch.Tensor
     exp_avg: torch.Tensor
@@ -75,7 +77,8 @@ class TorchAdamW:
     def __init__(self) -> None:
         self._floats = torch.empty(TILE_ELEMENTS, dtype=torch.float32)
 
-    def covers(self, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+    def covers(self, param_dtype: torch.dtype, grad_dtype: torch.dtype,
+               writes_params: bool = True) -> bool:
         return True
 
     def step(self, pieces: list[Piece], hyper: AdamWHyper) -> None:
@@ -95,7 +98,8 @@ class TorchAdamW:
             exp_avg_sqs.append(piece.exp_avg_sq)
             if piece.master is not None:
                 targets.append(piece.master)
-                rounded.append((piece.params, piece.master))
+                if piece.params is not None:
+                    rounded.append((piece.params, piece.master))
             else:
                 targets.append(piece.params)
         # AdamW increments each step counter itself: hand it the count before this step.
@@ -123,6 +127,9 @@ class NativeAdamW:
             raise MemoryError("cannot create the native AdamW kernel's thread pool")
         self.threads = lib.tsadam_pool_threads(self._pool)
         self.name = f"native ({self.threads} threads)"
+        # A library built before tsadam_features existed writes parameters from every
+        # master: blocks that store none (the worker rounds the masters) take PyTorch's.
+        self.features = lib.tsadam_features() if hasattr(lib, "tsadam_features") else 0
 
     @classmethod
     def load(cls, threads: int, reference: TorchAdamW) -> tuple[NativeAdamW | None, str]:
@@ -150,7 +157,11 @@ class NativeAdamW:
         kernel.name = f"native ({kernel.threads} threads, {agreement})"
         return kernel, ""
 
-    def covers(self, param_dtype: torch.dtype, grad_dtype: torch.dtype) -> bool:
+    def covers(self, param_dtype: torch.dtype, grad_dtype: torch.dtype,
+               writes_params: bool = True) -> bool:
+        """Whether this kernel steps such a block (`writes_params` False: masters only)."""
+        if not writes_params and not self.features & NO_PARAMS:
+            return False
         return param_dtype in _NATIVE_DTYPES and grad_dtype in _NATIVE_DTYPES
 
     def step(self, pieces: list[Piece], hyper: AdamWHyper) -> None:
@@ -160,16 +171,18 @@ class NativeAdamW:
         if not pieces:
             return
         first = pieces[0]
-        assert all(p.params.dtype == first.params.dtype and p.grads.dtype == first.grads.dtype
+        # Without parameters to write, the dtype the kernel is told is float32 (unused).
+        param_dtype = first.params.dtype if first.params is not None else torch.float32
+        assert all((p.params.dtype if p.params is not None else torch.float32) == param_dtype
+                   and p.grads.dtype == first.grads.dtype
                    for p in pieces), "one call steps pieces of one block: one dtype each"
         table = np.zeros(len(pieces), dtype=_NATIVE_PIECE)
-        for name in ("params", "grads", "exp_avg", "exp_avg_sq"):
-            table[name] = [getattr(p, name).data_ptr() for p in pieces]
-        table["master"] = [p.master.data_ptr() if p.master is not None else 0 for p in pieces]
+        for name in ("params", "master", "grads", "exp_avg", "exp_avg_sq"):
+            table[name] = [t.data_ptr() if (t := getattr(p, name)) is not None else 0 for p in pieces]
         table["numel"] = [p.numel for p in pieces]
         rc = self._lib.tsadam_step(
             self._pool, table.ctypes.data, len(pieces), self.width, _NATIVE_DTYPES[first.grads.dtype],
-            _NATIVE_DTYPES[first.params.dtype], hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+            _NATIVE_DTYPES[param_dtype], hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
             hyper.weight_decay, hyper.grad_scale, hyper.step)
         if rc != 0:
             raise RuntimeError(f"the native AdamW kernel refused a step (code {rc}): a bug in "
@@ -197,6 +210,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tsadam_pool_free.restype = None
     lib.tsadam_supported.argtypes = []
     lib.tsadam_supported.restype = ctypes.c_int
+    if hasattr(lib, "tsadam_features"):
+        lib.tsadam_features.argtypes = []
+        lib.tsadam_features.restype = ctypes.c_int
     d = ctypes.c_double
     lib.tsadam_step.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                 ctypes.c_int, ctypes.c_int, d, d, d, d, d, d, ctypes.c_int64]
@@ -212,10 +228,12 @@ _CHECK_HYPERS = (
     AdamWHyper(4, 3e-2, 0.3, 0.95, 1e-6, 0.0, grad_scale=0.37),
 )
 _CHECK_SIZES = (16 * 37 + 13, 5, 1024 + 9)  # vector loop and scalar tail of both widths
-_CHECK_DTYPES = (  # (parameters, gradients, with masters): every case the native kernel covers
+_CHECK_DTYPES = (  # (parameters, gradients, with masters): every case the native kernel covers;
+    # parameters None: masters only, no parameters written (TSADAM_NO_PARAMS)
     (torch.float32, torch.float32, False), (torch.float32, torch.bfloat16, False),
     (torch.bfloat16, torch.bfloat16, True), (torch.bfloat16, torch.float32, True),
-    (torch.float32, torch.float32, True), (torch.float32, torch.bfloat16, True))
+    (torch.float32, torch.float32, True), (torch.float32, torch.bfloat16, True),
+    (None, torch.bfloat16, True))
 
 
 def _largest_difference(kernel: NativeAdamW, reference: TorchAdamW) -> tuple[int, str]:
@@ -224,6 +242,8 @@ def _largest_difference(kernel: NativeAdamW, reference: TorchAdamW) -> tuple[int
     g = torch.Generator().manual_seed(12)
     worst, where = 0, ""
     for p_dtype, g_dtype, masters in _CHECK_DTYPES:
+        if p_dtype is None and not kernel.covers(torch.bfloat16, g_dtype, writes_params=False):
+            continue  # an older library: such blocks take PyTorch's kernel
         for hyper in _CHECK_HYPERS:
             state = [_random_state(n, p_dtype, g_dtype, masters, hyper.step, g) for n in _CHECK_SIZES]
             twin = [{k: t.clone() for k, t in s.items()} for s in state]
@@ -256,14 +276,17 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
 def _random_state(n: int, p_dtype: torch.dtype, g_dtype: torch.dtype, masters: bool, step: int,
                   g: torch.Generator) -> dict[str, torch.Tensor]:
     master = torch.randn(n, generator=g)
-    state = {"params": master.to(p_dtype), "grads": torch.randn(n, generator=g).to(g_dtype),
+    state = {"params": master.to(p_dtype if p_dtype is not None else torch.float32),
+             "grads": torch.randn(n, generator=g).to(g_dtype),
              "exp_avg": torch.randn(n, generator=g) * 0.1 if step > 1 else torch.zeros(n),
              "exp_avg_sq": torch.rand(n, generator=g) * 0.01 if step > 1 else torch.zeros(n)}
     if masters:
         state["master"] = master
+    if p_dtype is None:
+        del state["params"]
     return state
 
 
 def _as_piece(state: dict[str, torch.Tensor]) -> Piece:
-    return Piece(state["params"], state.get("master"), state["grads"], state["exp_avg"],
+    return Piece(state.get("params"), state.get("master"), state["grads"], state["exp_avg"],
                  state["exp_avg_sq"])

@@ -208,23 +208,26 @@ def test_each_param_group_steps_with_its_own_lr_and_weight_decay_and_lr_zero_is_
             stepper.close()
 
 
-def _run_steps(config, param_dtype, steps=3, tier="nvme", tile_elements=None):
+def _run_steps(config, param_dtype, steps=3, tier="nvme", tile_elements=None, stored_params=True,
+               native=True):
     """`steps` AdamW steps of one block whose tensors are put on `tier` (streamed in tiles
     of at most `tile_elements`); returns the final bytes of every state tensor and how many
-    blocks were streamed."""
+    blocks were streamed. `stored_params` False: masters only, no parameters stored or
+    written (the worker makes them from the masters)."""
     shapes = [(700, 900), (37,), (1000, 300)]
     masters = param_dtype != torch.float32
     g = torch.Generator().manual_seed(5)
     params = [torch.randn(s, generator=g) for s in shapes]
     with TierRegistry(config) as reg:
-        stepper = AdamWStepper(reg, tile_elements=tile_elements)
+        stepper = AdamWStepper(reg, tile_elements=tile_elements, native=native)
         try:
             # A gap (a 1 MiB buffer between two parameters) that streaming must copy through.
             p_block, p_off = _pack([params[0].to(param_dtype), torch.zeros(1 << 18).to(param_dtype),
                                     params[1].to(param_dtype), params[2].to(param_dtype)], param_dtype)
             p_off = [p_off[0], p_off[2], p_off[3]]
             p_block[p_off[1] - 7:p_off[1]] = 9  # padding bytes a step must not change
-            reg.put("b/params", p_block, tier=tier)
+            if stored_params:
+                reg.put("b/params", p_block, tier=tier)
             s_block, s_off = _pack([p.float() for p in params], torch.float32)
             if masters:
                 reg.put("b/master", s_block, tier=tier)
@@ -233,7 +236,7 @@ def _run_steps(config, param_dtype, steps=3, tier="nvme", tile_elements=None):
                 g_block, g_off = _pack([x.to(param_dtype) for x in grads], param_dtype, align=512)
                 reg.put("b/grad", g_block, tier=tier)
                 name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[param_dtype]
-                block = AdamWBlock("b/params", "b/grad", "b/master" if masters else "", "b/exp_avg",
+                block = AdamWBlock("b/params" if stored_params else "", "b/grad", "b/master" if masters else "", "b/exp_avg",
                                    "b/exp_avg_sq", name, name, s_block.numel(),
                                    tuple(AdamWSegment(p.numel(), po, go, so)
                                          for p, po, go, so in zip(params, p_off, g_off, s_off)),
@@ -241,7 +244,9 @@ def _run_steps(config, param_dtype, steps=3, tier="nvme", tile_elements=None):
                 stepper.step([block], AdamWHyper(step, 1e-2, 0.9, 0.95, 1e-8, 0.1, grad_scale=0.5,
                                                  release_gradients=True))
             assert reg.stats().pinned == 0 and "b/grad" not in reg.keys()
-            keys = ["b/params", "b/exp_avg", "b/exp_avg_sq"] + (["b/master"] if masters else [])
+            keys = ["b/params"] * stored_params + ["b/exp_avg", "b/exp_avg_sq"]
+            keys += ["b/master"] if masters else []
+            assert stored_params or "b/params" not in reg.keys()
             return {k: reg.get(k) for k in keys}, stepper.streamed_blocks
         finally:
             stepper.close()
@@ -270,6 +275,31 @@ def test_a_step_streamed_through_a_tiny_cpu_pool_is_bit_identical_to_the_whole_b
     for key in whole:
         assert torch.equal(streamed[key].view(torch.uint8), whole[key].view(torch.uint8)), key
     assert not torch.equal(whole["b/exp_avg"], torch.zeros_like(whole["b/exp_avg"]))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_block_without_stored_parameters_steps_its_masters_as_one_with_them(tmp_path, shm_dir,
+                                                                               native):
+    """A bf16 block whose worker makes its weights from the masters stores none: its step
+    (resident or streamed, the native kernel or PyTorch's) updates the masters and moments
+    bit for bit as the step that also writes the bf16 parameters, and writes nothing else."""
+    from tierstack.config import CpuPoolConfig, NvmePoolConfig, AioConfig, TierManagerConfig
+
+    def config(name, pool):
+        return TierManagerConfig(
+            cpu_pool=CpuPoolConfig(size=pool, shm_dir=str(shm_dir)),
+            nvme_pool=NvmePoolConfig(paths=[str(tmp_path / f"{name}-d0")], size=256 << 20,
+                                     aio=AioConfig(block_size=64 << 10)),
+            manifest_path=str(tmp_path / f"{name}.sqlite"))
+
+    whole, _ = _run_steps(config("with", 256 << 20), torch.bfloat16, tier="cpu", native=native)
+    for name, pool, tier in (("resident", 256 << 20, "cpu"), ("streamed", 1 << 20, "nvme")):
+        got, streamed = _run_steps(config(name, pool), torch.bfloat16, tier=tier,
+                                   stored_params=False, native=native)
+        assert streamed == (3 if tier == "nvme" else 0)
+        assert set(got) == set(whole) - {"b/params"}
+        for key in got:
+            assert torch.equal(got[key].view(torch.uint8), whole[key].view(torch.uint8)), (name, key)
 
 
 def test_the_stepper_runs_every_kernel_on_one_thread_whatever_thread_calls_it(tier_config):

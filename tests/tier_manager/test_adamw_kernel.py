@@ -153,3 +153,22 @@ def test_ulp_distance_counts_representable_values_across_zero_in_both_dtypes():
     b = torch.tensor([1.0, -3.0], dtype=torch.bfloat16)
     far = (b.view(torch.int16) + torch.tensor([3, 5], dtype=torch.int16)).view(torch.bfloat16)
     assert ulp_distance(b, far) == 5
+
+
+def test_a_native_library_without_tsadam_features_leaves_blocks_without_parameters_to_pytorch():
+    """adamw.c's tsadam_features() says a piece with a master and no parameters writes
+    none; a library built before it would write through a null pointer, so such blocks go
+    to PyTorch's kernel there (AdamWStepper._plan asks `covers`)."""
+    from tierstack.services.tier_manager.adamw_kernel import NO_PARAMS, NativeAdamW, TorchAdamW
+
+    kernel, why = NativeAdamW.load(1, TorchAdamW())
+    if kernel is None:
+        pytest.skip(f"no native kernel here: {why}")
+    try:
+        assert kernel.features & NO_PARAMS
+        assert kernel.covers(torch.bfloat16, torch.bfloat16, writes_params=False)
+        kernel.features = 0  # as an older library reports
+        assert not kernel.covers(torch.bfloat16, torch.bfloat16, writes_params=False)
+        assert kernel.covers(torch.bfloat16, torch.bfloat16)
+    finally:
+        kernel.close()

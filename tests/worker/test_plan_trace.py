@@ -148,3 +148,16 @@ def test_a_trace_of_several_iterations_takes_each_use_s_median(daemon, scheduler
     # The sleep is in the last iteration's last use; the median of three leaves it out.
     assert trace.step_compute[-1] < 0.3
     assert len(trace.step_layer) == 2 * LAYERS
+
+
+def test_with_weights_made_from_masters_the_masters_are_what_each_use_moves(daemon, scheduler):
+    """train.params.weights_from_masters 'on': no weights are stored; the trace names each
+    block's fp32 masters as the tensor its uses move to the device (the scheduler's
+    "params" kind, at 4 bytes per parameter), and the plan is made from it."""
+    trace, plan, _, _, _ = _traced_step(daemon, scheduler, "trace-masters", 0, precision="bf16",
+                                        params={"device": "cpu", "weights_from_masters": "on"})
+    loaded = [t for t in trace.tensors if t.kind == "params"]
+    assert sorted(t.layer for t in loaded) == list(range(LAYERS))
+    assert all(t.key.endswith("/master") for t in loaded)
+    assert not any(t.key.endswith("/params") for t in trace.tensors)
+    assert plan.predicted_step_seconds > 0

@@ -56,7 +56,9 @@
 
 /* One run of contiguous elements: a tensor, or a cut of one at a multiple of the width. */
 typedef struct {
-    uint64_t params;     /* fp32 updated in place (no master), or written from the master */
+    uint64_t params;     /* fp32 updated in place (no master), or written from the master;
+                          * 0 with a master: no parameters written (the worker rounds the
+                          * masters on their way to the device: TSADAM_NO_PARAMS) */
     uint64_t master;     /* fp32 master weights, or 0 */
     uint64_t grads;
     uint64_t exp_avg;
@@ -66,6 +68,11 @@ typedef struct {
 
 enum { TSADAM_FLOAT32 = 0, TSADAM_BFLOAT16 = 1 };
 enum { TSADAM_OK = 0, TSADAM_UNSUPPORTED = 1, TSADAM_BAD_ARGUMENT = 2 };
+/* Bits of tsadam_features(): what this build does beyond the first version's calls. */
+enum { TSADAM_NO_PARAMS = 1 };
+
+/* Where a piece's result goes: the `has_master` argument of update(). */
+enum { NO_MASTER = 0, MASTER_AND_PARAMS = 1, MASTER_ONLY = 2 };
 
 /* The per-call constants, as FusedAdamKernel.cpp casts them from double to float. */
 typedef struct {
@@ -117,6 +124,7 @@ static inline uint16_t float_to_bf16(float f) {
 static inline __attribute__((always_inline)) void update(
     const tsadam_piece *pc, int64_t lo, int64_t hi, const constants *k, const int grad_bf16,
     const int param_dtype, const int has_master, const int small_lerp, const int tail) {
+    /* has_master: NO_MASTER, MASTER_AND_PARAMS or MASTER_ONLY (nothing but the state written) */
     float *restrict state = (float *)(uintptr_t)(has_master ? pc->master : pc->params);
     float *restrict m = (float *)(uintptr_t)pc->exp_avg;
     float *restrict v = (float *)(uintptr_t)pc->exp_avg_sq;
@@ -141,7 +149,7 @@ static inline __attribute__((always_inline)) void update(
         m[i] = mi;
         v[i] = vi;
         state[i] = p;
-        if (has_master) {
+        if (has_master == MASTER_AND_PARAMS) {
             if (param_dtype == TSADAM_BFLOAT16)
                 out16[i] = float_to_bf16(p);
             else
@@ -165,14 +173,16 @@ __attribute__((target("avx2,fma"))) static void update_range_avx2(const job *j,
     const constants *k = &j->k;
     const int64_t split = pc->numel - pc->numel % j->width;
     const int gb = j->grad_dtype == TSADAM_BFLOAT16, hm = pc->master != 0;
-    const int bf = j->param_dtype == TSADAM_BFLOAT16;
-    /* 2 x 3 x 2 specialisations: gradient dtype, where the result goes, lerp branch. */
+    const int bf = j->param_dtype == TSADAM_BFLOAT16, out = pc->params != 0;
+    /* 2 x 4 x 2 specialisations: gradient dtype, where the result goes, lerp branch. */
     if (j->small_lerp) {
         if (!hm) { if (gb) RANGE(1, 0, 0, 1); else RANGE(0, 0, 0, 1); }
+        else if (!out) { if (gb) RANGE(1, 0, 2, 1); else RANGE(0, 0, 2, 1); }
         else if (bf) { if (gb) RANGE(1, 1, 1, 1); else RANGE(0, 1, 1, 1); }
         else { if (gb) RANGE(1, 0, 1, 1); else RANGE(0, 0, 1, 1); }
     } else {
         if (!hm) { if (gb) RANGE(1, 0, 0, 0); else RANGE(0, 0, 0, 0); }
+        else if (!out) { if (gb) RANGE(1, 0, 2, 0); else RANGE(0, 0, 2, 0); }
         else if (bf) { if (gb) RANGE(1, 1, 1, 0); else RANGE(0, 1, 1, 0); }
         else { if (gb) RANGE(1, 0, 1, 0); else RANGE(0, 0, 1, 0); }
     }
@@ -277,6 +287,11 @@ void tsadam_pool_free(tsadam_pool *pool) {
     free(pool);
 }
 
+/* What this build does beyond the first version's calls (TSADAM_NO_PARAMS: a piece with
+ * a master and params 0 updates the state and writes no parameters). A library without
+ * this symbol does none of it: the caller probes for it before sending such pieces. */
+int tsadam_features(void) { return TSADAM_NO_PARAMS; }
+
 /* Whether this CPU runs the kernel (AVX2 and FMA). */
 int tsadam_supported(void) {
 #if defined(__x86_64__)
@@ -289,7 +304,8 @@ int tsadam_supported(void) {
 /* One AdamW step (decoupled weight decay, no amsgrad, no maximize) of every piece, with
  * PyTorch's step counter `step` (>= 1) and hyperparameters; gradients of `grad_dtype`
  * are multiplied by `grad_scale` first; with masters, the updated masters are written to
- * the parameters in `param_dtype`. Calls on one pool must not overlap. */
+ * the parameters in `param_dtype` (unless a piece's params is 0). Calls on one pool must
+ * not overlap. */
 int tsadam_step(tsadam_pool *pool, const tsadam_piece *pieces, int64_t npieces, int width,
                 int grad_dtype, int param_dtype, double lr, double beta1, double beta2, double eps,
                 double weight_decay, double grad_scale, int64_t step) {
@@ -303,6 +319,7 @@ int tsadam_step(tsadam_pool *pool, const tsadam_piece *pieces, int64_t npieces, 
     for (int64_t i = 0; i < npieces; i++) {
         if (pieces[i].numel < 0) return TSADAM_BAD_ARGUMENT;
         if (!pieces[i].master && param_dtype != TSADAM_FLOAT32) return TSADAM_BAD_ARGUMENT;
+        if (!pieces[i].master && !pieces[i].params) return TSADAM_BAD_ARGUMENT;
         j.total += pieces[i].numel;
     }
     /* FusedAdamKernel.cpp: the step counter is read as a float, the bias corrections are
