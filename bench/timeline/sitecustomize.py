@@ -5,7 +5,10 @@ With this directory on PYTHONPATH and TS_TRACE_DIR set, each Python process of t
 every NVMe batch (IoEngine.read / write: bytes, requests), every file sync, the streamed
 AdamW's phases per block (acquire on the reader thread, update on the compute thread,
 which does a streamed block's IO, finish on the writer thread), and on the worker side
-ensure_layer, the fetches behind it, the AdamW requests and the training steps. Each
+ensure_layer, the fetches behind it, the AdamW requests and the training steps, the
+placement and the daemon's first making of its AdamW stepper. With TS_SAMPLE_MS set too,
+every thread's stack is sampled that often ("sample" events: the innermost frames), to
+see where a span no wrapper names went (samples.py reads them). Each
 event is one JSON line {k, t0, t1, th, ...} in TS_TRACE_DIR/trace-<pid>.jsonl, times in
 time.perf_counter seconds (CLOCK_MONOTONIC: comparable across the processes of one
 machine), written every 0.5 s by a thread of its own. A diagnostic, not a metric: it
@@ -91,8 +94,34 @@ PATCHES = {
     "tierstack.worker.tiered_adamw": lambda m: (
         _wrap(m.TieredAdamW, "_run", "run", lambda self, idx, *a, **k: {"i": idx}),),
     "tierstack.worker.engine": lambda m: (
-        _wrap(m.OffloadEngine, "train_step", "train_step", lambda self, *a, **k: {}),),
+        _wrap(m.OffloadEngine, "train_step", "train_step", lambda self, *a, **k: {}),
+        _wrap(m.OffloadEngine, "place_with", "place", lambda self, *a, **k: {}),
+        _wrap(m.OffloadEngine, "_store_deferred_masters", "masters", lambda self, *a, **k: {}),
+        _wrap(m.OffloadEngine, "backward", "backward", lambda self, *a, **k: {}),
+        _wrap(m.OffloadEngine, "step", "opt_step", lambda self, *a, **k: {})),
+    "tierstack.services.tier_manager.server": lambda m: (
+        _wrap(m.TierManagerServicer, "_stepper", "stepper", lambda self, *a, **k: {}),),
 }
+
+
+def _sampler(interval: float) -> None:
+    """Every `interval` seconds, each other thread's innermost frames (file:line function)."""
+    me = threading.get_ident()
+    while True:
+        time.sleep(interval)
+        now = time.perf_counter()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            stack = []
+            while frame is not None and len(stack) < 8:
+                code = frame.f_code
+                stack.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+                frame = frame.f_back
+            with _lock:
+                _buf.append({"k": "sample", "t0": round(now, 4), "t1": round(now, 4),
+                             "th": names.get(ident, str(ident)), "stack": stack})
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -119,4 +148,7 @@ if DIR:
     os.makedirs(DIR, exist_ok=True)
     sys.meta_path.insert(0, _Finder())
     threading.Thread(target=_flusher, daemon=True, name="ts-trace").start()
+    if os.environ.get("TS_SAMPLE_MS"):
+        threading.Thread(target=_sampler, args=(float(os.environ["TS_SAMPLE_MS"]) / 1000,),
+                         daemon=True, name="ts-sample").start()
     atexit.register(_flush)
