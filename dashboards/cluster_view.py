@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol, Sequence
 
 from tierstack import metric_catalog as mc
+from tierstack.addresses import SECURITY_DIR_ENV
 from tierstack.config import SecurityConfig
 from tierstack.rpc import load_credentials
 from tierstack.dashboards.snapshots import (ClusterHistory, ClusterSnapshot,
@@ -100,6 +101,15 @@ class RemoteNode:
             raise NodeAnswerError(f"HTTP {e.code} from {self.url}{path}") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
+            if isinstance(reason, ssl.SSLCertVerificationError):
+                # The usual cause: this process does not trust the cluster's CA (a
+                # self-signed certificate made by `tierstack ray-node --make-secrets`).
+                raise NodeAnswerError(
+                    f"{self.url}'s certificate is not signed by a CA this process trusts "
+                    f"({str(reason.verify_message or reason)[:80]}): set {SECURITY_DIR_ENV} to "
+                    f"the cluster's secrets directory (its ca.pem, deploy/secrets on the head) "
+                    f"or security.ca_file to the CA file; check with `curl --cacert ca.pem "
+                    f"{self.url}/healthz`") from None
             raise NodeAnswerError(f"{self.url} did not answer ({type(reason).__name__}: "
                                   f"{str(reason)[:120]})") from None
         if len(body) > MAX_ANSWER_BYTES:

@@ -199,3 +199,29 @@ def test_the_cluster_view_reads_only_http_node_urls_and_echoes_nothing(tmp_path)
             assert "HTTP 302" in body and "not a tierstack node snapshot" in body
     finally:
         planted.shutdown()
+
+
+def test_a_node_whose_certificate_this_process_does_not_trust_is_listed_with_how_to_trust_it(
+        tmp_path, secrets, monkeypatch):
+    """A browser or a client without the cluster's CA refuses its self-signed certificate:
+    the cluster view's error says which CA file to trust and how to check it."""
+    from tierstack.dashboards.cluster_view import NodeAnswerError, RemoteNode
+    served = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Planted)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(secrets / "cert.pem", secrets / "key.pem")
+    served.socket = context.wrap_socket(served.socket, server_side=True)
+    threading.Thread(target=served.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{served.server_address[1]}"
+    monkeypatch.delenv(SECURITY_DIR_ENV, raising=False)
+    try:
+        with pytest.raises(NodeAnswerError) as refused:
+            RemoteNode(url).snapshot()
+        message = str(refused.value)
+        assert "not signed by a CA this process trusts" in message
+        assert SECURITY_DIR_ENV in message and "curl --cacert ca.pem" in message
+        # With the cluster's secrets directory named, the same node is read.
+        monkeypatch.setenv(SECURITY_DIR_ENV, str(secrets))
+        with pytest.raises(NodeAnswerError, match="not a tierstack node snapshot"):
+            RemoteNode(url).snapshot()
+    finally:
+        served.shutdown()
