@@ -111,7 +111,7 @@ def _tier_manager(args: argparse.Namespace) -> int:
         config.metrics.http_listen = args.http_listen
     config.validate()
     serve(config, loaded.security, recover=args.recover, parent_pid=args.exit_with_parent,
-          owned_dir=args.owned_dir)
+          owned_dir=args.owned_dir, preload_optimizer=args.preload_optimizer)
     return 0
 
 
@@ -238,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("--recover", action="store_true",
                     help="rebuild a lost or corrupt manifest from the NVMe data (every extent "
                          "describes itself), keeping the old one aside, then serve")
+    tm.add_argument("--preload-optimizer", action="store_true",
+                    help="make the CPU AdamW (and import torch, about 2 s) as soon as it serves, "
+                         "not on the first optimizer step (what a daemon started for a training "
+                         "job does)")
     _exit_with_parent_flag(tm)
     tm.set_defaults(func=_tier_manager)
 

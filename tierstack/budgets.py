@@ -157,12 +157,16 @@ def default_budgets(limits: MachineLimits) -> Budgets:
 
 
 def device_memory(device: str | None = None) -> int:
-    """Total memory of the CUDA device (0 without one)."""
+    """Total memory of the CUDA device (0 without one, or where `device` names another
+    kind: the tier-manager daemon measures its machine with "cpu" and imports no torch,
+    which would cost its start about 2 s)."""
+    if device and not device.startswith("cuda"):
+        return 0
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency
         return 0
-    if not torch.cuda.is_available() or (device and not device.startswith("cuda")):
+    if not torch.cuda.is_available():
         return 0
     index = torch.device(device).index if device and ":" in device else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).total_memory

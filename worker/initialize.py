@@ -292,7 +292,7 @@ def _tier_manager(settings: TierstackConfig, job: str, address: str | None,
     tm = settings.tier_manager
     tm.nvme_pool.paths = stack.enter_context(job_directories(tm.nvme_pool.paths, job))
     tm.manifest_path = os.path.join(tm.nvme_pool.paths[0], "manifest.sqlite")
-    daemon = stack.enter_context(EmbeddedTierManager(tm))
+    daemon = stack.enter_context(EmbeddedTierManager(tm, for_training=True))
     log.info("tierstack.initialize: started a tier manager for job %s (NVMe pool at %s)", job,
              ", ".join(tm.nvme_pool.paths))
     return daemon.address

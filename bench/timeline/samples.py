@@ -22,7 +22,7 @@ from pathlib import Path
 _PLUMBING = ("threading.py", "thread.py", "queue.py", "selectors.py", "_channel.py",
              "_server.py", "_common.py", "_base.py", "socket.py", "_utilities.py")
 # Files of this project, by name (the trace keeps base names only).
-_SPANS = ("train_step", "place", "masters", "stepper", "backward", "opt_step", "run", "step")
+_SPANS = ("hf_train", "init", "train_step", "place", "masters", "stepper", "backward", "opt_step", "run", "step")
 
 
 def load(directory: Path) -> dict[str, list[dict]]:
@@ -42,9 +42,13 @@ def main() -> None:
     parser.add_argument("trace_dir", type=Path)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--bins", type=float, default=0.0,
+                        help="also print, every this many seconds of the window, what each "
+                             "process's main thread was doing most (its six innermost frames)")
     parser.add_argument("--seconds", type=float, default=20.0,
-                        help="the window's length where no train_step events exist (a loop that "
-                             "drives forward / backward / step itself): from the placement on")
+                        help="the window's length from Trainer.train's start, or where no train_step "
+                             "events exist (a loop that drives forward / backward / step itself) "
+                             "from the placement on")
     args = parser.parse_args()
     files = load(args.trace_dir)
     steps = sorted((e for events in files.values() for e in events if e["k"] == "train_step"),
@@ -54,7 +58,13 @@ def main() -> None:
     places = sorted((e for events in files.values() for e in events
                      if e["k"] in ("place", "masters", "backward", "opt_step")),
                     key=lambda e: e["t0"])
-    if steps:
+    trains = sorted((e for events in files.values() for e in events if e["k"] == "hf_train"),
+                    key=lambda e: e["t0"])
+    if trains:  # a Trainer run: its train_runtime is what counts, from train()'s start
+        start = trains[0]["t0"]
+        end = start + args.seconds
+        print(f"window: {args.seconds:.2f} s from Trainer.train's start")
+    elif steps:
         start, end = steps[0]["t0"], steps[min(args.steps, len(steps)) - 1]["t1"]
         print(f"window: {end - start:.2f} s (training steps 1..{min(args.steps, len(steps))})")
     elif places:
@@ -84,6 +94,20 @@ def main() -> None:
             for (frame, inner), n in counts.most_common(args.top):
                 where = frame if frame == inner else f"{frame}  <- {inner}"
                 print(f"     {n:5d} {100 * n / total:5.1f}%  {where}")
+        if args.bins > 0:
+            print_bins(samples, start, args.bins)
+
+
+def print_bins(samples: list[dict], start: float, width: float) -> None:
+    """The main thread's most frequent stack in each `width`-second bin of the window."""
+    bins = collections.defaultdict(collections.Counter)
+    for e in samples:
+        if e["th"] == "MainThread":
+            bins[int((e["t0"] - start) / width)][" < ".join(e["stack"][:6])] += 1
+    print("  -- MainThread by time (bin start s: samples of the most frequent stack / all)")
+    for b in sorted(bins):
+        (stack, n), total = bins[b].most_common(1)[0], sum(bins[b].values())
+        print(f"     {b * width:6.1f}  {n:3d}/{total:<3d} {stack}")
 
 
 if __name__ == "__main__":

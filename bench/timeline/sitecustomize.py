@@ -6,7 +6,8 @@ every NVMe batch (IoEngine.read / write: bytes, requests), every file sync, the 
 AdamW's phases per block (acquire on the reader thread, update on the compute thread,
 which does a streamed block's IO, finish on the writer thread), and on the worker side
 ensure_layer, the fetches behind it, the AdamW requests and the training steps, the
-placement and the daemon's first making of its AdamW stepper. With TS_SAMPLE_MS set too,
+placement, initialize, Hugging Face's Trainer.train and the daemon's first making of its
+AdamW stepper. With TS_SAMPLE_MS set too,
 every thread's stack is sampled that often ("sample" events: the innermost frames), to
 see where a span no wrapper names went (samples.py reads them). Each
 event is one JSON line {k, t0, t1, th, ...} in TS_TRACE_DIR/trace-<pid>.jsonl, times in
@@ -99,6 +100,11 @@ PATCHES = {
         _wrap(m.OffloadEngine, "_store_deferred_masters", "masters", lambda self, *a, **k: {}),
         _wrap(m.OffloadEngine, "backward", "backward", lambda self, *a, **k: {}),
         _wrap(m.OffloadEngine, "step", "opt_step", lambda self, *a, **k: {})),
+    "tierstack.worker.initialize": lambda m: (
+        _wrap(m, "initialize", "init", lambda *a, **k: {}),),
+    # Hugging Face's train(): its train_runtime is this span's (tierstack's Trainer inherits it).
+    "transformers.trainer": lambda m: (
+        _wrap(m.Trainer, "train", "hf_train", lambda self, *a, **k: {}),),
     "tierstack.services.tier_manager.server": lambda m: (
         _wrap(m.TierManagerServicer, "_stepper", "stepper", lambda self, *a, **k: {}),),
 }

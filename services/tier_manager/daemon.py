@@ -33,9 +33,11 @@ class TierManagerDaemon:
     """Owns the registry, the gRPC server and the health status of one node."""
 
     def __init__(self, config: TierManagerConfig, max_workers: int = 32,
-                 security: SecurityConfig | None = None, recover: bool = False) -> None:
+                 security: SecurityConfig | None = None, recover: bool = False,
+                 preload_optimizer: bool = False) -> None:
         bound_malloc_arenas()  # before the gRPC and IO threads exist (heap.py says why)
         self.config = config
+        self.preload_optimizer = preload_optimizer
         self.endpoint = ServiceEndpoint(config.listen or default_tier_manager_address(),
                                         SERVICE_NAME, "the tier manager", TIER_MANAGER_ENV, security)
         # The machine is measured once, here: the pools and their parts, then the registry.
@@ -72,6 +74,11 @@ class TierManagerDaemon:
         self.endpoint.start()
         threading.Thread(target=self.servicer.run_lease_reaper, name="tierstack-lease-reaper",
                          daemon=True).start()
+        if self.preload_optimizer:
+            # After serving, beside the job's first calls: the AdamW stepper needs torch, whose
+            # import (about 2 s) would otherwise land on the job's first optimizer step.
+            threading.Thread(target=self.servicer.make_stepper, name="tierstack-preload-adamw",
+                             daemon=True).start()
         log.info("tier manager %s serving on %s", self.tiers.cpu_pool.instance_id, self.target)
 
     def stop(self) -> None:
@@ -94,14 +101,16 @@ class TierManagerDaemon:
 
 def serve(config: TierManagerConfig, security: SecurityConfig | None = None,
           recover: bool = False, parent_pid: int | None = None,
-          owned_dir: str | None = None) -> None:
+          owned_dir: str | None = None, preload_optimizer: bool = False) -> None:
     """Run the daemon in the foreground until SIGTERM or SIGINT (or until process
     `parent_pid` is gone, removing `owned_dir`). With `recover`, first rebuild the manifest from the NVMe data
-    (durable.py: DurableCopies.rebuild)."""
+    (durable.py: DurableCopies.rebuild). With `preload_optimizer`, make the AdamW stepper
+    as soon as it serves (a daemon started for a training job), not on the first step."""
     os.umask(0o077)  # everything the daemon creates is its user's alone
     raise_open_files_limit()  # up to the hard limit, before the checks report it
     log_checks(config)  # what is off about the machine, in the log before anything fails
-    daemon = TierManagerDaemon(config, security=security, recover=recover)
+    daemon = TierManagerDaemon(config, security=security, recover=recover,
+                               preload_optimizer=preload_optimizer)
 
     def banner() -> list[str]:
         url = daemon.telemetry.url

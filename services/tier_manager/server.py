@@ -215,6 +215,10 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         blocks, hyper, durable = wire.adamw_request_from(request)
         return wire.adamw_result_pb(self._stepper().step(blocks, hyper, durable))
 
+    def make_stepper(self) -> None:
+        """Make the AdamW stepper now (it imports torch) rather than on the first AdamWStep."""
+        self._stepper()
+
     def _stepper(self) -> AdamWStepper:
         with self._adamw_made:
             if self._adamw is None:

@@ -1,8 +1,10 @@
 """The daemon over real gRPC (unix socket), driven by the worker's client."""
 
+import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -11,6 +13,8 @@ import torch
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError, PoolExhaustedError
 from tierstack.worker.arenas import ArenaMap
 from tierstack.services.tier_manager.client import TierManagerClient
+from tierstack.service_process import ServiceProcess
+from tests.conftest import tier_manager_process
 
 
 def write(client: TierManagerClient, arenas: ArenaMap, key: str, data: torch.Tensor, durable=True):
@@ -426,3 +430,31 @@ def test_a_read_only_nvme_path_fails_the_start_in_one_line(mounted, tmp_path):
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         assert len(errors) == 1 and says in errors[0] and "read-only filesystem" in errors[0]
         assert setting in errors[0], errors[0]
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return "libtorch_cpu" in maps.read()
+
+
+def test_a_daemon_serves_without_torch_and_a_training_jobs_daemon_makes_its_adamw_as_it_starts(
+        daemon_config: Path, tmp_path: Path):
+    """A plain start imports no torch (about 2 s of every start); --preload-optimizer, which
+    a job's own daemon gets, makes the AdamW stepper right after it serves, not on step 1."""
+    plain = tier_manager_process(daemon_config, tmp_path / "plain.sock").start()
+    try:
+        assert TierManagerClient(plain.address).node().arenas is not None  # it answers
+        assert not _maps_torch(plain.proc.pid), "the daemon imported torch before any step"
+    finally:
+        plain.stop()
+    section = json.loads(daemon_config.read_text())["tier_manager"]
+    preloading = ServiceProcess("tier-manager", "tier_manager", section, listen=f"unix:{tmp_path / 'pre.sock'}",
+                                workdir=tmp_path / "pre-daemon", args=["--preload-optimizer"]).start()
+    try:
+        deadline = time.monotonic() + 60
+        while "AdamW kernel:" not in preloading.log_path.read_text():
+            assert time.monotonic() < deadline, preloading.log_path.read_text()[-2000:]
+            time.sleep(0.1)
+        assert _maps_torch(preloading.proc.pid)
+    finally:
+        preloading.stop()

@@ -95,7 +95,7 @@ def _services(args: argparse.Namespace, config, job: str, stack: contextlib.Exit
         scheduler = stack.enter_context(EmbeddedScheduler(config.scheduler))
         tm.scheduler_address, tm.node_id = scheduler.address, "local"
         env[SCHEDULER_ENV] = scheduler.address
-    daemon = stack.enter_context(EmbeddedTierManager(tm))
+    daemon = stack.enter_context(EmbeddedTierManager(tm, for_training=True))
     env[TIER_MANAGER_ENV] = daemon.address
     print(f"tierstack launch: job {job}, a tier manager at {daemon.address} (NVMe pool at "
           f"{', '.join(tm.nvme_pool.paths)})", file=sys.stderr)

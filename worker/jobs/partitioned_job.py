@@ -233,7 +233,7 @@ def run_rank(env: RankEnv, spec: PartitionedSpec) -> RankResult:
                 dirs.enter_context(run_directory(p, f"{name}-{i}", "tier_manager.nvme_pool.paths"))
                 for i, p in enumerate(tm.nvme_pool.paths or [tempfile.gettempdir()])]
             tm.manifest_path = os.path.join(tm.nvme_pool.paths[0], "manifest.sqlite")
-            with EmbeddedTierManager(tm) as daemon:
+            with EmbeddedTierManager(tm, for_training=True) as daemon:
                 return _train(env, spec, device, daemon.address)
     finally:
         dist.destroy_process_group()

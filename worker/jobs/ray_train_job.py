@@ -104,7 +104,7 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
             if args.tier_manager:
                 spec.tier_manager = args.tier_manager
                 return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
-            with EmbeddedTierManager(tm) as daemon:
+            with EmbeddedTierManager(tm, for_training=True) as daemon:
                 spec.tier_manager = daemon.address
                 _print_dashboards({"this machine": _http_endpoint(daemon.address)})
                 return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)

@@ -192,7 +192,7 @@ def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.dev
             return _train(args, job, job_name, device, budget, args.tier_manager, data, config,
                           progress, stop)
         if args.no_scheduler:
-            with EmbeddedTierManager(tm) as daemon:
+            with EmbeddedTierManager(tm, for_training=True) as daemon:
                 return _train(args, job, job_name, device, budget, daemon.address, data, config,
                               progress, stop)
         # The embedded single-node default: a scheduler, and a tier manager registered
@@ -200,7 +200,7 @@ def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.dev
         from tierstack.services.scheduler.embedded import EmbeddedScheduler
         with EmbeddedScheduler(config.scheduler) as scheduler:
             tm.scheduler_address, tm.node_id = scheduler.address, LOCAL_NODE
-            with EmbeddedTierManager(tm) as daemon:
+            with EmbeddedTierManager(tm, for_training=True) as daemon:
                 return _train(args, job, job_name, device, budget, daemon.address, data, config,
                               progress, stop, scheduler.address)
     finally:
