@@ -421,7 +421,8 @@ class AdamWStepper:
         except CpuPoolFullError:
             return False
         try:
-            if buffer is not None:  # numpy, not torch: no OpenMP team on this thread
+            # A new arena's bytes are zeros already; numpy, not torch: no OpenMP team here.
+            if buffer is not None and not buffer.zeroed:
                 np.frombuffer(self.registry.view(buffer), dtype=np.uint8).fill(0)
             self.registry.adopt(key, buffer, "float32", (nbytes // _STATE_ITEMSIZE,),
                                 placement=placement)

@@ -64,12 +64,16 @@ SHARED_PER_ARENA = 4
 
 @dataclass(frozen=True)
 class CpuBuffer:
-    """`nbytes` bytes at `offset` of arena `arena`; `extent` is the aligned range held."""
+    """`nbytes` bytes at `offset` of arena `arena`; `extent` is the aligned range held.
+    `zeroed`: the first buffer of an arena made for it, whose bytes are the new file's
+    zeros (a caller that wants zeros need not write them: 10.8 GB of AdamW moments at a
+    1.3B model's first step)."""
 
     arena: int
     offset: int
     nbytes: int
     extent: Extent
+    zeroed: bool = False
 
 
 # Called with the number of bytes wanted when the pool is full; returns True if it
@@ -200,7 +204,7 @@ class CpuPool:
             if arena.shared is not None:
                 self._shared.append(arena)
             self.created += 1
-            return self._take(arena, nbytes, size)
+            return self._take(arena, nbytes, size, zeroed=True)
 
     def free(self, buffer: CpuBuffer) -> None:
         """Give a buffer back; an arena left empty is kept for reuse (see `trim`)."""
@@ -270,13 +274,13 @@ class CpuPool:
         empty = [a for a in self._empty if a.shared is None and a.info.size == size]
         return self._take(max(empty, key=lambda a: a.empty_since), nbytes, size) if empty else None
 
-    def _take(self, arena: _Arena, nbytes: int, size: int) -> CpuBuffer:
+    def _take(self, arena: _Arena, nbytes: int, size: int, zeroed: bool = False) -> CpuBuffer:
         extent = arena.shared.allocate(size) if arena.shared is not None else Extent(0, size)
         arena.buffers += 1
         arena.empty_since = None
         self._empty.discard(arena)
         self._used += size
-        return CpuBuffer(arena.info.index, extent.offset, nbytes, extent)
+        return CpuBuffer(arena.info.index, extent.offset, nbytes, extent, zeroed)
 
     def _remove_oldest_empty(self, returned: list[_Arena]) -> bool:
         """Forget the idle-most empty arena into `returned`; False if none is; lock held."""

@@ -675,3 +675,32 @@ def test_a_ring_s_window_across_its_end_is_one_piece_of_the_same_memory():
     assert torch.equal(ring.window(2 * 3 * 4096 - 100, 100), across[:100])  # offsets wrap
     with pytest.raises(AssertionError):
         ring.window(0, 3 * 4096 + 1)
+
+
+def test_moments_made_in_a_reused_arena_start_from_zero(tier_config):
+    """A first step's moments are zeros written into a reused (dirty) arena, and left as
+    they are only in a new one (cpu_pool.CpuBuffer.zeroed): the step equals torch's."""
+    tier_config.cpu_pool.keep_empty_seconds = 600
+    g = torch.Generator().manual_seed(3)
+    params = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = [torch.randn(s, generator=g) for s in SHAPES]
+    reference = [p.clone().requires_grad_() for p in params]
+    for p, gr in zip(reference, grads):
+        p.grad = gr.clone()
+    _on_this_thread(torch.optim.AdamW(reference, **HYPER).step)
+    with TierRegistry(tier_config) as reg:
+        block, _, _ = _store_block(reg, "job/dirty", params, grads, torch.float32, False)
+        dirty = [reg.allocate_buffer(block.state_nbytes) for _ in range(2)]  # the moments' size
+        for buffer in dirty:
+            reg.view(buffer)[:] = b"\xff" * buffer.nbytes  # NaNs, if they were read as moments
+            reg.free_buffer(buffer)
+        stepper = AdamWStepper(reg)
+        try:
+            stepper.step([block], AdamWHyper(1, HYPER["lr"], *HYPER["betas"], HYPER["eps"],
+                                             HYPER["weight_decay"]))
+            got = _unpack(reg.get("job/dirty/params"), [s.param_offset for s in block.segments],
+                          SHAPES, torch.float32)
+            for p, ref in zip(got, reference):
+                torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+        finally:
+            stepper.close()

@@ -207,3 +207,17 @@ def test_concurrent_allocation_stays_within_budget(shm_dir):
         for seed, b in got:
             assert bytes(pool.view(b)) == bytes([seed]) * b.nbytes
         assert pool.used_bytes <= pool.capacity
+
+
+def test_only_a_new_arena_s_first_buffer_is_marked_zeroed(shm_dir):
+    """A caller that wants zeros skips writing them only where the bytes are a new file's."""
+    config = CpuPoolConfig(size=8 * MiB, shm_dir=str(shm_dir), keep_empty_seconds=60)
+    with CpuPool(config) as pool:
+        first = pool.allocate(2 * MiB)
+        assert first.zeroed and bytes(pool.view(first)) == bytes(first.nbytes)
+        pool.view(first)[:] = b"\xab" * first.nbytes
+        pool.free(first)
+        again = pool.allocate(2 * MiB)  # the kept empty arena, its old bytes in it
+        assert again.arena == first.arena and not again.zeroed
+        small, neighbour = pool.allocate(5_000), pool.allocate(5_000)
+        assert small.zeroed and not neighbour.zeroed  # a shared arena's later holes may be reused
