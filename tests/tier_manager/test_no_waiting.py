@@ -38,12 +38,21 @@ def block(prefix: str) -> AdamWBlock:
                       (AdamWSegment(NUMEL, 0, 0, 0),))
 
 
+def make_adamw(client: TierManagerClient, arenas: ArenaMap) -> None:
+    """One step of an unrelated block: the daemon makes its AdamW (importing torch, seconds
+    on a busy machine) on its first step, so the times measured after are the calls' own."""
+    for role in ("params", "grads"):
+        put(client, arenas, f"warm/{role}", torch.randn(NUMEL))
+    client.adamw_step([block("warm")], HYPER)
+
+
 def test_a_step_on_a_tensor_another_client_fetched_is_refused_at_once_and_changes_nothing(daemon):
     owner = TierManagerClient(daemon.address, reconnect_timeout=20)
     arenas = ArenaMap(owner.node(), pin_for_cuda=False, describe=owner.node)
     try:
         for role in ("params", "grads"):
             put(owner, arenas, f"s/{role}", torch.randn(NUMEL))
+        make_adamw(owner, arenas)
         (held,) = owner.fetch(["s/params"]).tensors
         with grpc.insecure_channel(daemon.address) as channel:  # a raw client: no retries
             start = time.monotonic()
@@ -100,6 +109,7 @@ def test_32_clients_blocked_on_pins_leave_getnode_and_other_fetches_answered(dae
             for role in ("params", "grads"):
                 put(owner, arenas, f"b{i}/{role}", torch.randn(NUMEL))
         put(owner, arenas, "other/x", torch.arange(NUMEL))
+        make_adamw(owner, arenas)
         pins = owner.fetch([f"b{i}/params" for i in range(BLOCKED)]).tensors
         results: list = []
         steppers = [TierManagerClient(daemon.address, reconnect_timeout=60) for _ in range(BLOCKED)]
