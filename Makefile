@@ -46,8 +46,13 @@ system-packages:
 run: $(STAMP)
 	$(VENV)/bin/tierstack train
 
+# The suite on two workers, a test file each at a time (pytest-xdist), then the tests
+# that time things or start Ray clusters alone (tests/conftest.py's SERIAL); both parts
+# always run, and the target fails if either did.
 test: $(STAMP) system-packages
-	$(PY) -m pytest
+	@$(PY) -m pytest -n 2 --dist loadfile -m "not serial"; parallel=$$?; \
+	  $(PY) -m pytest -m serial; serial=$$?; \
+	  [ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
 
 bench-io: $(STAMP)
 	$(PY) bench/io.py

@@ -28,10 +28,36 @@ from tierstack.service_process import ServiceProcess
 _USER_DIR_BEFORE: set[str] | None = None
 
 
+# Tests that time what they run (a plan's predicted step, latencies' p99) or start Ray
+# clusters, whose daemons want the machine's cores: `make test` runs them alone, after the
+# rest has run on every core (pytest-xdist). The marker is `serial`.
+SERIAL = ("tests/deploy/test_ray_up.py", "tests/deploy/test_ray_auth.py",
+          "tests/deploy/test_two_clusters.py", "tests/worker/test_ray_workers.py",
+          "tests/worker/test_plan_band.py", "tests/worker/test_plan_keeper.py",
+          "tests/tier_manager/test_no_waiting.py", "tests/test_host_budget.py")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "serial: runs alone, after the parallel part of make test")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.nodeid.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+
+
+def _xdist_worker(session) -> bool:
+    """Whether this process is one of pytest-xdist's workers (the controller cleans up)."""
+    return hasattr(session.config, "workerinput")
+
+
 def pytest_sessionstart(session) -> None:
     """What the per-user directory (/tmp/tierstack-<uid>: sockets, token, Ray nodes' state
     and logs) held before the tests: they start real services there."""
     global _USER_DIR_BEFORE
+    if _xdist_worker(session):
+        return  # a worker ending first would remove what the other one still uses
     d = user_dir()
     _USER_DIR_BEFORE = {p.name for p in d.iterdir()} if d.is_dir() else None
 
@@ -39,6 +65,8 @@ def pytest_sessionstart(session) -> None:
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Remove what the tests added to the per-user directory, and the directory if they
     made it; what was there before (a user's own token, running services) stays."""
+    if _xdist_worker(session):
+        return
     d = user_dir()
     if not d.is_dir():
         return
