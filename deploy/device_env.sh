@@ -1,6 +1,8 @@
 # Source from the repository root on a machine where tierstack cannot be pip-installed
 # (the GPU machine of the device tool: no network, no venv): carried wheels go to
-# /tmp/site, the package is assembled under /tmp/pkg with its native libraries compiled
+# /tmp/site (the GPU machine lacks, as of 2026-12: crc32c, grpcio-health-checking and grpcio
+# at the proto/ stubs' version 1.85.1; ray, fastapi, uvicorn; deepspeed and its small
+# dependencies for the side-by-side benches), the package is assembled under /tmp/pkg with its native libraries compiled
 # (the flags are setup.py's).
 set -e
 if ls .whl/*.whl >/dev/null 2>&1; then
