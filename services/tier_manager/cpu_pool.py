@@ -1,8 +1,8 @@
 """The node's CPU memory pool: shared-memory arenas created as buffers need them.
 
 An arena is a file in a tmpfs (normally /dev/shm), created 0600 with a name unique to
-this pool instance, reserved with posix_fallocate (a tmpfs too small fails at the
-allocation, not at a page fault) and mapped once, without keeping a file descriptor
+this pool instance, its pages written at creation by several threads (a tmpfs too small
+fails at the allocation, not at a page fault: shared_mapping.py) and mapped once, without keeping a file descriptor
 (shared_mapping.py). Nothing is reserved at start: start-up time does not depend on the
 cap. The invariant the pool keeps: the bytes of all its arenas, used or empty, never
 exceed `capacity`.
@@ -48,7 +48,7 @@ from tierstack.errors import CpuPoolFullError, InvalidArgumentError, StorageIOEr
 from tierstack.services.tier_manager.arena_files import (arena_path, huge_page_size, lock_path,
                                                          reclaim_stale_arenas, take_lock_file)
 from tierstack.services.tier_manager.extents import Extent, ExtentAllocator, align_up
-from tierstack.services.tier_manager.shared_mapping import SharedMapping
+from tierstack.services.tier_manager.shared_mapping import PopulateError, SharedMapping
 from tierstack.services.tier_manager.types import ArenaInfo
 
 log = logging.getLogger(__name__)
@@ -319,17 +319,16 @@ class CpuPool:
                                  f"{e.strerror}{hint}") from None
         try:
             try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                    hint = ("reserve more huge pages (sysctl vm.nr_hugepages)" if self.page_size > 4096
-                            else f"free space in {self.shm_dir}")
-                    raise CpuPoolFullError(
-                        f"cannot reserve {size} bytes for a CPU pool arena in {self.shm_dir}: it "
-                        f"is full ({e.strerror}); lower cpu_pool.size or {hint}") from None
-                raise StorageIOError(f"cannot size arena {path}: {e}") from e
-            try:
-                mapping = SharedMapping(fd, size)  # every page mapped now: no fault per 4 KiB later
+                os.ftruncate(fd, size)
+                # Every page written now, by several threads (shared_mapping.populate): a
+                # tmpfs too small fails here, not at a page fault later.
+                mapping = SharedMapping(fd, size)
+            except PopulateError as e:
+                hint = ("reserve more huge pages (sysctl vm.nr_hugepages)" if self.page_size > 4096
+                        else f"free space in {self.shm_dir}")
+                raise CpuPoolFullError(
+                    f"cannot reserve {size} bytes for a CPU pool arena in {self.shm_dir}: it "
+                    f"is full ({e.strerror}); lower cpu_pool.size or {hint}") from None
             except OSError as e:
                 raise StorageIOError(
                     f"cannot map a CPU pool arena of {size} bytes ({e.strerror}): "

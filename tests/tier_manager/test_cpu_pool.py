@@ -221,3 +221,45 @@ def test_only_a_new_arena_s_first_buffer_is_marked_zeroed(shm_dir):
         assert again.arena == first.arena and not again.zeroed
         small, neighbour = pool.allocate(5_000), pool.allocate(5_000)
         assert small.zeroed and not neighbour.zeroed  # a shared arena's later holes may be reused
+
+
+@pytest.mark.parametrize("madvise", ["populate", "unsupported"])
+def test_an_arena_s_pages_are_all_there_at_creation(shm_dir, monkeypatch, madvise):
+    # Several threads write an arena's pages at creation (shared_mapping.populate); a
+    # kernel without MADV_POPULATE_WRITE (an unknown advice is EINVAL) gets the old way.
+    from tierstack.services.tier_manager import shared_mapping
+    if madvise == "unsupported":
+        monkeypatch.setattr(shared_mapping, "MADV_POPULATE_WRITE", 0x7fff)
+    size = 3 * shared_mapping.POPULATE_SLICE + 4096  # slices of unequal length
+    with CpuPool(CpuPoolConfig(size=size, shm_dir=str(shm_dir))) as pool:
+        buffer = pool.allocate(size)
+        (path,) = _arenas(shm_dir)
+        assert os.stat(path).st_blocks * 512 >= size  # no hole left for a later fault
+        view = pool.view(buffer)
+        assert view[0] == view[size // 2] == view[size - 1] == 0
+        view[size - 1] = 7
+        assert pool.view(buffer)[size - 1] == 7
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount = tmp_path / "small-shm"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_an_arena_the_tmpfs_cannot_hold_is_refused_in_one_line_and_loses_nothing(small_tmpfs):
+    with CpuPool(CpuPoolConfig(size=256 * MiB, shm_dir=str(small_tmpfs))) as pool:
+        kept = pool.allocate(4 * MiB)
+        pool.view(kept)[:3] = b"abc"
+        with pytest.raises(CpuPoolFullError, match=f"{small_tmpfs}: it is full.*lower cpu_pool.size"):
+            pool.allocate(130 * MiB)  # two populate slices and more: past the 8 MiB tmpfs
+        assert bytes(pool.view(kept)[:3]) == b"abc" and len(_arenas(small_tmpfs)) == 1
+        after = pool.allocate(2 * MiB)  # the failed arena's room is back
+        assert pool.used_bytes == 6 * MiB and after.zeroed
