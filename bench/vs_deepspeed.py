@@ -256,7 +256,7 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
                         "nvme_read": stats1.nvme_bytes_read - stats0.nvme_bytes_read,
                         "nvme_written": stats1.nvme_bytes_written - stats0.nvme_bytes_written,
                         "nvme_span": timeline.nvme_span,
-                        "budgets": vars(budgets),
+                        "budgets": {**vars(budgets), "stated": sorted(budgets.stated)},
                         # Where each step's time went, as the worker's thread saw it: the
                         # forward's and the optimizer call's seconds (the backward is the
                         # rest), waits for blocks' updates and for blocks' tensors, and the

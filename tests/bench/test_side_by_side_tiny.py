@@ -1,0 +1,40 @@
+"""The side-by-side benches' tierstack side runs at a tiny size on the CPU and prints its
+JSON, so it cannot silently break between GPU sessions (bench/vs_deepspeed.py's ts side
+failed for days on a budgets field JSON could not write, found only when a GPU call was
+spent on it). The other side (DeepSpeed, MegaTrain) needs the GPU machine; the figures
+are not checked here: benchmarks measure, tests do not time."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = {
+    "bench/vs_deepspeed.py": ["--model", "tiny", "--seq", "64", "--micro", "2", "--steps", "2",
+                              "--modes", "nvme", "--sides", "ts", "--device", "cpu",
+                              "--nvme-dir", "{tmp}/nvme"],
+    "bench/vs_megatrain.py": ["--model", "tiny", "--seq", "64", "--rows", "4", "--micro-batch", "2",
+                              "--steps", "3", "--warmup", "1", "--sides", "ts", "--device", "cpu",
+                              "--nvme-dir", "{tmp}/nvme", "--out", "{tmp}/out.json"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_the_tierstack_side_runs_at_a_tiny_size(script, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in TINY[script]]
+    out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True,
+                         text=True, timeout=280, cwd=tmp_path,
+                         env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    ts_runs = [l for l in lines if str(l.get("label", "")).startswith("ts")]
+    assert ts_runs and not any("error" in r or "failed" in r for r in ts_runs), lines
+    assert all(r.get("tokens_per_s", 0) > 0 for r in ts_runs), ts_runs
+    assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").rglob("*.dat")), \
+        "the bench left its NVMe pool behind"
