@@ -85,6 +85,30 @@ MODELS = {
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                  intermediate_size=256, vocab_size=512),
 }
+
+
+def parameter_count(model: str) -> int:
+    """The LLaMA's parameters (untied head, full-width key/value heads), from its shape."""
+    m = MODELS[model]
+    h, i, layers, vocab = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"], m["vocab_size"]
+    return 2 * vocab * h + layers * (4 * h * h + 3 * h * i + 2 * h) + h
+
+
+def minimum_bytes_per_param_step(config: dict) -> int:
+    """The fewest NVMe bytes per parameter an optimizer step must move under a DeepSpeed
+    JSON's pins, for exact AdamW (issue 36 item 4): optimizer state on NVMe is read and
+    written once (fp32 master or fp32 weight, two fp32 moments: 12 + 12 bytes; the bf16
+    weights made from the masters and the gradients consumed on the way move nothing
+    more); only the parameters on NVMe: their bf16 copy read once and written once (4).
+    Counted over every parameter: what an engine keeps on the device throughout (tierstack's
+    embedding and head, DeepSpeed's persistent small tensors) moves nothing, so a run can
+    come in under it by that share."""
+    zero = config.get("zero_optimization", {})
+    if zero.get("offload_optimizer", {}).get("device") == "nvme":
+        return 24
+    return 4 if zero.get("offload_param", {}).get("device") == "nvme" else 0
+
+
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                          "weight_decay": 0.1}}
 
@@ -552,9 +576,23 @@ def _launch(args, side: str, config: dict, label: str, workdir: Path) -> dict:
     result.update(label=label, side=side, wall_s=wall, **sampler.figures("host"),
                   disk_read=sampler.disk_bytes[0], disk_written=sampler.disk_bytes[1],
                   step_median=statistics.median(later),
-                  tokens_per_s=args.micro * args.ranks * args.seq / statistics.median(later))
+                  tokens_per_s=args.micro * args.ranks * args.seq / statistics.median(later),
+                  **bytes_per_param_step(args, result, sampler.disk_bytes))
     print(json.dumps({k: v for k, v in result.items() if k not in ("losses",)}), flush=True)
     return result
+
+
+def bytes_per_param_step(args, result: dict, disk_bytes: tuple[int, int]) -> dict:
+    """Bytes moved per parameter per optimizer step: tierstack's from its pool's NVMe
+    bytes within the settled steps (`step_moved`; their mean: a step's updates run on
+    into the next step's window, unevenly, so one window's figure is not a step's);
+    DeepSpeed's from the disk's
+    counters over the whole run (its start's writes included: an upper bound)."""
+    params = parameter_count(args.model)
+    settled = result.get("step_moved", [])[args.warmup:]
+    if settled:
+        return {"bytes_per_param_step": round(sum(settled) / len(settled) / params, 2)}
+    return {"bytes_per_param_step": round(sum(disk_bytes) / max(len(result["step_s"]), 1) / params, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -664,6 +702,14 @@ def main(argv: list[str] | None = None) -> int:
             if r.get("rank_phases"):
                 summary[f"{key}.rank_phases"] = r["rank_phases"]
     for mode in ("cpu", "nvme"):
+        # Bytes per parameter per step against the fewest the JSON's pins allow.
+        minimum = minimum_bytes_per_param_step(deepspeed_json(mode, args.micro, args.nvme_dir, args.ranks))
+        summary[f"minimum_bytes_per_param_step_{mode}"] = minimum
+        for side in ("ts", "ds"):
+            moved = med(f"{side}-{mode}", "bytes_per_param_step")
+            if moved is not None:
+                summary[f"bytes_per_param_step_{mode}_{side}"] = moved
+                summary[f"bytes_per_param_step_vs_minimum_{mode}_{side}"] = ratio(moved, minimum)
         summary[f"same_config_{mode}_ratio"] = ratio(med(f"ts-{mode}", "tokens_per_s"),
                                                      med(f"ds-{mode}", "tokens_per_s"))
         summary[f"same_budget_vs_{mode}_ratio"] = ratio(med(f"ts-budget-{mode}", "tokens_per_s"),

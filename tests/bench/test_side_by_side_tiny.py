@@ -36,5 +36,9 @@ def test_the_tierstack_side_runs_at_a_tiny_size(script, tmp_path):
     ts_runs = [l for l in lines if str(l.get("label", "")).startswith("ts")]
     assert ts_runs and not any("error" in r or "failed" in r for r in ts_runs), lines
     assert all(r.get("tokens_per_s", 0) > 0 for r in ts_runs), ts_runs
+    if script == "bench/vs_deepspeed.py":  # issue 36 item 4: bytes moved against the pins' minimum
+        summary = lines[-1]
+        assert summary["minimum_bytes_per_param_step_nvme"] == 24, summary
+        assert 0 < summary["bytes_per_param_step_nvme_ts"] < 10 * 24, summary
     assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").rglob("*.dat")), \
         "the bench left its NVMe pool behind"
