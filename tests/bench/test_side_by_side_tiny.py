@@ -42,3 +42,13 @@ def test_the_tierstack_side_runs_at_a_tiny_size(script, tmp_path):
         assert 0 < summary["bytes_per_param_step_nvme_ts"] < 10 * 24, summary
     assert not (tmp_path / "nvme").exists() or not any((tmp_path / "nvme").rglob("*.dat")), \
         "the bench left its NVMe pool behind"
+
+
+def test_the_arena_bench_runs_at_a_tiny_size_and_leaves_nothing(shm_dir):
+    # bench/arena_populate.py (the populate-by-threads figure) at 32 MiB, its arenas removed.
+    out = subprocess.run([sys.executable, str(ROOT / "bench/arena_populate.py"), "--size", "32MiB",
+                          "--reps", "2", "--dir", str(shm_dir)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["populate_gbps_threads"] > 0 and result["populate_gbps_one_thread"] > 0, result
+    assert list(shm_dir.iterdir()) == []
