@@ -2,8 +2,8 @@
 
 An arena is a file in a tmpfs (normally /dev/shm), created 0600 with a name unique to
 this pool instance, its pages written at creation by several threads (a tmpfs too small
-fails at the allocation, not at a page fault: shared_mapping.py) and mapped once, without keeping a file descriptor
-(shared_mapping.py). Nothing is reserved at start: start-up time does not depend on the
+fails at the allocation, not at a page fault) and mapped once, without keeping a file
+descriptor (shared_mapping.py). Nothing is reserved at start: start-up time does not depend on the
 cap. The invariant the pool keeps: the bytes of all its arenas, used or empty, never
 exceed `capacity`.
 

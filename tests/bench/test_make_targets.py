@@ -37,13 +37,20 @@ def test_every_bench_target_has_a_tiny_run():
     assert targets and set(targets.values()) == set(TINY), (targets, sorted(TINY))
 
 
-@pytest.mark.parametrize("script", sorted(TINY))
-def test_a_bench_target_runs_at_a_tiny_size_and_prints_its_json_line(script, tmp_path):
-    args = [a.format(tmp=tmp_path) for a in TINY[script]]
+def run_tiny(script: str, args: list[str], tmp_path, timeout: float) -> list[str]:
+    """Run a bench script with `args` ({tmp} filled in) in `tmp_path`; assert it exits 0
+    and prints JSON-looking lines, and return those lines."""
+    args = [a.format(tmp=tmp_path) for a in args]
     out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True,
-                         text=True, timeout=240, cwd=tmp_path,
+                         text=True, timeout=timeout, cwd=tmp_path,
                          env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
-    assert lines, out.stdout[-2000:]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    return lines
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_a_bench_target_runs_at_a_tiny_size_and_prints_its_json_line(script, tmp_path):
+    lines = run_tiny(script, TINY[script], tmp_path, timeout=240)
     json.loads(lines[-1])  # the last line is one JSON object

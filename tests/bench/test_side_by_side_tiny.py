@@ -5,12 +5,13 @@ spent on it). The other side (DeepSpeed, MegaTrain) needs the GPU machine; the f
 are not checked here: benchmarks measure, tests do not time."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bench.test_make_targets import run_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,13 +27,7 @@ TINY = {
 
 @pytest.mark.parametrize("script", sorted(TINY))
 def test_the_tierstack_side_runs_at_a_tiny_size(script, tmp_path):
-    args = [a.format(tmp=tmp_path) for a in TINY[script]]
-    out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True,
-                         text=True, timeout=280, cwd=tmp_path,
-                         env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
-    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    lines = [json.loads(l) for l in run_tiny(script, TINY[script], tmp_path, timeout=280)]
     ts_runs = [l for l in lines if str(l.get("label", "")).startswith("ts")]
     assert ts_runs and not any("error" in r or "failed" in r for r in ts_runs), lines
     assert all(r.get("tokens_per_s", 0) > 0 for r in ts_runs), ts_runs
