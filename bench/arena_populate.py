@@ -21,10 +21,9 @@ import time
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tierstack.config import parse_size  # noqa: E402
-from tierstack.services.tier_manager import shared_mapping  # noqa: E402
-from tierstack.services.tier_manager.shared_mapping import SharedMapping  # noqa: E402
+from tierstack.config import parse_size
+from tierstack.services.tier_manager import shared_mapping
+from tierstack.services.tier_manager.shared_mapping import SharedMapping
 
 
 def make_arena(directory: Path, size: int, way: str) -> float:
