@@ -500,14 +500,13 @@ class OffloadEngine:
                                           for n, _, _ in self.blocks.trainable(index)}, kind="master")
 
         indices = sorted(self._deferred_masters)
-        if len(indices) > 1 and getattr(self.store, "writes_from_any_thread", False):
+        if len(indices) > 1 and self.store.writes_from_any_thread:
             # A 1.3B LLaMA's 5.4 GB of masters took ~4.5 s of its first step one block at a
             # time (read, widen, allocate, pack: each mostly outside the GIL). A few blocks
             # at once; each holds one block's widened copy, so the transient stays small.
             with ThreadPoolExecutor(max_workers=MASTER_WRITERS,
                                     thread_name_prefix="tierstack-masters") as pool:
-                for done in [pool.submit(store, index) for index in indices]:
-                    done.result()  # the first failure is the step's
+                list(pool.map(store, indices))  # the first failure is the step's
         else:
             for index in indices:
                 store(index)
