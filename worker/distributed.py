@@ -8,6 +8,8 @@ the same under each. The backend is NCCL when the rank has a GPU, else gloo.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ from tierstack.errors import InvalidArgumentError
 
 # A rank whose peer died waits this long in a collective before failing, instead of forever.
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,24 @@ def init_process_group(env: RankEnv | None = None, device: torch.device | None =
     dist.init_process_group(backend, init_method="env://",
                             rank=env.rank, world_size=env.world_size, timeout=timeout,
                             **({"device_id": device} if device.type == "cuda" else {}))
+    # The group may stay joined for the process's life (initialize's engines share it, as
+    # DeepSpeed's do). Left to interpreter finalization, gloo's worker threads can still hold
+    # tensors whose release needs the GIL then, and the rank dies of SIGABRT ("terminate
+    # called without an active exception", pytorch/pytorch#190489) after its work is done.
+    atexit.unregister(_leave_process_group)  # once, however often a process joins
+    atexit.register(_leave_process_group)
     return env
+
+
+def _leave_process_group() -> None:
+    """At exit: leave the process group while the interpreter is whole (a no-op when the
+    job already left it). A failure here is logged, not raised: the rank's work is done."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway; say what happened and go on
+        log.warning("leaving the process group at exit failed", exc_info=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

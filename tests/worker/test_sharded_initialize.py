@@ -341,3 +341,25 @@ def test_rank_zero_places_for_every_rank(shared_daemon):
     for r in two:
         assert r["resident"] == [0, 1] and r["hbm"] == 1 << 30
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+def test_a_rank_that_never_leaves_its_process_group_has_left_it_before_the_interpreter_ends():
+    """initialize keeps the group joined for the process's life; left to finalization,
+    gloo's threads can abort the rank after its work is done (SIGABRT, "terminate called
+    without an active exception"). A handler registered before the join runs after
+    tierstack's own at exit (atexit is last in, first out) and sees the group gone."""
+    import subprocess
+    import sys
+
+    from tierstack.worker.distributed import free_port
+
+    script = (
+        "import atexit, torch, torch.distributed as dist\n"
+        "from tierstack.worker.distributed import RankEnv, init_process_group\n"
+        "atexit.register(lambda: print('joined at exit:', dist.is_initialized(), flush=True))\n"
+        f"env = RankEnv(0, 1, 0, '127.0.0.1', {free_port()})\n"
+        "init_process_group(env, torch.device('cpu'))\n"
+        "t = torch.ones(3); dist.all_reduce(t); print('sum', t.sum().item(), flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["sum 3.0", "joined at exit: False"], done.stdout + done.stderr
