@@ -226,6 +226,36 @@ def test_a_deepspeed_train_batch_size_without_a_micro_batch_gives_the_micro_batc
     assert (train.micro_batch_size, train.gradient_accumulation_steps) == (4, 3)
 
 
+@pytest.mark.parametrize("world,given,want", [
+    (1, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, (2, 4)),  # accumulation derived
+    (1, {"train_batch_size": 8}, (8, 1)),
+    (2, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, (2, 4)),  # per rank, as DeepSpeed
+    (2, {"train_batch_size": 16, "gradient_accumulation_steps": 2}, (4, 2)),
+    (2, {"train_batch_size": 8}, (4, 1)),
+    (2, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, (4, 2)),
+])
+def test_deepspeeds_batch_keys_give_the_third_from_any_two_over_the_ranks(monkeypatch, world, given, want):
+    """train_batch_size = micro x accumulation x WORLD_SIZE, solved for what is missing."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    train = load_config({"zero_optimization": {"stage": 3}, **given}).train
+    assert (train.micro_batch_size, train.gradient_accumulation_steps) == want
+
+
+@pytest.mark.parametrize("world,given,message", [
+    (1, {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     r"^train_batch_size 16 is not .*\(4 x 2 = 8\); give two of the three"),
+    (2, {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     r"^train_batch_size 8 is not .* x 2 ranks \(4 x 2 x 2 = 16\)"),
+    (1, {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4},
+     r"^train_batch_size 6 is not a multiple of train_micro_batch_size_per_gpu 4; make it one"),
+    (4, {"train_batch_size": 2}, r"^train_batch_size 2 is not a multiple of gradient_accumulation_steps 1 x 4 ranks"),
+])
+def test_deepspeeds_batch_keys_that_disagree_are_refused_in_one_line(monkeypatch, world, given, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=message):
+        load_config({"zero_optimization": {"stage": 3}, **given})
+
+
 def test_a_zero_offload_deepspeed_config_loads():
     """Optimizer state offloaded, parameters not (ZeRO-Offload): loads as is; the engine
     says what it does with it (tests/worker/test_engine_tiers.py)."""
@@ -320,3 +350,30 @@ def test_fp16_loss_scaling_and_a_schedule_in_tierstacks_own_format():
 def test_bad_loss_scaling_is_refused_naming_the_key(fp16, message):
     with pytest.raises(ConfigError, match=message):
         load_config({"train": {"precision": "fp16", "fp16": fp16}})
+
+
+@pytest.mark.parametrize("data,key", [
+    ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "train_batch_size"),
+    ({"bf16": {"enabled": True}}, "bf16"),
+])
+def test_a_deepspeed_config_without_zero_optimization_is_named_as_deepspeeds_stage_0(data, key):
+    with pytest.raises(ConfigError, match=rf'^{key} is a DeepSpeed key, but the config has no '
+                                          rf'zero_optimization section .* add "zero_optimization": \{{"stage": 3'):
+        load_config(data)
+
+
+def test_deepspeeds_bias_correction_true_is_adamw_and_false_is_refused_by_name():
+    def adam(**params):
+        return {"zero_optimization": {"stage": 3},
+                "optimizer": {"type": "Adam", "params": {"lr": 2e-3, "adam_w_mode": True, **params}}}
+    assert load_config(adam(bias_correction=True)).train.optimizer.lr == 2e-3
+    with pytest.raises(ConfigError, match=r"^optimizer.params.bias_correction false is not supported"):
+        load_config(adam(bias_correction=False))
+
+
+def test_the_ranks_a_caller_names_count_in_train_batch_size_over_world_size(monkeypatch):
+    """`tierstack train --ranks 2` loads the config before its ranks exist."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = {"zero_optimization": {"stage": 3}, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8}
+    assert load_config(data).train.gradient_accumulation_steps == 2
+    assert load_config(data, world_size=2).train.gradient_accumulation_steps == 1

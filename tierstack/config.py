@@ -778,11 +778,14 @@ def apply_budgets(config: TierstackConfig) -> None:
         tm.nvme_pool.size = budgets.nvme
 
 
-def load_config(source: dict | str | os.PathLike | None = None) -> TierstackConfig:
+def load_config(source: dict | str | os.PathLike | None = None,
+                world_size: int | None = None) -> TierstackConfig:
     """Load, validate and return the config from a dict, a JSON file, or defaults.
 
     A DeepSpeed config (one with a `zero_optimization` section) is accepted as is and
     translated (tierstack/deepspeed_config.py); anything else is tierstack's own format.
+    `world_size`: the job's data-parallel ranks, which a DeepSpeed train_batch_size counts
+    (default: WORLD_SIZE, as each rank of torchrun or tierstack launch has it).
     """
     if source is None:
         data: dict = {}
@@ -796,10 +799,11 @@ def load_config(source: dict | str | os.PathLike | None = None) -> TierstackConf
             raise ConfigError(f"config file {path} does not exist") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-    from tierstack.deepspeed_config import is_deepspeed_config, translate
+    from tierstack.deepspeed_config import is_deepspeed_config, refuse_deepspeed_without_zero, translate
     if not is_deepspeed_config(data):
+        refuse_deepspeed_without_zero(data, tuple(f.name for f in dataclasses.fields(TierstackConfig)))
         return _load(data)
-    translation = translate(data)  # its own errors name the user's keys already
+    translation = translate(data, world_size)  # its own errors name the user's keys already
     try:
         return _load(translation.config)
     except ConfigError as e:  # a translated key named as the user wrote it

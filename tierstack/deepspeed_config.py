@@ -34,7 +34,9 @@ leaves the CPU pool between steps and the pool holds only what is in flight.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +100,15 @@ def _section(value: Any, key: str, example: str) -> dict:
     return value
 
 
+def _world_size() -> int:
+    """The job's data-parallel ranks, torchrun's WORLD_SIZE (1 when unset)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number of ranks; "
+                          f"unset it or start the ranks with torchrun or tierstack launch") from None
+
+
 def _number(value: Any, key: str) -> int | float:
     """A DeepSpeed count or size: a number (DeepSpeed files write 1e8)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -120,6 +131,20 @@ def _screened(key: str, decided: list[str], value: Any = True) -> bool:
 
 def is_deepspeed_config(data: dict) -> bool:
     return isinstance(data, dict) and "zero_optimization" in data
+
+
+def refuse_deepspeed_without_zero(data: dict, own_sections: tuple[str, ...]) -> None:
+    """A config read as tierstack's own (no zero_optimization section) that has DeepSpeed's
+    keys is a DeepSpeed config at stage 0: say so in one line, rather than 'unknown key'."""
+    if not isinstance(data, dict):
+        return
+    theirs = [key for key in data if key in _TOP_KEYS and key not in own_sections]
+    if theirs:
+        raise ConfigError(
+            f"{theirs[0]} is a DeepSpeed key, but the config has no zero_optimization section "
+            f"(DeepSpeed's stage 0); tierstack trains as ZeRO stage 3: add "
+            f'"zero_optimization": {{"stage": 3, "offload_param": {{"device": "cpu"}}, '
+            f'"offload_optimizer": {{"device": "cpu"}}}}')
 
 
 # Sections of tierstack's own that a DeepSpeed file may carry: read as tierstack reads them.
@@ -184,10 +209,11 @@ def translate_deepspeed(ds: dict) -> dict:
     return translate(ds).config
 
 
-def translate(ds: dict) -> DeepSpeedTranslation:
-    """A DeepSpeed config dict translated, with the map back to the user's keys."""
+def translate(ds: dict, world_size: int | None = None) -> DeepSpeedTranslation:
+    """A DeepSpeed config dict translated, with the map back to the user's keys;
+    `world_size` (default WORLD_SIZE) is the ranks its train_batch_size counts."""
     refuse_auto(ds)
-    return _Translator().run(ds)
+    return _Translator(world_size if world_size is not None else _world_size()).run(ds)
 
 
 # The offload keys translated into train.params / train.optimizer_state, beyond device.
@@ -205,7 +231,8 @@ class _Translator:
     """One translation's state: the tierstack sections built so far, the keys left to
     tierstack, and where each translated key came from."""
 
-    def __init__(self):
+    def __init__(self, world_size: int):
+        self.world_size = world_size  # data-parallel ranks: train_batch_size counts them
         self.train: dict[str, Any] = {}
         self.nvme_paths: dict[str, str] = {}  # directory -> the user's key that named it
         self.aio: dict[str, Any] = {}
@@ -372,20 +399,34 @@ class _Translator:
                                   f"{suggest(k, ('use_node_local_storage',), 'checkpoint.')}")
 
     def batch_size(self, ds: dict) -> None:
-        """DeepSpeed: train_batch_size = micro batch x accumulation x data-parallel ranks."""
+        """DeepSpeed: train_batch_size = micro batch x accumulation x data-parallel ranks.
+        Any two of the three give the third, as DeepSpeed derives it; all three must agree.
+        The ranks are the job's (WORLD_SIZE unless the caller knows better, as
+        `tierstack train --ranks` does), as DeepSpeed reads its data-parallel world."""
         if "train_batch_size" not in ds:
             return
         batch = _number(ds["train_batch_size"], "train_batch_size")
-        micro = self.train.get("micro_batch_size", 1)
-        accum = self.train.get("gradient_accumulation_steps", 1)
-        if batch % (micro * accum):
+        world = self.world_size
+        ranks = f" x {world} ranks" if world > 1 else ""
+        micro = self.train.get("micro_batch_size")
+        accum = self.train.get("gradient_accumulation_steps")
+        if micro is not None and accum is not None:
+            if batch != micro * accum * world:
+                product = " x ".join(str(n) for n in (micro, accum, world)[:3 if world > 1 else 2])
+                raise ConfigError(
+                    f"train_batch_size {batch} is not train_micro_batch_size_per_gpu x "
+                    f"gradient_accumulation_steps{ranks} ({product} = {micro * accum * world}); "
+                    f"give two of the three and tierstack derives the third, as DeepSpeed does")
+            return
+        if micro is not None:  # the accumulation is what is left
+            given, known, missing = "train_micro_batch_size_per_gpu", micro, "gradient_accumulation_steps"
+        else:  # the micro batch is what is left (accumulation 1 unless given)
+            given, known, missing = "gradient_accumulation_steps", accum or 1, "micro_batch_size"
+        if batch % (known * world) or batch < known * world:
             raise ConfigError(
-                f"train_batch_size {batch} is not a multiple of "
-                f"train_micro_batch_size_per_gpu x gradient_accumulation_steps ({micro} x {accum})")
-        if "micro_batch_size" not in self.train:
-            # The rank count is not known here; with one rank the micro batch is the rest.
-            self.put(self.train, "micro_batch_size", batch // accum, "train.micro_batch_size",
-                     "train_batch_size")
+                f"train_batch_size {batch} is not a multiple of {given} {known}{ranks}; make it one, "
+                f"or give train_micro_batch_size_per_gpu and gradient_accumulation_steps instead")
+        self.put(self.train, missing, batch // (known * world), f"train.{missing}", "train_batch_size")
 
     def assemble(self, tierstack_sections: dict) -> dict:
         tier_manager: dict[str, Any] = {}
@@ -465,6 +506,12 @@ def _optimizer(section: Any) -> dict:
                 elif pname in ("torch_adam", "adam_w_mode"):
                     if pname == "adam_w_mode" and not pvalue:
                         raise ConfigError("optimizer.params.adam_w_mode false (L2 Adam) is not supported; use AdamW")
+                elif pname == "bias_correction":  # DeepSpeed's Adam options; true is AdamW's
+                    if pvalue is not True:
+                        raise ConfigError(
+                            f"optimizer.params.bias_correction {json.dumps(pvalue)} is not supported: "
+                            f"the tier manager's AdamW always corrects the moments' bias; drop the "
+                            f"key or set it true")
                 elif pname in ("amsgrad", "maximize"):  # PyTorch's AdamW options; false is plain AdamW
                     if pvalue:
                         raise ConfigError(
@@ -494,7 +541,7 @@ _CHECKPOINTING_KEYS = ("cpu_checkpointing", "number_checkpoints", "partition_act
                        "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
                        "profile")
 _OPTIMIZER_KEYS = ("lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "amsgrad",
-                   "maximize")
+                   "maximize", "bias_correction")
 
 
 def _known_offload_keys(key: str) -> tuple[str, ...]:

@@ -178,16 +178,11 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
     return meta["extra"]
 
 
-def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
-    """Export the model's weights for `from_pretrained`; returns the index file's path."""
+def _model_parts(engine: OffloadEngine):
+    """The model's weights one part at a time, as (file name, tensors): the persistent
+    parameters and buffers first (tied weights once), then each block as stored
+    (partitioned: gathered from every rank). One block in memory at a time."""
     engine.wait_for_optimizer()
-    blocks_attr = engine.blocks_attr
-    directory = Path(directory)
-    writes = engine.store.writes_checkpoint
-    if writes:
-        directory.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    total = 0
     seen: set[int] = set()
     persistent = {}
     for name, tensor in engine.model.state_dict().items():
@@ -195,24 +190,65 @@ def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
             continue
         seen.add(tensor.data_ptr())
         persistent[name] = tensor.detach().cpu().contiguous()
-    weights = [("model-persistent.safetensors", persistent)]
+    yield "model-persistent.safetensors", persistent
     for i in range(len(engine.blocks.blocks)):
-        block = engine.store.read_layer(i)  # partitioned: gathered from every rank
-        weights.append((f"model-block-{i:05d}.safetensors",
-                        {f"{blocks_attr}.{i}.{n}": t.contiguous() for n, t in block.items()}))
-        if writes:  # one block in memory at a time
-            total += _write_weights(directory, *weights.pop(), weight_map)
-        else:
-            weights.pop()
+        block = engine.store.read_layer(i)
+        yield (f"model-block-{i:05d}.safetensors",
+               {f"{engine.blocks_attr}.{i}.{n}": t.contiguous() for n, t in block.items()})
+
+
+def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
+    """Export the model's weights for `from_pretrained`; returns the index file's path."""
+    directory = Path(directory)
+    writes = engine.store.writes_checkpoint
+    if writes:
+        directory.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file_name, tensors in _model_parts(engine):  # every rank reads (a collective)
+        if writes:
+            total += _write_weights(directory, file_name, tensors, weight_map)
     index = directory / "model.safetensors.index.json"
     if writes:
-        total += _write_weights(directory, *weights.pop(), weight_map)
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        config = getattr(engine.model, "config", None)
-        if hasattr(config, "save_pretrained"):
-            config.save_pretrained(directory)
+        _save_model_config(engine, directory)
     engine.store.barrier()
     return index
+
+
+def save_one_file(engine: OffloadEngine, directory: str | Path, file_name: str) -> Path:
+    """The whole model's weights in one file, as DeepSpeed's save_16bit_model writes it:
+    safetensors for a '.safetensors' name, else torch.save's state dict. The whole model
+    is in host memory once while it is written (export_safetensors holds one block)."""
+    if not file_name or file_name in (".", "..") or "/" in file_name or "\0" in file_name:
+        raise InvalidArgumentError(f"save_16bit_model: save_filename {file_name!r} must be a plain "
+                                   f"file name (no '/'), e.g. 'pytorch_model.bin' or 'model.safetensors'")
+    directory = Path(directory)
+    writes = engine.store.writes_checkpoint
+    whole: dict[str, torch.Tensor] = {}
+    for _, tensors in _model_parts(engine):
+        if writes:
+            whole.update(tensors)
+    path = directory / file_name
+    if writes:
+        directory.mkdir(parents=True, exist_ok=True)
+        staged = directory / f".{file_name}.partial"
+        if file_name.endswith(".safetensors"):
+            save_file(whole, str(staged), metadata={"format": "pt"})
+        else:
+            torch.save(whole, staged)
+        _fsync(staged)
+        os.replace(staged, path)
+        _save_model_config(engine, directory)
+    engine.store.barrier()
+    return path
+
+
+def _save_model_config(engine: OffloadEngine, directory: Path) -> None:
+    """A Hugging Face model's config beside its weights, so from_pretrained finds both."""
+    config = getattr(engine.model, "config", None)
+    if hasattr(config, "save_pretrained"):
+        config.save_pretrained(directory)
 
 
 def _write_weights(directory: Path, file_name: str, tensors: dict[str, torch.Tensor],

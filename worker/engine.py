@@ -321,7 +321,9 @@ class OffloadEngine:
         # Where the loss may stop the model to take it a chunk at a time (None: no head).
         self._head = output_head(model)
         self.footprint: DeviceFootprint | None = None
-        self.last_gradient_norm: float | None = None  # of the last step, where it was computed
+        # The last step's gradient norm: a float, or a device scalar read only when asked
+        # (no step waits for the device to say it); None before the first step.
+        self._last_norm: float | torch.Tensor | None = None
         self._placement_pending = bool(budgets.hbm > 0 and positions)
         self.phases: PhaseClock | NoPhases = NO_PHASES  # time_phases() turns it on
 
@@ -401,8 +403,12 @@ class OffloadEngine:
         self._refresh_rates()
         if self.block_optimizer.asynchronous:
             self.block_optimizer.asynchronous = self._pool_fits_overlap(store)
-        # Norms for clipping, and in fp16 to find an overflow before anything is stepped.
-        self.blocks.track_grad_norms = self.gradient_clipping > 0 or dtype == torch.float16
+        # Clipping, and fp16's overflow check, need the norm before anything is stepped:
+        # then no block's step starts inside the backward.
+        self.step_needs_every_gradient = self.gradient_clipping > 0 or dtype == torch.float16
+        # Every step's norm, as DeepSpeed's get_global_grad_norm reports it: each block's
+        # squared norm is taken as its gradients are stored (one reduction, no wait).
+        self.blocks.track_grad_norms = True
 
     def _apply_activation_policy(self) -> None:
         """Give every offloaded block the configured activation policy (not "auto")."""
@@ -482,14 +488,31 @@ class OffloadEngine:
             m.grad = None
         self.blocks.new_gradients()
 
+    @property
+    def last_gradient_norm(self) -> float | None:
+        """The last optimizer step's gradient norm (before clipping, after unscaling), as
+        torch.nn.utils.clip_grad_norm_ computes it; None before the first step."""
+        if isinstance(self._last_norm, torch.Tensor):
+            self._last_norm = self._last_norm.item()
+        return self._last_norm
+
     def _gradient_norm(self) -> float:
         """The global L2 norm of the window's gradients (inf or NaN where they overflowed),
         as torch.nn.utils.clip_grad_norm_ computes it."""
-        squares = [n for n in self.blocks.grad_sq_norms if n is not None]
+        return float(self._gradient_norm_tensor())
+
+    def _gradient_norm_later(self, scale: float) -> float | torch.Tensor:
+        """The norm times `scale` for a step that does not need it: a device scalar, read
+        when someone asks (a partitioned engine's is a collective: every rank, now)."""
+        return self._gradient_norm_tensor() * scale
+
+    def _gradient_norm_tensor(self) -> torch.Tensor:
+        blocks = self.blocks  # a block no gradient reached in this window has none
+        squares = [n for i, n in enumerate(blocks.grad_sq_norms) if n is not None and blocks.has_gradients(i)]
         squares += [squared_norm(p.grad) for p in self.persistent if p.grad is not None]
         if not squares:
-            return 0.0
-        return torch.stack([s.to(self.store.device) for s in squares]).sum().sqrt().item()
+            return torch.zeros((), device=self.store.device)
+        return torch.stack([s.to(self.store.device) for s in squares]).sum().sqrt()
 
     def _store_deferred_masters(self) -> None:
         """Store the fp32 masters put off at registration for the blocks still offloaded
@@ -522,10 +545,11 @@ class OffloadEngine:
         self._refresh_rates()
         self.last_step_applied = False
         scale = 1.0 / loss_scale
-        self.last_gradient_norm = None
-        if self.gradient_clipping > 0 or self.blocks.track_grad_norms:
+        if not self.step_needs_every_gradient:
+            self._last_norm = self._gradient_norm_later(scale)
+        else:
             norm = self._gradient_norm() * scale
-            self.last_gradient_norm = norm
+            self._last_norm = norm
             if not math.isfinite(norm):
                 self.block_optimizer.abandon_started()
                 self.zero_grad()
@@ -547,7 +571,7 @@ class OffloadEngine:
         the tier manager as soon as its gradients are stored, overlapping the rest of the
         backward, unless the step needs every gradient first (clipping; fp16's overflow
         check)."""
-        if boundary and not self.blocks.track_grad_norms:
+        if boundary and not self.step_needs_every_gradient:
             self._refresh_rates()
             self.blocks.on_gradients = self.block_optimizer.start_block
         try:

@@ -119,6 +119,20 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, engine.optimizer, loader, scheduler
 
 
+def add_config_arguments(parser: Any) -> Any:
+    """deepspeed.add_config_arguments: `--deepspeed` and `--deepspeed_config PATH` (and the
+    old `--deepscale` spellings) on the script's argparse parser, which it returns;
+    initialize(args=...) reads the config from them."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (read by tierstack)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="train through the engine (tierstack's, under DeepSpeed's flags)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="the DeepSpeed JSON (or a tierstack config)")
+    group.add_argument("--deepscale", default=False, action="store_true", help="old name of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="old name of --deepspeed_config")
+    return parser
+
+
 def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
     """deepspeed.init_distributed: with WORLD_SIZE > 1 (torchrun's variables), join the
     job's process group now (NCCL on a GPU, gloo on the CPU; `dist_backend` must agree);

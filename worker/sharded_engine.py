@@ -164,6 +164,9 @@ class ShardedEngine(OffloadEngine):
                             if p.grad is not None)
         return (blocks_sq + persistent_sq) ** 0.5
 
+    def _gradient_norm_later(self, scale: float) -> float:
+        return self._gradient_norm() * scale  # a collective: every rank takes part at the step
+
     def step(self, loss_scale: float = 1.0) -> bool:
         grads = [p.grad for p in self.persistent if p.grad is not None]
         self.store.all_reduce_mean_(grads)

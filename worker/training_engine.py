@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from tierstack.config import TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
@@ -107,7 +108,6 @@ class TrainingEngine(torch.nn.Module):
         self.skipped_steps = 0
         self._boundary: bool | None = None
         self._step_applied = False
-        self._global_grad_norm: float | None = None
         self._on_close = on_close
         self._closed = False
 
@@ -121,6 +121,20 @@ class TrainingEngine(torch.nn.Module):
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", 0))
 
+    @property
+    def global_rank(self) -> int:
+        """This rank among the job's (the process group's; 0 for one rank)."""
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        """The job's ranks, all data-parallel (the process group's; 1 for one rank)."""
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
@@ -128,7 +142,8 @@ class TrainingEngine(torch.nn.Module):
         return self.config.micro_batch_size
 
     def train_batch_size(self) -> int:
-        return self.config.micro_batch_size * self.config.gradient_accumulation_steps
+        """Rows per optimizer step over every rank, as DeepSpeed counts it."""
+        return self.config.micro_batch_size * self.config.gradient_accumulation_steps * self.world_size
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
@@ -147,9 +162,9 @@ class TrainingEngine(torch.nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last optimizer step (before clipping), when it was
-        computed (clipping or fp16); None otherwise."""
-        return self._global_grad_norm
+        """The gradient norm of the last optimizer step (before clipping), as DeepSpeed
+        reports it every step; None before the first."""
+        return self.core.last_gradient_norm
 
     def was_step_applied(self) -> bool:
         """Whether the last accumulation boundary updated the weights (fp16: not after an
@@ -222,7 +237,6 @@ class TrainingEngine(torch.nn.Module):
         """The optimizer step of the window (EngineOptimizer.step)."""
         scale = self.loss_scale()
         applied = self.core.step(scale)
-        self._global_grad_norm = self.core.last_gradient_norm
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=not applied)
         if not applied:
@@ -315,10 +329,19 @@ class TrainingEngine(torch.nn.Module):
         model's config when it has one); returns the index file."""
         return checkpoint.export_safetensors(self.core, directory)
 
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "") -> bool:
-        """DeepSpeed's name for exporting the weights: here safetensors shards and their
-        index under `save_dir` (one block in memory at a time, never the whole model)."""
-        self.export(save_dir)
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str | None = None,
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's export of the weights (in the dtype they train in). With
+        `save_filename` ('pytorch_model.bin', 'model.safetensors'), one file of the whole
+        state dict there, as DeepSpeed writes it (the whole model in host memory once);
+        without, safetensors shards and their index (one block in memory at a time)."""
+        if exclude_frozen_parameters:
+            raise InvalidArgumentError("save_16bit_model(exclude_frozen_parameters=True) is not supported: "
+                                       "leave it False (every weight is saved)")
+        if save_filename is None:
+            self.export(save_dir)
+        else:
+            checkpoint.save_one_file(self.core, save_dir, save_filename)
         return True
 
     # ---- the end -------------------------------------------------------------------------------

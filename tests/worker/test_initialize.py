@@ -267,6 +267,93 @@ def test_a_scheduler_made_on_the_callers_optimizer_before_initialize_moves_the_e
         engine.close()
 
 
+def test_an_argparse_script_without_clipping_reads_every_steps_norm_and_its_batch_keys(
+        shared_daemon, tmp_path):
+    """A DeepSpeedExamples-style script: add_config_arguments, --deepspeed_config, a JSON
+    giving train_batch_size and the micro batch (accumulation derived, as DeepSpeed does),
+    no clipping. Every step's get_global_grad_norm is torch's total norm of that step, the
+    losses are plain PyTorch's, and the engine says where it stands as DeepSpeed's does."""
+    import argparse
+
+    config = {k: v for k, v in CONFIG.items() if k not in ("gradient_clipping", "gradient_accumulation_steps")}
+    config["train_batch_size"] = ROWS * ACCUMULATION
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    parser = tierstack.add_config_arguments(argparse.ArgumentParser())
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(tmp_path / "ds.json")])
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    batches = _batches(3, 3 * ACCUMULATION)
+    optimizer = torch.optim.AdamW(_groups(reference), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    torch.manual_seed(7)
+    want_losses, want_norms = [], []
+    for step in range(3):
+        for ids, targets, mask in batches[step * ACCUMULATION:(step + 1) * ACCUMULATION]:
+            loss = _my_loss(reference(ids, mask), targets, mask)
+            (loss / ACCUMULATION).backward()
+            want_losses.append(loss.item())
+        want_norms.append(torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.manual_seed(7)
+    engine, _, _, _ = tierstack.initialize(args=args, model=model, model_parameters=_groups(model),
+                                           tier_manager=shared_daemon.address)
+    try:
+        assert engine.get_global_grad_norm() is None  # no step yet
+        assert (engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu(),
+                engine.train_batch_size()) == (ACCUMULATION, ROWS, ROWS * ACCUMULATION)
+        assert (engine.global_rank, engine.world_size, engine.dp_world_size, engine.local_rank) == (0, 1, 1, 0)
+        losses, norms = [], []
+        for step in range(3):
+            for ids, targets, mask in batches[step * ACCUMULATION:(step + 1) * ACCUMULATION]:
+                loss = _my_loss(engine(ids, mask), targets, mask)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            norms.append(engine.get_global_grad_norm())
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=1e-5, atol=0)
+        assert engine.global_steps == 3 and engine.global_samples == 3 * ROWS * ACCUMULATION
+    finally:
+        engine.close()
+
+
+def test_save_16bit_model_with_a_file_name_writes_the_whole_state_dict_there(shared_daemon, tmp_path):
+    """DeepSpeed's save_16bit_model(dir, 'pytorch_model.bin'): one torch.save'd state dict
+    a plain model loads (strict), the trained weights; '.safetensors' likewise; no name:
+    the sharded export. A name with a path in it is refused and writes nothing."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    engine, _, _, _ = tierstack.initialize(model=Net(), config=CONFIG, tier_manager=shared_daemon.address)
+    try:
+        for ids, targets, mask in _batches(5, 2 * ACCUMULATION):
+            engine.backward(_my_loss(engine(ids, mask), targets, mask))
+            engine.step()
+        ids, _, mask = _batches(6, 1)[0]
+        engine.eval()
+        with torch.no_grad():
+            want = engine(ids, mask)
+        assert engine.save_16bit_model(tmp_path / "bin", "pytorch_model.bin")
+        assert engine.save_16bit_model(tmp_path / "st", "model.safetensors")
+        engine.save_16bit_model(tmp_path / "shards")
+        with pytest.raises(InvalidArgumentError, match="plain file name"):
+            engine.save_16bit_model(tmp_path / "bad", "../escape.bin")
+    finally:
+        engine.close()
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "escape.bin").exists()
+    assert sorted(p.name for p in (tmp_path / "bin").iterdir()) == ["pytorch_model.bin"]
+    assert (tmp_path / "shards" / "model.safetensors.index.json").exists()
+    for state in (torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True),
+                  load_file(tmp_path / "st" / "model.safetensors")):
+        plain = Net()
+        plain.load_state_dict(state, strict=True)
+        plain.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(plain(ids, mask), want, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_calls_are_refused_in_one_line(shared_daemon, tmp_path):
     torch.manual_seed(0)
     with pytest.raises(ConfigError, match="torch.nn.Module"):

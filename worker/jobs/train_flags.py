@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="optimizer steps in all (a resumed run continues up to this; default 80)")
     data.add_argument("--batch-size", type=types.positive_int, default=None,
                       help="rows per optimizer step; default: the config's train.micro_batch_size x "
-                           "train.gradient_accumulation_steps (8 x 1)")
+                           "train.gradient_accumulation_steps (8 x 1) x --ranks")
     data.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order")
     data.add_argument("--lr", type=types.positive_float, default=None,
                       help="peak learning rate (default: the config's train.optimizer.lr, 1e-3)")

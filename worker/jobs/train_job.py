@@ -115,7 +115,7 @@ def build_job(args: argparse.Namespace, device: torch.device) -> Job:
 
 def run(args: argparse.Namespace) -> int:
     """Train as the flags say (checked by train_flags.run first)."""
-    config = load_config(args.config)
+    config = load_config(args.config, world_size=args.ranks)
     if not args.config:  # the main job's point: the blocks' state streams through NVMe,
         # out of the CPU pool between uses however large the pool (max_in_cpu 0)
         config.train.params.device = config.train.optimizer_state.device = "nvme"
@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
         config.train.lr_schedule = schedule_for_cli(args.lr_schedule, config.train.optimizer.lr,
                                                     args.warmup_steps or 0, args.steps)
     accumulation = config.train.gradient_accumulation_steps
-    if args.batch_size is None:
-        args.batch_size = config.train.micro_batch_size * accumulation
+    if args.batch_size is None:  # the micro-batch is each rank's, as DeepSpeed's is per GPU
+        args.batch_size = config.train.micro_batch_size * accumulation * args.ranks
     if args.batch_size % accumulation:
         raise ConfigError(f"--batch-size {args.batch_size} does not split into "
                           f"train.gradient_accumulation_steps = {accumulation} equal micro-batches; "
