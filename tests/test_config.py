@@ -377,3 +377,13 @@ def test_the_ranks_a_caller_names_count_in_train_batch_size_over_world_size(monk
     data = {"zero_optimization": {"stage": 3}, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8}
     assert load_config(data).train.gradient_accumulation_steps == 2
     assert load_config(data, world_size=2).train.gradient_accumulation_steps == 1
+
+
+@pytest.mark.parametrize("params,decay", [
+    ({"lr": 1e-3}, 0.0),                      # DeepSpeed's CPUAdam / FusedAdam: no decay by default
+    ({"lr": 1e-3, "torch_adam": True}, 0.01),  # torch.optim.AdamW's default
+    ({"lr": 1e-3, "weight_decay": 0.2}, 0.2),
+])
+def test_a_deepspeed_optimizer_without_weight_decay_decays_as_deepspeeds_would(params, decay):
+    data = {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": params}}
+    assert load_config(data).train.optimizer.weight_decay == decay

@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,8 +194,9 @@ def test_readme_block_runs(block: Block, request, tmp_path: Path):
     missing = [tool for tool in block.requires if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"{block.name}: needs {', '.join(missing)}, not installed here")
-    shm = Path("/dev/shm") / f"tierstack-readme-{tmp_path.name}"
-    shm.mkdir(mode=0o700)
+    # Unique across xdist workers too (tmp_path's name is per worker, truncated: two
+    # blocks of one page run on two workers gave one name).
+    shm = Path(tempfile.mkdtemp(prefix="tierstack-readme-", dir="/dev/shm"))
     values = {"tmp": str(tmp_path / "scratch"), "shm": str(shm), "port": str(_free_port())}
     code = block.code
     for old, new in block.replace:

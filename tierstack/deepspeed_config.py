@@ -523,6 +523,12 @@ def _optimizer(section: Any) -> dict:
         else:
             raise ConfigError(f"unknown DeepSpeed key optimizer.{name}; "
                               f"{suggest(name, ('type', 'params'), 'optimizer.')}")
+    if "weight_decay" not in out:
+        # DeepSpeed's own Adam kernels (CPUAdam, FusedAdam) default to no decay; only
+        # torch_adam hands the params to torch's AdamW, whose default is 0.01.
+        torch_adamw = (bool((section.get("params") or {}).get("torch_adam"))
+                       and str(out.get("type", "")).lower() == "adamw")
+        out["weight_decay"] = 0.01 if torch_adamw else 0.0
     return out
 
 
