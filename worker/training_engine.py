@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -228,10 +229,20 @@ class TrainingEngine(torch.nn.Module):
         if self.is_gradient_accumulation_boundary():
             self.optimizer.step()  # through the optimizer: torch schedulers see it stepped
             if self._step_applied and self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+                self._step_schedule(lr_kwargs or {})
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         self.micro_steps += 1
+
+    def _step_schedule(self, lr_kwargs: dict) -> None:
+        """The LR schedule's step. A torch scheduler built on the caller's own optimizer
+        (before initialize) never sees that optimizer stepped (the engine steps in its
+        place) and would warn that the schedule steps first: not so, so not said."""
+        with warnings.catch_warnings():
+            if getattr(self.lr_scheduler, "optimizer", self.optimizer) is not self.optimizer:
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` "
+                                        r"before `optimizer\.step\(\)`", category=UserWarning)
+            self.lr_scheduler.step(**lr_kwargs)
 
     def _apply_step(self) -> None:
         """The optimizer step of the window (EngineOptimizer.step)."""
