@@ -412,7 +412,8 @@ class _Translator:
         accum = self.train.get("gradient_accumulation_steps")
         if micro is not None and accum is not None:
             if batch != micro * accum * world:
-                product = " x ".join(str(n) for n in (micro, accum, world)[:3 if world > 1 else 2])
+                factors = [micro, accum] + ([world] if world > 1 else [])
+                product = " x ".join(map(str, factors))
                 raise ConfigError(
                     f"train_batch_size {batch} is not train_micro_batch_size_per_gpu x "
                     f"gradient_accumulation_steps{ranks} ({product} = {micro * accum * world}); "
