@@ -35,7 +35,7 @@ from tierstack.config import CpuPoolConfig, NvmePoolConfig, TierManagerConfig
 from tierstack.services.tier_manager.adamw import AdamWStepper
 from tierstack.services.tier_manager.registry import TierRegistry
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
-from tierstack.worker.run_directory import run_directory
+from tierstack.worker.node.run_directory import run_directory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_deepspeed import bench_io  # noqa: E402

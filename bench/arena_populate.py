@@ -4,7 +4,7 @@ the pool before 2026-12-07), interleaved, medians of --reps. On the project's ma
 virtual machines all, a new arena's cost is the first write of host memory, and a
 1.3e9-parameter job's first optimizer step makes ~16 GB of arenas (fp32 masters and two
 moments). With CUDA, also how long page-locking a mapping of it takes (cudaHostRegister,
-which every worker does once per arena it maps: worker/arenas.py).
+which every worker does once per arena it maps: worker/store/arenas.py).
 
     python3 bench/arena_populate.py --size 2GiB --reps 5
 """

@@ -45,7 +45,7 @@ import torch
 from tierstack.config import GiB, MiB, AioConfig, TierManagerConfig
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.services.tier_manager.io_engine import BlockRequest, DirectFile, IoEngine, StagingBuffer
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.store.layer_store import LayerStore
 
 
 def tier_manager_config(cpu_pool: int, nvme: int, nvme_dir: Path,

@@ -40,10 +40,10 @@ from tierstack.config import (WEIGHTS_FROM_MASTERS, BudgetsConfig, GiB, Optimize
                               ParamOffloadConfig, TierManagerConfig, TrainConfig, parse_size)
 from tierstack.errors import KeyNotFoundError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.engine import OffloadEngine, job_budgets
+from tierstack.worker.engine.offload_engine import OffloadEngine, job_budgets
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.training import run_steps
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.engine.training_loop import run_steps
 
 
 def random_batches(batch_size: int, seq_len: int):

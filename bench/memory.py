@@ -151,8 +151,8 @@ def worker_main(spec: dict) -> None:
     import torch
 
     from tierstack.config import load_config
-    from tierstack.worker.engine import OffloadEngine
-    from tierstack.worker.layers import LayerStore
+    from tierstack.worker.engine.offload_engine import OffloadEngine
+    from tierstack.worker.store.layer_store import LayerStore
 
     torch.manual_seed(0)
     config = load_config(spec["config"])

@@ -1,7 +1,7 @@
 """Bandwidth-centric partitioning: per-rank tier traffic and step time for N = 1, 2, ...
 
 For one model (the project's GPT, or a Hugging Face LLaMA built from a config with
-`--model llama`) and one global batch, runs partitioned training (worker/sharded_store.py)
+`--model llama`) and one global batch, runs partitioned training (worker/store/sharded_store.py)
 with N ranks for each N asked, interleaved, several times, each rank with its own
 tier-manager daemon (standing for its own node: its own CPU pool and NVMe directory).
 Per rank and step (medians over the steps after the first): bytes read from the CPU
@@ -44,7 +44,7 @@ from dataclasses import replace
 import torch
 
 from tierstack.config import GiB, MiB, OptimizerConfig, TierManagerConfig, config_dict, parse_size
-from tierstack.worker.engine import training_state_bytes
+from tierstack.worker.engine.offload_engine import training_state_bytes
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import PHASES, PartitionedSpec, build_model, launch_partitioned
 

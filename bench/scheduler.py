@@ -46,8 +46,8 @@ from tierstack.services.scheduler.planner import plan_job
 from tierstack.services.scheduler.simulator import simulate
 from tierstack.services.scheduler.synthetic import node, transformer_trace
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.plan_follower import PlanFollower
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.plans.follower import PlanFollower
 
 
 STAGING = 3

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from tierstack.config import (BudgetsConfig, GiB, MiB, OptimizerConfig, ParamOffloadConfig,
                               TierManagerConfig, TrainConfig)
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.engine import OffloadEngine, job_budgets
+from tierstack.worker.engine.offload_engine import OffloadEngine, job_budgets
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.training import run_steps
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.engine.training_loop import run_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ensure_layer import disk_read_gbps, pinned_copy_gbps  # noqa: E402

@@ -20,7 +20,7 @@ the global batch micro x N (--micro per GPU), each rank its own rows; tokens/s =
 tokens per step / median step time after the warm-up. DeepSpeed: N processes over NCCL,
 the same JSON with train_batch_size = micro x N, started by one launcher process (the
 child sampled, so the footprint covers every rank). tierstack: the partitioned engine
-(worker/sharded_engine.py) as bench/partitioned.py runs it, its ranks started by
+(worker/engine/sharded_engine.py) as bench/partitioned.py runs it, its ranks started by
 launch_partitioned from a child that also runs the node's one tier-manager daemon, which
 the ranks share, sized from the same JSON as for one rank (run_tierstack). Step times
 are rank 0's; losses are the global batch's mean on both sides. The partitioned engine
@@ -74,7 +74,7 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from footprint import Sampler, host_used_bytes  # noqa: E402
 from tierstack.process_tree import kill_tree  # noqa: E402
-from tierstack.worker.run_directory import run_directory  # noqa: E402
+from tierstack.worker.node.run_directory import run_directory  # noqa: E402
 
 MODELS = {
     # The issue's model: 1.345e9 parameters, untied.
@@ -172,7 +172,7 @@ def _batches(vocab: int, micro: int, seq: int, count: int, seed: int = 1):
 
 def rank_environ(rank: int, world: int, port: int) -> dict[str, str]:
     """torchrun's variables for `rank` of `world` on this machine, as DeepSpeed reads them.
-    (tierstack.worker.distributed.RankEnv has them too, but importing it brings torch into
+    (tierstack.worker.node.distributed.RankEnv has them too, but importing it brings torch into
     the launcher, whose memory counts as DeepSpeed's footprint.)"""
     return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -224,10 +224,10 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
     from tierstack.config import load_config
     from tierstack.services.scheduler.embedded import EmbeddedScheduler
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-    from tierstack.worker.engine import OffloadEngine
-    from tierstack.worker.layers import LayerStore
-    from tierstack.worker.plan_follower import PlanFollower
-    from tierstack.worker.training import run_steps
+    from tierstack.worker.engine.offload_engine import OffloadEngine
+    from tierstack.worker.store.layer_store import LayerStore
+    from tierstack.worker.plans.follower import PlanFollower
+    from tierstack.worker.engine.training_loop import run_steps
 
     device = torch.device(args.device)
     config = load_config(config_dict)
@@ -313,7 +313,7 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
 
 def _size_node(tm, train, budgets, model, run_dir: Path) -> None:
     """The tier manager's pools and directory for a run of `model` under `train`'s placement."""
-    from tierstack.worker.engine import training_state_bytes
+    from tierstack.worker.engine.offload_engine import training_state_bytes
 
     tm.nvme_pool.paths = [str(run_dir)]
     tm.manifest_path = str(run_dir / "manifest.sqlite")

@@ -45,7 +45,7 @@ How steps are timed. train.py times its own steps: perf_counter before forward_a
 (which ends with torch.cuda.synchronize) and after optimizer.step() and
 _sync_params_to_gpu() (whose copies to the GPU are queued, not waited for); it logs Time,
 Tokens/s and TFLOPS per micro-batch, with log timestamps of 1 s resolution. So both sides
-are timed alike from outside instead: tierstack's by worker/training.py's run_steps (the
+are timed alike from outside instead: tierstack's by worker/engine/training_loop.py's run_steps (the
 device synchronised before and after each step), MegaTrain's by the launcher, from the
 start of a step's first forward_and_backward to the end of its _sync_params_to_gpu, after
 torch.cuda.synchronize (the queued copies count). MegaTrain's CPUAdam runs inside that
@@ -65,7 +65,7 @@ and computes in fp32, then stores the new weight into the bf16 parameter
 c10::BFloat16; the AVX path likewise), so an update below half a bf16 step of the weight is
 lost (`weights_changed_share`: per step, the share of layer 0's sampled weights that
 moved). tierstack at precision bf16 keeps fp32 masters of every parameter (worker/
-engine.py `_keep_the_rest`; worker/tiered_adamw.py refuses bf16 blocks without them) and
+engine.py `_keep_the_rest`; worker/engine/tiered_adamw.py refuses bf16 blocks without them) and
 rounds to bf16 only on the way to the device.
 
 Host footprint: bench/footprint.py's Sampler on each side's process tree (PSS summed over
@@ -119,7 +119,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_deepspeed  # noqa: E402
 from footprint import Sampler, host_used_bytes  # noqa: E402
 from tierstack.process_tree import kill_tree  # noqa: E402
-from tierstack.worker.run_directory import run_directory  # noqa: E402
+from tierstack.worker.node.run_directory import run_directory  # noqa: E402
 
 # Qwen2 shapes (transformers' Qwen2Config): rope theta 1e6 and RMS eps 1e-6 for all.
 MODELS = {

@@ -445,7 +445,7 @@ def test_a_terminal_gets_a_progress_bar_with_an_eta():
     import pty
 
     from tierstack.worker.jobs.progress import TrainProgress
-    from tierstack.worker.training import StepRecord
+    from tierstack.worker.engine.training_loop import StepRecord
 
     import fcntl
     import struct

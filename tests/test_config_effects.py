@@ -63,8 +63,8 @@ from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.model import Bandwidths, NodeSpec
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.types import WorkerReport
-from tierstack.worker.distributed import free_port
-from tierstack.worker.tier_session import TierSession
+from tierstack.worker.node.distributed import free_port
+from tierstack.worker.store.tier_session import TierSession
 
 NODE, TRAIN_NODE, SECURE, ENGINE = "node", "train_node", "secure", "runs"
 
@@ -1112,7 +1112,7 @@ def clean_step_refills_hysteresis(runs, e):
 @effect("train.fp16.min_loss_scale", 8.0, ENGINE,
         base=merged(FP16_AT_16, {"train": {"fp16": {"hysteresis": 1}}}))
 def scale_floor(runs, e):
-    from tierstack.worker.loss_scaler import LossScaleUnderflowError
+    from tierstack.worker.engine.loss_scaler import LossScaleUnderflowError
     with pytest.raises(LossScaleUnderflowError, match="min_loss_scale"):
         _scales(runs, e.with_value(), 2, overflow=(0, 1))  # 16 -> 8, then at the floor
     assert _scales(runs, e.with_default(), 2, overflow=(0, 1)) == [16.0, 8.0, 4.0]
@@ -1122,9 +1122,9 @@ def _partition_rank(env, addresses: list[str], configs: list[dict], out_dir: str
     """One of two data-parallel ranks, each on its own tier manager: a step per config
     (ShardedEngine, as a partitioned job's ranks build their engines); the
     bytes of block inputs it sent the other rank."""
-    from tierstack.worker.distributed import init_process_group
-    from tierstack.worker.sharded_engine import ShardedEngine
-    from tierstack.worker.sharded_store import ShardedLayerStore
+    from tierstack.worker.node.distributed import init_process_group
+    from tierstack.worker.engine.sharded_engine import ShardedEngine
+    from tierstack.worker.store.sharded_store import ShardedLayerStore
 
     torch.set_num_threads(1)
     init_process_group(env, torch.device("cpu"))
@@ -1151,7 +1151,7 @@ def _partition_rank(env, addresses: list[str], configs: list[dict], out_dir: str
 def block_inputs_spread_over_the_ranks_nodes(runs, e, node, tmp_path):
     """Two ranks on two tier managers: each sends part of every block input it stashes to
     the other's node (one rank, or ranks sharing a daemon, have nowhere to spread them)."""
-    from tierstack.worker.distributed import launch_local
+    from tierstack.worker.node.distributed import launch_local
 
     addresses = [runs.address, node.up().tier_manager.address]
     launch_local(_partition_rank, 2, addresses, [e.with_value(), e.with_default()], str(tmp_path))

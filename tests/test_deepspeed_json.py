@@ -16,9 +16,9 @@ from tierstack.config import load_config
 from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.tiered_adamw import MOMENTS
+from tierstack.worker.engine.offload_engine import OffloadEngine
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.engine.tiered_adamw import MOMENTS
 
 HYPER = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 

@@ -466,7 +466,7 @@ class ActivationConfig:
     manager (policy 'cpu', 'nvme', or 'auto' where the placement sends them there) over
     the ranks' tier managers, each node holding a share proportional to its pool, instead
     of each rank's inputs all on its own node (DeepSpeed's partition_activations; see
-    worker/partitioned_stash.py). One rank keeps them whole."""
+    worker/engine/partitioned_stash.py). One rank keeps them whole."""
 
     def validate(self, prefix: str) -> None:
         if self.policy not in ACTIVATION_POLICIES:
@@ -508,7 +508,7 @@ class LRScheduleConfig:
 @dataclass
 class LossScaleConfig:
     """fp16 loss scaling (DeepSpeed's `fp16` section), used when train.precision is 'fp16'
-    (worker/loss_scaler.py). A step whose gradients overflow is skipped; with dynamic
+    (worker/engine/loss_scaler.py). A step whose gradients overflow is skipped; with dynamic
     scaling the scale then halves, and doubles again after loss_scale_window clean steps."""
 
     loss_scale: float = 0.0

@@ -13,7 +13,7 @@ DeepSpeed's own buffer (decided here); `partition_activations` is train.activati
 DeepSpeed splits a checkpoint over model-parallel ranks, which hold the same activation
 (and without a model-parallel group keeps it whole); tierstack's ranks are data-parallel,
 each with its own micro-batch's inputs, so there it spreads the inputs sent to the tier
-manager over the ranks' nodes in proportion to their pools (worker/partitioned_stash.py).
+manager over the ranks' nodes in proportion to their pools (worker/engine/partitioned_stash.py).
 Inputs kept on the device (no cpu_checkpointing, and an HBM budget that holds them) stay
 whole, as DeepSpeed's do without model parallelism; one rank keeps everything whole.
 

@@ -1,7 +1,7 @@
 """The user's run index: every directory a run made, until the run removes it.
 
 A run (`tierstack train`, `tierstack.initialize`) makes directories for its NVMe pool
-(worker/run_directory.py) and removes them when it ends. One that cannot (SIGKILL, an
+(worker/node/run_directory.py) and removes them when it ends. One that cannot (SIGKILL, an
 OOM kill, a lost machine) leaves them, and they can be large: each run is recorded here,
 one small JSON file per run (job, pid, host, start, directories) under `runs_dir()`, so
 `tierstack doctor` reports what dead runs left (path, size, age) and `tierstack jobs

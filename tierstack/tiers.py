@@ -41,4 +41,4 @@ ACTIVATION_POLICIES: tuple[ActivationPolicy, ...] = ("auto", "keep", "recompute"
 """What an offloaded block keeps for its backward: all its activations ("keep", no
 recompute), only its input on the device ("recompute"), or only its input, kept by the
 tier manager in the CPU pool ("cpu") or NVMe ("nvme") and recomputed from there; "auto":
-the HBM budget decides (worker/placement.py)."""
+the HBM budget decides (worker/engine/placement.py)."""

@@ -89,18 +89,18 @@ PATCHES = {
             "streamed": sorted(n for n, s in held.sources.items() if isinstance(s, m.StreamedTensor))}),
         _wrap(m.AdamWStepper, "_give_back", "fin", lambda self, held, *a, **k: {"key": held.block.params}),
         _wrap(m.AdamWStepper, "step", "step", lambda self, blocks, *a, **k: {"keys": [b.params for b in blocks]})),
-    "tierstack.worker.layers": lambda m: (
+    "tierstack.worker.store.layer_store": lambda m: (
         _wrap(m.LayerStore, "ensure_layer", "ensure", lambda self, i, *a, **k: {"i": i}),
         _wrap(m.LayerStore, "_fetch", "fetch", lambda self, key, n, *a, **k: {"key": key, "b": n})),
-    "tierstack.worker.tiered_adamw": lambda m: (
+    "tierstack.worker.engine.tiered_adamw": lambda m: (
         _wrap(m.TieredAdamW, "_run", "run", lambda self, idx, *a, **k: {"i": idx}),),
-    "tierstack.worker.engine": lambda m: (
+    "tierstack.worker.engine.offload_engine": lambda m: (
         _wrap(m.OffloadEngine, "train_step", "train_step", lambda self, *a, **k: {}),
         _wrap(m.OffloadEngine, "place_with", "place", lambda self, *a, **k: {}),
         _wrap(m.OffloadEngine, "_store_deferred_masters", "masters", lambda self, *a, **k: {}),
         _wrap(m.OffloadEngine, "backward", "backward", lambda self, *a, **k: {}),
         _wrap(m.OffloadEngine, "step", "opt_step", lambda self, *a, **k: {})),
-    "tierstack.worker.initialize": lambda m: (
+    "tierstack.worker.api.initialize": lambda m: (
         _wrap(m, "initialize", "init", lambda *a, **k: {}),),
     # Hugging Face's train(): its train_runtime is this span's (tierstack's Trainer inherits it).
     "transformers.trainer": lambda m: (

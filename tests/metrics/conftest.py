@@ -62,7 +62,7 @@ class Traffic:
     device on every pass, and write_back (device -> CPU pool -> NVMe) of one layer."""
 
     def __init__(self, address: str) -> None:
-        from tierstack.worker.layers import LayerStore
+        from tierstack.worker.store.layer_store import LayerStore
 
         self.store = LayerStore("metrics-test", device="cpu", device_budget=3 * LAYER_BYTES,
                                 address=address, durable=True)

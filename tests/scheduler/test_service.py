@@ -24,9 +24,9 @@ from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.proto import node_metrics_pb2, node_metrics_pb2_grpc
 from tierstack.services.scheduler.model import NVME, Bandwidths
-from tierstack.worker.plan_watcher import PlanWatcher
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.plan_follower import PlanFollower
+from tierstack.worker.plans.watcher import PlanWatcher
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.plans.follower import PlanFollower
 
 FAST_REPLAN = SchedulerConfig(report_interval_seconds=0.2, replan_threshold=0.25, replan_after_seconds=0.5)
 # No drift re-plans: a test's plan versions come only from what the test does.

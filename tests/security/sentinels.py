@@ -12,7 +12,7 @@ import hashlib
 import torch
 
 from tierstack.services.tier_manager.client import TierManagerClient
-from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.store.arenas import ArenaMap
 
 SENTINEL_JOB = "sentinel"
 SIZES = (0, 4096, 300_000, 1_100_000)

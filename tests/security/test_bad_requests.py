@@ -14,7 +14,7 @@ from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
-from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.store.arenas import ArenaMap
 
 HYPER = AdamWHyper(step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
 

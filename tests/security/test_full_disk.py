@@ -12,7 +12,7 @@ import torch
 
 from tierstack.errors import PoolExhaustedError
 from tierstack.services.tier_manager.client import TierManagerClient
-from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.store.arenas import ArenaMap
 from tests.conftest import tier_manager_process
 from tests.tier_manager.test_daemon import write
 

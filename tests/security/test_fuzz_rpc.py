@@ -48,7 +48,7 @@ from tierstack.proto import node_metrics_pb2, scheduler_pb2, tier_manager_pb2
 from tierstack.rpc import RETRY_PUSHBACK
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.services.tier_manager.client import TierManagerClient
-from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.store.arenas import ArenaMap
 
 FUZZ_SECONDS = float(os.environ.get("TIERSTACK_FUZZ_SECONDS") or 12.0)
 CALL_TIMEOUT = 20.0

@@ -357,7 +357,7 @@ def test_a_step_streamed_from_nvme_reads_parameters_only_without_masters(daemon,
     and updated."""
     from tests.tier_manager.test_daemon import write
     from tierstack.services.tier_manager.client import TierManagerClient
-    from tierstack.worker.arenas import ArenaMap
+    from tierstack.worker.store.arenas import ArenaMap
 
     client = TierManagerClient(daemon.address)
     arenas = ArenaMap(client.node(), pin_for_cuda=False, describe=client.node)

@@ -16,7 +16,7 @@ import torch
 from tierstack.services.tier_manager.adamw_kernel import MAX_ULPS, ulp_distance
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
-from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.store.arenas import ArenaMap
 from tests.conftest import tier_manager_process
 
 # Tiny, odd and around the vector widths (8 for AVX2, 16 for AVX512); 100,003 is split

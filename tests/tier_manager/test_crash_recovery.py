@@ -24,7 +24,7 @@ import torch
 from tests.conftest import tier_manager_process
 from tierstack.errors import KeyNotFoundError, TierstackError
 from tierstack.services.tier_manager.client import TierManagerClient
-from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.store.arenas import ArenaMap
 
 KILL_SECONDS = float(os.environ.get("TIERSTACK_KILL_SECONDS") or 8.0)
 DELETED = -1  # the state of a key whose delete was acknowledged

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError, PoolExhaustedError
-from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.store.arenas import ArenaMap
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.service_process import ServiceProcess
 from tests.conftest import tier_manager_process
@@ -82,7 +82,7 @@ def test_a_worker_maps_arenas_as_they_come_and_unmaps_the_ones_returned(daemon_c
     600 KB: above the 64 KiB a 16 MiB pool shares, so each has an arena of its own."""
     import json
     from tests.conftest import tier_manager_process
-    from tierstack.worker.tier_session import TierSession
+    from tierstack.worker.store.tier_session import TierSession
 
     config = json.loads(daemon_config.read_text())
     config["tier_manager"]["cpu_pool"]["keep_empty_seconds"] = 0.5
@@ -109,7 +109,7 @@ def test_a_worker_maps_arenas_as_they_come_and_unmaps_the_ones_returned(daemon_c
 def test_a_worker_maps_only_the_arenas_an_answer_names(daemon):
     """Arenas another worker filled are listed but not mapped (on a GPU: not page-locked)
     until an answer names one: a second session that reads one block maps its arena only."""
-    from tierstack.worker.tier_session import TierSession
+    from tierstack.worker.store.tier_session import TierSession
 
     writer = TierSession(daemon.address, reconnect_timeout=10, pin_for_cuda=False)
     try:

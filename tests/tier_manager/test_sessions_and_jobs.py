@@ -84,7 +84,7 @@ def test_reopening_a_job_while_its_ended_state_is_deleted_loses_no_acknowledged_
     import random
 
     from tierstack.errors import FailedPreconditionError
-    from tierstack.worker.arenas import ArenaMap
+    from tierstack.worker.store.arenas import ArenaMap
 
     config = tmp_path / "tm.json"
     config.write_text(json.dumps({"tier_manager": {

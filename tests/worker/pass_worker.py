@@ -56,7 +56,7 @@ def run_passes(store, seed: int, layers: int, passes: int, depth: int = 2) -> in
 
 
 def main() -> None:
-    from tierstack.worker.layers import LayerStore
+    from tierstack.worker.store.layer_store import LayerStore
     address, job, seed, layers, passes, mode = sys.argv[1:7]
     seed, layers, passes = int(seed), int(layers), int(passes)
     budget = int(sys.argv[7]) if len(sys.argv) > 7 else 8 << 20

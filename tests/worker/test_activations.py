@@ -18,11 +18,11 @@ from tests.worker.test_offload import TinyGPT
 from tierstack.budgets import Budgets
 from tierstack.config import load_config
 from tierstack.errors import KeyNotFoundError, PoolExhaustedError
-from tierstack.worker.activation_stash import ActivationStash
-from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.engine.activation_stash import ActivationStash
+from tierstack.worker.engine.offload_engine import OffloadEngine
+from tierstack.worker.store.layer_store import LayerStore
 from tierstack.errors import ConfigError
-from tierstack.worker.placement import DeviceFootprint, SavedBytes, place_blocks
+from tierstack.worker.engine.placement import DeviceFootprint, SavedBytes, place_blocks
 
 SEQ, ROWS, LAYERS = 128, 8, 4
 INPUT_BYTES = ROWS * SEQ * 64 * 4  # one block's fp32 input: 256 KiB

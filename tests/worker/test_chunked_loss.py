@@ -1,4 +1,4 @@
-"""The loss a chunk of tokens at a time (worker/chunked_loss.py): the same loss and
+"""The loss a chunk of tokens at a time (worker/engine/chunked_loss.py): the same loss and
 gradients as one cross-entropy over the whole logits, and the engine training with it
 as plain PyTorch trains."""
 
@@ -11,10 +11,10 @@ import torch
 
 from tests.worker.test_engine_tiers import _data, _plain_losses, _train_config
 from tests.worker.test_offload import TinyGPT
-from tierstack.worker import chunked_loss
-from tierstack.worker.chunked_loss import chunked_cross_entropy, output_head
-from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.engine import chunked_loss
+from tierstack.worker.engine.chunked_loss import chunked_cross_entropy, output_head
+from tierstack.worker.engine.offload_engine import OffloadEngine
+from tierstack.worker.store.layer_store import LayerStore
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.store.layer_store import LayerStore
 
 
 def _pinned(store: LayerStore, expect: int, timeout: float = 10.0) -> int:

@@ -10,8 +10,8 @@ import torch
 from tests.worker.test_offload import TinyGPT, assert_hf_steps_match
 from tierstack.config import load_config
 from tierstack.errors import ConfigError, InvalidArgumentError
-from tierstack.worker.engine import OffloadEngine, block_tiers, state_tiers
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.engine.offload_engine import OffloadEngine, block_tiers, state_tiers
+from tierstack.worker.store.layer_store import LayerStore
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -257,7 +257,7 @@ def test_offloading_only_the_optimizer_state_keeps_the_masters_on_the_host(daemo
     device for each step (and stay from forward to backward where the HBM budget allows),
     the tier manager steps them; it says so, and trains like plain PyTorch."""
     train = _train_config(params={"device": "none"}, optimizer_state={"device": "cpu"})
-    with caplog.at_level(logging.INFO, logger="tierstack.worker.engine"):
+    with caplog.at_level(logging.INFO, logger="tierstack.worker.engine.offload_engine"):
         assert block_tiers(train, "blocks", 3) == ["cpu"] * 3
         assert state_tiers(train, "blocks", 3) == ["cpu"] * 3
     assert "optimizer state stays on the host (ZeRO-Offload)" in caplog.text
@@ -316,7 +316,7 @@ def test_with_no_buffer_size_stated_no_tensor_size_is_refused(daemon, monkeypatc
     """DeepSpeed's default of 1e8 elements refused every hidden size past ~5,800 (a 6144-wide
     QKV has 113e6): not stated, tierstack sets no limit (it stages whole blocks within the
     device budget). The check must not run at all, whatever the tensors' sizes."""
-    import tierstack.worker.engine as engine_module
+    import tierstack.worker.engine.offload_engine as engine_module
 
     def refuse(*args):
         raise AssertionError(f"buffer size checked with no limit stated: {args[-1]}")

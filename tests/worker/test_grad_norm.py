@@ -2,8 +2,8 @@
 
 import torch
 
-from tierstack.worker import grad_norm
-from tierstack.worker.grad_norm import squared_norm
+from tierstack.worker.store import grad_norm
+from tierstack.worker.store.grad_norm import squared_norm
 
 
 def test_a_chunked_norm_equals_the_whole_tensor_sum_of_squares(monkeypatch):

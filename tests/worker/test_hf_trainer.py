@@ -1,4 +1,4 @@
-"""Hugging Face's Trainer through tierstack (worker/hf_trainer.py), against transformers' own
+"""Hugging Face's Trainer through tierstack (worker/api/hf_trainer.py), against transformers' own
 Trainer without DeepSpeed on the same seed and data: a real tier manager, real offloaded
 blocks, a tiny LlamaForCausalLM built from its config (no downloads), fp32, no dropout."""
 
@@ -25,7 +25,7 @@ from safetensors.torch import load_file  # noqa: E402  (transformers brings it)
 from tests.test_hf_deepspeed import STOCK_ZERO3_OFFLOAD  # noqa: E402
 from tierstack.errors import ConfigError, InvalidArgumentError  # noqa: E402
 from tierstack.lr_schedules import WarmupLR  # noqa: E402
-from tierstack.worker import hf_trainer  # noqa: E402
+from tierstack.worker.api import hf_trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer_clm.py"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import tierstack
 from tierstack.errors import ConfigError, InvalidArgumentError, TierManagerUnavailableError
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.store.layer_store import LayerStore
 
 VOCAB, DIM, LAYERS, ROWS, SEQ = 61, 32, 4, 4, 9
 

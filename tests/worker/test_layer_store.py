@@ -10,7 +10,7 @@ import torch
 
 from tests.worker.pass_worker import bit_equal, make_layer, run_passes
 from tierstack.errors import DeviceBudgetError, InvalidArgumentError
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.store.layer_store import LayerStore
 
 
 def spawn_worker(daemon, job, seed, layers, passes, mode, budget=8 << 20):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tierstack.config import LossScaleConfig
-from tierstack.worker.loss_scaler import DynamicLossScaler, LossScaleUnderflowError, has_overflow
+from tierstack.worker.engine.loss_scaler import DynamicLossScaler, LossScaleUnderflowError, has_overflow
 
 O, F = True, False  # an update with an overflow, a clean one
 

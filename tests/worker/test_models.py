@@ -11,9 +11,9 @@ import torch
 from tierstack.config import load_config
 from tierstack.errors import ConfigError
 from tierstack.module_tiers import ModuleTiers
-from tierstack.worker.engine import OffloadEngine, materialize
+from tierstack.worker.engine.offload_engine import OffloadEngine, materialize
 from tierstack.worker.jobs.gpt import GPT, GPTConfig, build_gpt
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.store.layer_store import LayerStore
 
 NVME = load_config({"train": {"params": {"device": "nvme"}, "optimizer_state": {"device": "nvme"}}}).train
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.offload import OffloadedBlocks
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.engine.offloaded_blocks import OffloadedBlocks
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_twenty_steps_with_state_on_nvme_match_plain_adamw(daemon):
     parameters and optimizer states of 6 blocks (~75 MB with grads and moments) going
     through a 16 MiB CPU pool to NVMe."""
     from tierstack.config import OptimizerConfig
-    from tierstack.worker.tiered_adamw import TieredAdamW
+    from tierstack.worker.engine.tiered_adamw import TieredAdamW
     torch.manual_seed(0)
     reference = TinyGPT(dim=256, heads=8, layers=6)
     model = copy.deepcopy(reference)
@@ -109,7 +109,7 @@ def test_twenty_steps_with_state_on_nvme_match_plain_adamw(daemon):
 def _hf_matches_plain(daemon, model_factory, blocks_attr, job):
     """Three AdamW steps of a Hugging Face model: offloaded vs plain, fp32, same data."""
     from tierstack.config import OptimizerConfig
-    from tierstack.worker.engine import OffloadEngine
+    from tierstack.worker.engine.offload_engine import OffloadEngine
     torch.manual_seed(0)
     reference = model_factory()
     model = copy.deepcopy(reference)
@@ -167,8 +167,8 @@ def _steps(engine, data_seed, count):
 
 def test_resume_after_step_10_reproduces_steps_11_to_20(daemon, tmp_path):
     from tierstack.config import OptimizerConfig
-    from tierstack.worker.checkpoint import load_checkpoint, save_checkpoint
-    from tierstack.worker.engine import OffloadEngine
+    from tierstack.worker.engine.checkpoint import load_checkpoint, save_checkpoint
+    from tierstack.worker.engine.offload_engine import OffloadEngine
     torch.manual_seed(0)
     store = LayerStore("run-a", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
@@ -194,8 +194,8 @@ def test_a_checkpoint_is_replaced_whole_or_not_at_all_and_verified_on_load(daemo
     import pytest
     from tierstack.config import OptimizerConfig
     from tierstack.errors import DataCorruptionError
-    from tierstack.worker import checkpoint
-    from tierstack.worker.engine import OffloadEngine
+    from tierstack.worker.engine import checkpoint
+    from tierstack.worker.engine.offload_engine import OffloadEngine
     store = LayerStore("ckpt", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
     try:
         saved = tmp_path / "checkpoints" / "ckpt"
@@ -232,8 +232,8 @@ def test_a_checkpoint_is_replaced_whole_or_not_at_all_and_verified_on_load(daemo
 def test_export_loads_with_hugging_face_from_pretrained(daemon, tmp_path):
     transformers = __import__("pytest").importorskip("transformers")
     from tierstack.config import OptimizerConfig
-    from tierstack.worker.checkpoint import export_safetensors
-    from tierstack.worker.engine import OffloadEngine
+    from tierstack.worker.engine.checkpoint import export_safetensors
+    from tierstack.worker.engine.offload_engine import OffloadEngine
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=3, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=64)
@@ -266,7 +266,7 @@ def test_bf16_with_fp32_masters_matches_the_same_recipe_in_plain_pytorch(daemon)
     backward, which moves the loss by ~1e-5 relative per step (seen: 2e-5 at step 1).
     """
     from tierstack.config import OptimizerConfig
-    from tierstack.worker.engine import OffloadEngine
+    from tierstack.worker.engine.offload_engine import OffloadEngine
     torch.manual_seed(0)
     reference = TinyGPT(dim=128, heads=4, layers=4)
     model = copy.deepcopy(reference)
@@ -309,7 +309,7 @@ def assert_block_grads_match(blocks, reference):
 
 def _engine_pair(daemon, job, factory, **engine_kwargs):
     from tierstack.config import OptimizerConfig
-    from tierstack.worker.engine import OffloadEngine
+    from tierstack.worker.engine.offload_engine import OffloadEngine
     torch.manual_seed(0)
     reference = factory()
     model = copy.deepcopy(reference)
@@ -383,8 +383,8 @@ def test_unsupported_blocks_are_refused_by_name(daemon):
 def test_a_budget_of_two_layers_is_enough_whatever_the_prefetch_depth(daemon):
     torch.manual_seed(0)
     model = TinyGPT(dim=64, layers=4)
-    from tierstack.worker.layers import layer_tensors
-    from tierstack.worker.layout import LayerLayout
+    from tierstack.worker.store.layer_store import layer_tensors
+    from tierstack.worker.store.layout import LayerLayout
     layer = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes
     store = LayerStore("tight", device="cpu", device_budget=2 * layer, address=daemon.address)
     try:

@@ -17,7 +17,7 @@ from tierstack.config import ActivationConfig, MiB, OptimizerConfig, ParamOffloa
 from tierstack.errors import ConfigError, KeyNotFoundError
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import small_embedded_node
-from tierstack.worker.partitioned_stash import shares
+from tierstack.worker.engine.partitioned_stash import shares
 
 GPT = GPTConfig(vocab_size=256, seq_len=32, dim=64, heads=4, layers=4)
 ROWS, STEPS = 4, 3  # global batch: 2 rows per rank
@@ -46,12 +46,12 @@ def _rank(env, out_dir: str, policy: str) -> None:
 
     from tierstack.config import load_config
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-    from tierstack.worker.distributed import init_process_group
-    from tierstack.worker.engine import materialize
+    from tierstack.worker.node.distributed import init_process_group
+    from tierstack.worker.engine.offload_engine import materialize
     from tierstack.worker.jobs.gpt import build_gpt
     from tierstack.worker.jobs.partitioned_job import PartitionedSpec, global_batches, rank_slice
-    from tierstack.worker.sharded_engine import ShardedEngine
-    from tierstack.worker.sharded_store import ShardedLayerStore
+    from tierstack.worker.engine.sharded_engine import ShardedEngine
+    from tierstack.worker.store.sharded_store import ShardedLayerStore
 
     torch.set_num_threads(1)
     init_process_group(env, torch.device("cpu"))
@@ -99,7 +99,7 @@ def _rank(env, out_dir: str, policy: str) -> None:
 
 @pytest.mark.parametrize("policy", ["cpu", "nvme"])
 def test_two_ranks_spread_their_inputs_by_pool_and_train_bit_for_bit_alike(tmp_path, policy):
-    from tierstack.worker.distributed import launch_local
+    from tierstack.worker.node.distributed import launch_local
     launch_local(_rank, 2, str(tmp_path), policy)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     input_bytes = (ROWS // 2) * GPT.seq_len * GPT.dim * 4  # one block's fp32 input per rank

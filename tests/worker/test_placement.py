@@ -13,9 +13,9 @@ from tests.worker.test_engine_tiers import HYPER, _data, _plain_losses, _train_c
 from tests.worker.test_offload import TinyGPT
 from tierstack.budgets import Budgets
 from tierstack.errors import ConfigError
-from tierstack.worker.engine import OffloadEngine, check_capacity, training_state_bytes
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.placement import (MARGIN_FRACTION, DeviceFootprint, check_policy_fits,
+from tierstack.worker.engine.offload_engine import OffloadEngine, check_capacity, training_state_bytes
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.engine.placement import (MARGIN_FRACTION, DeviceFootprint, check_policy_fits,
                                         place_blocks, under_policy)
 
 MiB = 1 << 20
@@ -305,7 +305,7 @@ def test_a_bf16_model_s_masters_wait_for_the_placement(daemon):
 def test_the_probe_counts_the_persistent_moments_its_first_step_has_not_made_yet():
     """The probe runs before any optimizer step: the moments of the parameters that stay on
     the device appear only after it, and every later step holds them (8 bytes/param)."""
-    from tierstack.worker.engine import pending_moment_bytes
+    from tierstack.worker.engine.offload_engine import pending_moment_bytes
 
     params = [torch.nn.Parameter(torch.zeros(10, 3)), torch.nn.Parameter(torch.zeros(5))]
     opt = torch.optim.AdamW(params)

@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 
-from tierstack.worker.plan_keeper import BAND
+from tierstack.worker.plans.keeper import BAND
 
 LOADED = (BAND[0] / 1.2, BAND[1] * 1.2)  # 0.67-1.5: see the docstring
 

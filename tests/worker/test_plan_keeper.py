@@ -15,10 +15,10 @@ from tierstack.errors import InvalidArgumentError
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.services.scheduler.synthetic import node
-from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.plan_follower import PlanFollower
-from tierstack.worker.plan_keeper import BAND, PlanKeeper
+from tierstack.worker.engine.offload_engine import OffloadEngine
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.plans.follower import PlanFollower
+from tierstack.worker.plans.keeper import BAND, PlanKeeper
 
 EXTRA = 0.25  # seconds of other work per step once the job slows down
 

@@ -19,9 +19,9 @@ from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.services.scheduler.model import CPU, TIERS
 from tierstack.services.scheduler.synthetic import node
-from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.plan_follower import PlanFollower
+from tierstack.worker.engine.offload_engine import OffloadEngine
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.plans.follower import PlanFollower
 
 LAYERS = 4
 

@@ -1,4 +1,4 @@
-"""worker/run_directory.py on a real filesystem: a run leaves nothing behind."""
+"""worker/node/run_directory.py on a real filesystem: a run leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tierstack.errors import ConfigError
-from tierstack.worker.run_directory import MARKER, run_directory
+from tierstack.worker.node.run_directory import MARKER, run_directory
 
 
 def test_the_run_directory_and_the_parents_it_made_are_removed(tmp_path):
@@ -101,7 +101,7 @@ def test_a_killed_runs_directories_are_reported_by_doctor_and_removed_by_jobs_cl
     # ignored (POSIX): the child puts Python's handler back so the SIGINT below ends it.
     script = ("import signal, sys, time\n"
               "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              "from tierstack.worker.run_directory import job_directories\n"
+              "from tierstack.worker.node.run_directory import job_directories\n"
               "with job_directories([sys.argv[1]], sys.argv[2]) as (d,):\n"
               "    open(d + '/data', 'wb').write(b'x' * 1048576)\n"
               "    print(d, flush=True)\n"

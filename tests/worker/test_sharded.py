@@ -14,7 +14,7 @@ from tierstack.errors import InvalidArgumentError
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.jobs.partitioned_job import (PartitionedSpec, global_batches, launch_partitioned,
                                               small_embedded_node)
-from tierstack.worker.flat_layout import ELEMENT_ALIGNMENT, FlatLayout
+from tierstack.worker.store.flat_layout import ELEMENT_ALIGNMENT, FlatLayout
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -198,7 +198,7 @@ def test_a_rank_that_raises_fails_the_local_launch_with_its_error_and_leaves_no_
     error; the traceback file torch's spawn keeps for it in the temp directory is gone."""
     import tempfile
 
-    from tierstack.worker.distributed import launch_local
+    from tierstack.worker.node.distributed import launch_local
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(Exception, match="rank one gave up: no data"):
@@ -214,11 +214,11 @@ def _llama_rank(env, out_dir: str, steps: int) -> None:
 
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
     from tierstack.config import load_config
-    from tierstack.worker.checkpoint import export_safetensors
-    from tierstack.worker.distributed import init_process_group
+    from tierstack.worker.engine.checkpoint import export_safetensors
+    from tierstack.worker.node.distributed import init_process_group
     from tierstack.worker.jobs.partitioned_job import rank_slice
-    from tierstack.worker.sharded_engine import ShardedEngine
-    from tierstack.worker.sharded_store import ShardedLayerStore
+    from tierstack.worker.engine.sharded_engine import ShardedEngine
+    from tierstack.worker.store.sharded_store import ShardedLayerStore
 
     torch.set_num_threads(1)
     init_process_group(env, torch.device("cpu"))
@@ -258,9 +258,9 @@ def _llama_config():
 
 def test_hugging_face_llama_trains_partitioned_like_plain_pytorch(tmp_path):
     """A model the engine was not written around: LLaMA from config, blocks at model.layers;
-    its export (worker/checkpoint.py, rank 0 writing) loads with from_pretrained."""
+    its export (worker/engine/checkpoint.py, rank 0 writing) loads with from_pretrained."""
     transformers = __import__("pytest").importorskip("transformers")
-    from tierstack.worker.distributed import launch_local
+    from tierstack.worker.node.distributed import launch_local
     steps = 3
     launch_local(_llama_rank, 2, str(tmp_path), steps)
     losses = torch.load(tmp_path / "losses.pt")

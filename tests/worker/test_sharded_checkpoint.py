@@ -1,5 +1,5 @@
 """Checkpoint and resume of a partitioned job: 2 gloo ranks, each with its own
-tier-manager daemon, saving through worker/checkpoint.py (rank 0 writes). The export of a
+tier-manager daemon, saving through worker/engine/checkpoint.py (rank 0 writes). The export of a
 partitioned Hugging Face model: tests/worker/test_sharded.py's LLaMA test."""
 
 from __future__ import annotations

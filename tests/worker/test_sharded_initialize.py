@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tierstack
-from tierstack.worker.distributed import launch_local
+from tierstack.worker.node.distributed import launch_local
 
 VOCAB, DIM, LAYERS, SEQ = 53, 32, 3, 8
 ROWS = 4  # a micro-batch of the global batch: every rank's micro-batches together
@@ -234,7 +234,7 @@ def test_a_rank_that_dies_fails_the_other_in_one_line_within_seconds_and_leaves_
     from tierstack.config import load_config
     from tierstack.services.tier_manager.client import TierManagerClient
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-    from tierstack.worker.distributed import free_port
+    from tierstack.worker.node.distributed import free_port
     from tierstack.worker.jobs.partitioned_job import small_embedded_node
 
     node = small_embedded_node(size_mib=4)
@@ -287,11 +287,11 @@ def _rank_placed(env, address: str, out_dir: str) -> None:
     device, block 2 streams."""
     from tierstack.budgets import Budgets
     from tierstack.config import OptimizerConfig, TrainConfig
-    from tierstack.worker.distributed import init_process_group
-    from tierstack.worker.engine import OffloadEngine
-    from tierstack.worker.layers import LayerStore
-    from tierstack.worker.sharded_engine import ShardedEngine
-    from tierstack.worker.sharded_store import ShardedLayerStore
+    from tierstack.worker.node.distributed import init_process_group
+    from tierstack.worker.engine.offload_engine import OffloadEngine
+    from tierstack.worker.store.layer_store import LayerStore
+    from tierstack.worker.engine.sharded_engine import ShardedEngine
+    from tierstack.worker.store.sharded_store import ShardedLayerStore
 
     sharded = env.world_size > 1
     if sharded:
@@ -351,11 +351,11 @@ def test_a_rank_that_never_leaves_its_process_group_has_left_it_before_the_inter
     import subprocess
     import sys
 
-    from tierstack.worker.distributed import free_port
+    from tierstack.worker.node.distributed import free_port
 
     script = (
         "import atexit, torch, torch.distributed as dist\n"
-        "from tierstack.worker.distributed import RankEnv, init_process_group\n"
+        "from tierstack.worker.node.distributed import RankEnv, init_process_group\n"
         "atexit.register(lambda: print('joined at exit:', dist.is_initialized(), flush=True))\n"
         f"env = RankEnv(0, 1, 0, '127.0.0.1', {free_port()})\n"
         "init_process_group(env, torch.device('cpu'))\n"

@@ -15,7 +15,7 @@ import time
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import (PHASES, PartitionedSpec, launch_partitioned,
                                                    small_embedded_node)
-from tierstack.worker.step_phases import NO_PHASES, PhaseClock
+from tierstack.worker.store.step_phases import NO_PHASES, PhaseClock
 
 SPEC = PartitionedSpec(gpt=GPTConfig(vocab_size=256, seq_len=32, dim=32, heads=2, layers=2),
                        steps=3, global_batch=4, data="random", embedded=small_embedded_node(16),

@@ -13,7 +13,7 @@ from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.embedded import EmbeddedScheduler
 from tierstack.services.scheduler.model import Bandwidths
 from tierstack.services.scheduler.synthetic import GB, node
-from tierstack.worker.distributed import launch_local
+from tierstack.worker.node.distributed import launch_local
 
 STEPS = 5
 
@@ -23,12 +23,12 @@ def _following_rank(env, scheduler: str, out_dir: str) -> None:
 
     from tierstack.config import load_config
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-    from tierstack.worker.distributed import init_process_group
+    from tierstack.worker.node.distributed import init_process_group
     from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
     from tierstack.worker.jobs.partitioned_job import rank_slice, small_embedded_node
-    from tierstack.worker.plan_follower import PlanFollower
-    from tierstack.worker.sharded_engine import ShardedEngine
-    from tierstack.worker.sharded_store import ShardedLayerStore
+    from tierstack.worker.plans.follower import PlanFollower
+    from tierstack.worker.engine.sharded_engine import ShardedEngine
+    from tierstack.worker.store.sharded_store import ShardedLayerStore
 
     torch.set_num_threads(1)
     init_process_group(env, torch.device("cpu"))

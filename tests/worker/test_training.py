@@ -1,4 +1,4 @@
-"""The one training loop (worker/training.py) driving a real engine and tier manager."""
+"""The one training loop (worker/engine/training_loop.py) driving a real engine and tier manager."""
 
 import copy
 
@@ -8,9 +8,9 @@ import torch
 from tests.worker.test_engine_tiers import _data, _plain_losses, _train_config
 from tests.worker.test_offload import TinyGPT
 from tierstack.errors import InvalidArgumentError
-from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.training import StopSignal, run_steps
+from tierstack.worker.engine.offload_engine import OffloadEngine
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.engine.training_loop import StopSignal, run_steps
 
 
 def test_run_steps_trains_times_and_measures_each_step(daemon):
@@ -87,7 +87,7 @@ def test_a_second_sigterm_later_stops_the_process_at_once():
 
     script = (
         "import os, signal, time\n"
-        "from tierstack.worker.training import StopSignal\n"
+        "from tierstack.worker.engine.training_loop import StopSignal\n"
         "with StopSignal(repeat_seconds=0.5) as stop:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(1.0)\n"

@@ -23,11 +23,11 @@ from tests.worker.test_offload import TinyGPT
 from tierstack.config import MiB, load_config
 from tierstack.errors import ConfigError, KeyNotFoundError
 from tierstack.services.tier_manager.client import TierManagerClient
-from tierstack.worker.checkpoint import load_checkpoint, save_checkpoint
+from tierstack.worker.engine.checkpoint import load_checkpoint, save_checkpoint
 from tierstack.config import BudgetsConfig
-from tierstack.worker.engine import OffloadEngine, host_state_bytes, job_budgets, weights_from_masters
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.sharded_engine import ShardedEngine
+from tierstack.worker.engine.offload_engine import OffloadEngine, host_state_bytes, job_budgets, weights_from_masters
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.engine.sharded_engine import ShardedEngine
 
 KINDS = ("params", "master", "exp_avg", "exp_avg_sq")
 LAYERS = 4

@@ -71,7 +71,7 @@ def build_gpt(config: GPTConfig, device: torch.device | str) -> GPT:
     its own reset_parameters, in the order an eager `GPT(config)` draws them: the model
     never has to fit in host memory, and on the CPU a seed gives the same weights as
     `GPT(config)` (on a GPU the device's generator draws them)."""
-    from tierstack.worker.engine import materialize
+    from tierstack.worker.engine.offload_engine import materialize
 
     with torch.device("meta"):
         model = GPT(config)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tierstack.errors import ConfigError
-from tierstack.worker.model_blocks import find_blocks
+from tierstack.worker.engine.model_blocks import find_blocks
 
 log = logging.getLogger(__name__)
 

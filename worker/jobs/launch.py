@@ -29,7 +29,7 @@ from pathlib import Path
 from tierstack.addresses import JOB_ENV, SCHEDULER_ENV, TIER_MANAGER_ENV
 from tierstack.config import load_config
 from tierstack.errors import ConfigError
-from tierstack.worker.daemon_address import check_reachable, running_tier_manager
+from tierstack.worker.node.daemon_address import check_reachable, running_tier_manager
 from tierstack.worker.jobs.train_flags import nvme_bases
 
 CONFIG_ENV = "TIERSTACK_CONFIG"
@@ -82,7 +82,7 @@ def _services(args: argparse.Namespace, config, job: str, stack: contextlib.Exit
         print(f"tierstack launch: the node's tier manager at {running}", file=sys.stderr)
         return {TIER_MANAGER_ENV: running}
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-    from tierstack.worker.run_directory import job_directories
+    from tierstack.worker.node.run_directory import job_directories
 
     tm = config.tier_manager
     bases, setting = nvme_bases(args, tm)

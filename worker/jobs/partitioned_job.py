@@ -28,17 +28,17 @@ from tierstack.config import (ActivationConfig, MiB, OptimizerConfig, ParamOfflo
                               TierManagerConfig, TrainConfig, config_dict, load_config)
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
+from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
-from tierstack.worker.distributed import RankEnv, init_process_group, rank_device
-from tierstack.worker.engine import materialize
+from tierstack.worker.node.distributed import RankEnv, init_process_group, rank_device
+from tierstack.worker.engine.offload_engine import materialize
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
-from tierstack.worker.run_directory import run_directory
-from tierstack.worker.layers import layer_tensors
-from tierstack.worker.layout import LayerLayout
-from tierstack.worker.sharded_engine import ShardedEngine
-from tierstack.worker.sharded_store import ShardedLayerStore
-from tierstack.worker.training import run_steps
+from tierstack.worker.node.run_directory import run_directory
+from tierstack.worker.store.layer_store import layer_tensors
+from tierstack.worker.store.layout import LayerLayout
+from tierstack.worker.engine.sharded_engine import ShardedEngine
+from tierstack.worker.store.sharded_store import ShardedLayerStore
+from tierstack.worker.engine.training_loop import run_steps
 
 
 @dataclass
@@ -73,7 +73,7 @@ class PartitionedSpec:
     """tier_manager config (as config_dict gives) for the embedded daemons; paths get a per-rank suffix."""
     collect_state: bool = False   # gather the trained weights into the result (tests)
     checkpoint_dir: str = ""
-    """Where the whole training state is saved at the end (worker/checkpoint.py's format:
+    """Where the whole training state is saved at the end (worker/engine/checkpoint.py's format:
     rank 0 writes, every rank must see the directory)."""
     checkpoint_every: int = 0     # steps between checkpoints (0: only at the end)
     resume: bool = False          # continue from checkpoint_dir's state up to `steps`
@@ -84,7 +84,7 @@ class PartitionedSpec:
     every block recomputed from its input on the device)."""
     partition_activations: bool = False
     """train.activations.partition: spread the inputs sent to the tier managers ("cpu",
-    "nvme") over the ranks' nodes (worker/partitioned_stash.py)."""
+    "nvme") over the ranks' nodes (worker/engine/partitioned_stash.py)."""
     time_phases: bool = False
     """Time each step's phases (StepFigures' forward_s ... tier_wait_s; the engine's
     time_phases): on CUDA a few timing events per collective, so off unless asked."""
@@ -114,7 +114,7 @@ class StepFigures:
     stalled_s: float = 0.0
     daemon_adamw_s: float = 0.0
     daemon_state_reads_s: float = 0.0
-    # With spec.time_phases (worker/step_phases.py), else 0: the main thread's forward,
+    # With spec.time_phases (worker/store/step_phases.py), else 0: the main thread's forward,
     # backward and optimizer call (one after the other, so they add up to at most the
     # step), the communication thread's collectives by kind (one at a time: each kind,
     # and all of them, at most the step; they overlap the forward and backward) and its
@@ -369,7 +369,7 @@ def _run_rank_to_file(env: RankEnv, spec: PartitionedSpec, out_dir: str) -> None
 
 def launch_partitioned(spec: PartitionedSpec, world: int) -> list[RankResult]:
     """Run `spec` on `world` local processes (no Ray); every rank's result, by rank."""
-    from tierstack.worker.distributed import launch_local
+    from tierstack.worker.node.distributed import launch_local
 
     out_dir = tempfile.mkdtemp(prefix="tierstack-ranks-")
     try:

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from tierstack.worker.training import StepRecord
+from tierstack.worker.engine.training_loop import StepRecord
 
 LINKS = (("nvme->cpu", "nvme_read"), ("cpu->nvme", "nvme_written"),
          ("cpu->dev", "to_device"), ("dev->cpu", "from_device"))

@@ -24,7 +24,7 @@ from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult
 from tierstack.worker.jobs.train_flags import nvme_bases
-from tierstack.worker.run_directory import job_directories
+from tierstack.worker.node.run_directory import job_directories
 
 log = logging.getLogger(__name__)
 console = Console()

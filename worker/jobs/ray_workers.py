@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tierstack.addresses import node_tier_manager_address
 from tierstack.errors import InvalidArgumentError, TierstackError
 from tierstack.process_tree import children, kill_tree
-from tierstack.worker.distributed import RankEnv, free_port
+from tierstack.worker.node.distributed import RankEnv, free_port
 from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult, run_rank
 from tierstack.worker.jobs.ray_auth import local_ray_auth
 

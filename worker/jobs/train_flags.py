@@ -13,10 +13,10 @@ from pathlib import Path
 from tierstack import arguments as types
 from tierstack.config import NvmePoolConfig, TierManagerConfig
 from tierstack.errors import ConfigError
-from tierstack.worker.daemon_address import check_reachable
+from tierstack.worker.node.daemon_address import check_reachable
 
 GPT_DEFAULTS = {"dim": 384, "layers": 8, "heads": 6}
-ENGINE_FILE = "engine.pt"  # worker/checkpoint.py's: a checkpoint directory holds it
+ENGINE_FILE = "engine.pt"  # worker/engine/checkpoint.py's: a checkpoint directory holds it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

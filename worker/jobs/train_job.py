@@ -27,17 +27,17 @@ from tierstack.config import AUTO_SIZE, MiB, TierManagerConfig, TierstackConfig,
 from tierstack.lr_schedules import build_schedule, schedule_for_cli
 from tierstack.errors import ConfigError
 from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-from tierstack.worker.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
-from tierstack.worker.engine import OffloadEngine, job_budgets, materialize
+from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
+from tierstack.worker.engine.offload_engine import OffloadEngine, job_budgets, materialize
 from tierstack.worker.jobs import corpus
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.jobs.progress import TrainProgress
-from tierstack.worker.daemon_address import check_reachable
+from tierstack.worker.node.daemon_address import check_reachable
 from tierstack.worker.jobs.train_flags import nvme_bases
-from tierstack.worker.run_directory import job_directories
-from tierstack.worker.layers import LayerStore, layer_tensors
-from tierstack.worker.layout import LayerLayout
-from tierstack.worker.training import StepRecord, StopSignal, run_steps
+from tierstack.worker.node.run_directory import job_directories
+from tierstack.worker.store.layer_store import LayerStore, layer_tensors
+from tierstack.worker.store.layout import LayerLayout
+from tierstack.worker.engine.training_loop import StepRecord, StopSignal, run_steps
 
 LOCAL_NODE = "local"  # the embedded default's one node, as the scheduler knows it
 
@@ -257,8 +257,8 @@ def _train(args, job: Job, job_name: str, device: torch.device, budget: int, add
             progress.say(f"resumed from {args.checkpoint_dir} after step {start}")
         keeper = None
         if scheduler:  # traces settled iterations, and again when a plan's step is off
-            from tierstack.worker.plan_follower import PlanFollower
-            from tierstack.worker.plan_keeper import PlanKeeper
+            from tierstack.worker.plans.follower import PlanFollower
+            from tierstack.worker.plans.keeper import PlanKeeper
             follower = PlanFollower(store, scheduler, node_id=LOCAL_NODE)
             # The first step probes the placement and creates the optimizer state; a short
             # run traces fewer iterations, so that a step still runs under the plan.

@@ -36,8 +36,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tierstack.errors import DataCorruptionError, InvalidArgumentError
-from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.tiered_adamw import MOMENTS
+from tierstack.worker.engine.offload_engine import OffloadEngine
+from tierstack.worker.engine.tiered_adamw import MOMENTS
 
 ENGINE_FILE = "engine.pt"  # train_flags.py names it too (without importing torch)
 

@@ -1,7 +1,7 @@
 """The contract between the offload engine and the store its blocks live in.
 
-Two stores keep it: `LayerStore` (worker/layers.py: one worker's blocks with its node's
-tier manager) and `ShardedLayerStore` (worker/sharded_store.py: each rank keeps 1/N of every
+Two stores keep it: `LayerStore` (worker/store/layer_store.py: one worker's blocks with its node's
+tier manager) and `ShardedLayerStore` (worker/store/sharded_store.py: each rank keeps 1/N of every
 block, gathered for use). The engine, its optimizer, the activation stash and checkpoints
 speak only this; what differs between the stores is a property of the store
 (`writes_checkpoint`, `writes_from_any_thread`), never a type the engine tests for.
@@ -22,14 +22,14 @@ class BlockStore(Protocol):
     layouts: list
     """Each block's LayerLayout (names, shapes, offsets of its tensors)."""
     budget: object
-    """The device budget (worker/device_budget.py) the loaded blocks stay within."""
+    """The device budget (worker/store/device_budget.py) the loaded blocks stay within."""
     client: object
     """The node's tier manager (services/tier_manager/client.py)."""
     recorder: object
     """A plan_follower.UseRecorder while a trace is recorded, else None."""
     from_masters: bool
     """The blocks' weights are made from their fp32 masters on each load (no copy of them
-    stored: worker/layers.py); a store that cannot do this keeps it False."""
+    stored: worker/store/layer_store.py); a store that cannot do this keeps it False."""
     writes_from_any_thread: bool
     """write_back may run on a thread of the caller's other than the one that made the
     tensors (False where a write is a collective every rank must issue in order)."""

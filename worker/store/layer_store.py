@@ -35,12 +35,12 @@ import torch
 
 from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.tiers import AUTO, PLACEMENTS
-from tierstack.worker.arenas import ArenaMap
-from tierstack.worker.layout import LayerLayout
-from tierstack.worker.metrics import WorkerMetrics, WorkerReporter, new_worker_id
-from tierstack.worker.prefetch_depths import PrefetchDepths
-from tierstack.worker.residency import DeviceCopy, DeviceResidency
-from tierstack.worker.tier_session import TierSession
+from tierstack.worker.store.arenas import ArenaMap
+from tierstack.worker.store.layout import LayerLayout
+from tierstack.worker.store.worker_metrics import WorkerMetrics, WorkerReporter, new_worker_id
+from tierstack.worker.store.prefetch_depths import PrefetchDepths
+from tierstack.worker.store.residency import DeviceCopy, DeviceResidency
+from tierstack.worker.store.tier_session import TierSession
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class LayerStore:
         self.from_masters = False
         """Whether the layers' weights are their fp32 masters rounded on the way to the
         device: no low-precision copy is stored (module docstring)."""
-        # Bytes moved and waits, reported to the node's tier manager (worker/metrics.py).
+        # Bytes moved and waits, reported to the node's tier manager (worker/store/worker_metrics.py).
         self.metrics = WorkerMetrics() if metrics else None
         self.worker_id = new_worker_id(job)
         # The training loop's last step and its plan's prediction, for the node's dashboard.
@@ -256,14 +256,14 @@ class LayerStore:
         return self.layouts
 
     writes_checkpoint = True
-    """One worker, one writer of its checkpoints (worker/block_store.py)."""
+    """One worker, one writer of its checkpoints (worker/store/block_store.py)."""
 
     def barrier(self) -> None:
         """One worker: nobody else to wait for."""
 
     writes_from_any_thread = True
     """write_back may be called from a thread of the caller's other than the one that made
-    the tensors (worker/gradient_writes.py), given the event the tensors are ready at."""
+    the tensors (worker/engine/gradient_writes.py), given the event the tensors are ready at."""
 
     def write_back(self, index: int, tensors: Mapping[str, torch.Tensor], kind: str = "params",
                    durable: bool | None = None, after: "torch.cuda.Event | None" = None) -> None:

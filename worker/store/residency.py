@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 import torch
 
 from tierstack.errors import InvalidArgumentError
-from tierstack.worker.device_budget import DeviceBudget
+from tierstack.worker.store.device_budget import DeviceBudget
 
 
 @dataclass

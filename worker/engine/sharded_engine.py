@@ -2,7 +2,7 @@
 
 `ShardedEngine` is `OffloadEngine` with two changes (and a third on request:
 train.activations.partition spreads the block inputs sent to the tier manager over the
-ranks' tier managers, worker/partitioned_stash.py). The blocks' optimizer is
+ranks' tier managers, worker/engine/partitioned_stash.py). The blocks' optimizer is
 `ShardedAdamW`, which updates only this rank's shard of each block (the reduce-scatter
 in backward already left the averaged gradient's shard there), so optimizer state and
 optimizer work are split N ways and the step needs no communication. The persistent
@@ -28,14 +28,14 @@ from tierstack.config import BudgetsConfig, OptimizerConfig, TrainConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWSegment
 from tierstack.tiers import AUTO
-from tierstack.worker.engine import OffloadEngine, job_budgets
-from tierstack.worker.layout import LayerLayout
-from tierstack.worker.offload import OffloadedBlocks
-from tierstack.worker.placement import DeviceFootprint
-from tierstack.worker.partitioned_stash import PartitionedActivationStash, daemon_rooms
-from tierstack.worker.sharded_store import ShardedLayerStore
-from tierstack.worker.step_phases import PhaseClock
-from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
+from tierstack.worker.engine.offload_engine import OffloadEngine, job_budgets
+from tierstack.worker.store.layout import LayerLayout
+from tierstack.worker.engine.offloaded_blocks import OffloadedBlocks
+from tierstack.worker.engine.placement import DeviceFootprint
+from tierstack.worker.engine.partitioned_stash import PartitionedActivationStash, daemon_rooms
+from tierstack.worker.store.sharded_store import ShardedLayerStore
+from tierstack.worker.store.step_phases import PhaseClock
+from tierstack.worker.engine.tiered_adamw import MOMENTS, TieredAdamW
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class ShardedEngine(OffloadEngine):
 
     def _partition_activations(self) -> None:
         """Spread the block inputs sent to the tier manager over the ranks' tier managers
-        (worker/partitioned_stash.py), unless every rank uses the same one."""
+        (worker/engine/partitioned_stash.py), unless every rank uses the same one."""
         store: ShardedLayerStore = self.store
         rooms = daemon_rooms(store) if store.world > 1 else []
         if len({room.daemon for room in rooms}) <= 1:

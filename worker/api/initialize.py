@@ -6,7 +6,7 @@
 A script written for DeepSpeed runs with its import changed: the config may be a DeepSpeed
 JSON (or tierstack's), the optimizer the config's or the caller's torch AdamW, the
 learning-rate schedule the config's `scheduler`, a torch scheduler, or a callable that
-builds one from the optimizer. The engine (worker/training_engine.py) offers DeepSpeed's
+builds one from the optimizer. The engine (worker/api/training_engine.py) offers DeepSpeed's
 training surface.
 
 Services: the node's tier manager when one answers (the address given, else
@@ -31,16 +31,16 @@ import torch.distributed as dist
 from tierstack.addresses import JOB_ENV
 from tierstack.config import TierstackConfig, load_config
 from tierstack.errors import ConfigError
-from tierstack.worker.daemon_address import check_reachable, running_tier_manager
-from tierstack.worker.distributed import RankEnv, init_process_group
-from tierstack.worker.engine import OffloadEngine, job_budgets, materialize
-from tierstack.worker.layers import LayerStore, layer_tensors
-from tierstack.worker.layout import LayerLayout
-from tierstack.worker.model_blocks import check_blocks, find_blocks
-from tierstack.worker.run_directory import job_directories
-from tierstack.worker.sharded_engine import ShardedEngine
-from tierstack.worker.sharded_store import ShardedLayerStore
-from tierstack.worker.training_engine import TrainingEngine
+from tierstack.worker.node.daemon_address import check_reachable, running_tier_manager
+from tierstack.worker.node.distributed import RankEnv, init_process_group
+from tierstack.worker.engine.offload_engine import OffloadEngine, job_budgets, materialize
+from tierstack.worker.store.layer_store import LayerStore, layer_tensors
+from tierstack.worker.store.layout import LayerLayout
+from tierstack.worker.engine.model_blocks import check_blocks, find_blocks
+from tierstack.worker.node.run_directory import job_directories
+from tierstack.worker.engine.sharded_engine import ShardedEngine
+from tierstack.worker.store.sharded_store import ShardedLayerStore
+from tierstack.worker.api.training_engine import TrainingEngine
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if ranks is None:
             store = LayerStore(job, device=device, device_budget=budget, address=address,
                                durable=False)
-        else:  # each rank keeps 1/N of every block (worker/sharded_store.py)
+        else:  # each rank keeps 1/N of every block (worker/store/sharded_store.py)
             store = ShardedLayerStore(job, device=device, device_budget=budget, address=address,
                                       durable=False)
         stack.callback(store.close)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from tierstack.tiers import AUTO, CPU, NVME
-from tierstack.worker.activation_stash import ActivationStash, StashedInput
-from tierstack.worker.sharded_store import ShardedLayerStore
+from tierstack.worker.engine.activation_stash import ActivationStash, StashedInput
+from tierstack.worker.store.sharded_store import ShardedLayerStore
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from tierstack.errors import KeyNotFoundError
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.store.layer_store import LayerStore
 
 
 @dataclass(frozen=True)

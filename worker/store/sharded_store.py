@@ -23,7 +23,7 @@ its all-gather behind the ones before it; both overlap the caller's compute. On 
 the gather runs on its own stream and the compute stream waits on an event (NCCL);
 on CPU it is gloo.
 
-Layers are laid out by `FlatLayout` (worker/flat_layout.py): one dtype per layer.
+Layers are laid out by `FlatLayout` (worker/store/flat_layout.py): one dtype per layer.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ import torch
 import torch.distributed as dist
 
 from tierstack.errors import InvalidArgumentError, RankFailedError, TierstackError
-from tierstack.worker.flat_layout import FlatLayout
-from tierstack.worker.grad_norm import squared_norm
-from tierstack.worker.layers import DEFAULT_DEVICE_BUDGET, LayerStore, layer_tensors
-from tierstack.worker.peer_watch import BEAT_SECONDS, PeerWatch, abort_process_group
-from tierstack.worker.prefetch_depths import PrefetchDepths
-from tierstack.worker.residency import DeviceCopy, DeviceResidency
-from tierstack.worker.step_phases import NO_PHASES, NoPhases, PhaseClock
+from tierstack.worker.store.flat_layout import FlatLayout
+from tierstack.worker.store.grad_norm import squared_norm
+from tierstack.worker.store.layer_store import DEFAULT_DEVICE_BUDGET, LayerStore, layer_tensors
+from tierstack.worker.node.peer_watch import BEAT_SECONDS, PeerWatch, abort_process_group
+from tierstack.worker.store.prefetch_depths import PrefetchDepths
+from tierstack.worker.store.residency import DeviceCopy, DeviceResidency
+from tierstack.worker.store.step_phases import NO_PHASES, NoPhases, PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class ShardedLayerStore:
         if not dist.is_initialized():
             raise InvalidArgumentError(
                 "partitioned training needs torch.distributed: call "
-                "tierstack.worker.distributed.init_process_group() (or torchrun's "
+                "tierstack.worker.node.distributed.init_process_group() (or torchrun's "
                 "init_process_group) before building a ShardedLayerStore")
         self.group = group
         self.rank = dist.get_rank(group) if rank is None else rank
@@ -87,7 +87,7 @@ class ShardedLayerStore:
         self.layouts: list[FlatLayout] = []
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="tierstack-collective")
         self._comm_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        # A peer that dies ends this rank too, in one line (worker/peer_watch.py): the
+        # A peer that dies ends this rank too, in one line (worker/node/peer_watch.py): the
         # watch needs the time the communication thread has waited in its current op.
         self._busy_since: float | None = None
         self._failure: RankFailedError | None = None
@@ -109,7 +109,7 @@ class ShardedLayerStore:
         self.bytes_reduced = 0   # gradient bytes this rank sent into reduce-scatters
         self.bytes_exchanged = 0  # bytes this rank sent to the others by all-to-alls
         # Seconds of each kind of collective and of waits for this rank's tiers, when a
-        # ShardedEngine's time_phases() asks (worker/step_phases.py).
+        # ShardedEngine's time_phases() asks (worker/store/step_phases.py).
         self.phases: PhaseClock | NoPhases = NO_PHASES
 
     # ---- plumbing ------------------------------------------------------------------------

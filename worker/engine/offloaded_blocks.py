@@ -41,11 +41,11 @@ import torch.utils.checkpoint
 from tierstack.dtypes import dtype_from_name
 from tierstack.errors import InvalidArgumentError
 from tierstack.tiers import AUTO
-from tierstack.worker.activation_stash import ActivationStash
-from tierstack.worker.grad_norm import squared_norm
-from tierstack.worker.gradient_writes import GradientWrites
-from tierstack.worker.layers import LayerStore
-from tierstack.worker.placement import SavedBytes
+from tierstack.worker.engine.activation_stash import ActivationStash
+from tierstack.worker.store.grad_norm import squared_norm
+from tierstack.worker.engine.gradient_writes import GradientWrites
+from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.engine.placement import SavedBytes
 
 
 def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
@@ -438,7 +438,7 @@ class OffloadedBlocks(torch.nn.Module):
             self.grad_sq_norms[index] = sum((squared_norm(g) for g in new.values()),
                                             torch.zeros((), device=device))
         self._grad_generation[index] = self._generation
-        if self.gradient_writes is not None:  # behind the backward (worker/gradient_writes.py)
+        if self.gradient_writes is not None:  # behind the backward (worker/engine/gradient_writes.py)
             self.gradient_writes.submit(index, new, then=self.on_gradients)
             return
         self.store.write_back(index, new, kind="grad", durable=False)

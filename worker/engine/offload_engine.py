@@ -15,7 +15,7 @@ pool keeps what fits, the rest goes to NVMe). An offloaded block's other state
 Precision: "fp32" end to end, or "bf16" / "fp16": the model computes in the low precision
 (blocks are stored and moved in it, half the bytes), while AdamW updates fp32 master
 weights, kept by the tier manager for blocks (kind "master") and on the device for
-persistent parameters. fp16 needs its loss scaled (the caller's, worker/loss_scaler.py):
+persistent parameters. fp16 needs its loss scaled (the caller's, worker/engine/loss_scaler.py):
 `step(loss_scale)` unscales the gradients and skips a step whose gradients overflowed.
 
 Param groups: `param_groups` (torch-style dicts: params, lr, weight_decay, betas, eps) say
@@ -27,7 +27,7 @@ Activations: `activation_policy` (train.activations.policy) says what each offlo
 keeps for its backward: everything ("keep"), its input on the device ("recompute"), its
 input with the tier manager ("cpu", "nvme"), or whatever the placement decides ("auto");
 with `partition_activations` a partitioned engine spreads the inputs it sends to the tier
-manager over the ranks' tier managers (ShardedEngine, worker/partitioned_stash.py).
+manager over the ranks' tier managers (ShardedEngine, worker/engine/partitioned_stash.py).
 
 `train_step` overlaps the optimizer with the backward: each block's AdamW step starts
 in the tier manager as soon as its gradients are stored. With gradient clipping the
@@ -54,16 +54,16 @@ from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
 from tierstack.services.tier_manager.types import NodeInfo
 from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS, NVME, BlockTier
-from tierstack.worker.chunked_loss import (chunked_cross_entropy, output_head, stopped_at_head,
+from tierstack.worker.engine.chunked_loss import (chunked_cross_entropy, output_head, stopped_at_head,
                                            wants_chunks)
-from tierstack.worker.grad_norm import squared_norm
-from tierstack.worker.block_store import BlockStore
-from tierstack.worker.offload import OffloadedBlocks
-from tierstack.worker.param_groups import group_by_name, param_groups_of
-from tierstack.worker.placement import (MiB, BlockPlacement, DeviceFootprint, SavedBytes,
+from tierstack.worker.store.grad_norm import squared_norm
+from tierstack.worker.store.block_store import BlockStore
+from tierstack.worker.engine.offloaded_blocks import OffloadedBlocks
+from tierstack.worker.engine.param_groups import group_by_name, param_groups_of
+from tierstack.worker.engine.placement import (MiB, BlockPlacement, DeviceFootprint, SavedBytes,
                                         check_policy_fits, place_blocks, under_policy)
-from tierstack.worker.tiered_adamw import MOMENTS, TieredAdamW
-from tierstack.worker.step_phases import NO_PHASES, NoPhases, PhaseClock
+from tierstack.worker.engine.tiered_adamw import MOMENTS, TieredAdamW
+from tierstack.worker.store.step_phases import NO_PHASES, NoPhases, PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class OffloadEngine:
         self._group_of = group_by_name(model, self.param_groups)
         self.loss_scaler = None
         if train.precision == "fp16":
-            from tierstack.worker.loss_scaler import DynamicLossScaler
+            from tierstack.worker.engine.loss_scaler import DynamicLossScaler
             self.loss_scaler = DynamicLossScaler(train.fp16)
         self.last_step_applied = False  # whether the last step() updated the weights
         self.blocks_attr = blocks_attr
@@ -648,7 +648,7 @@ class OffloadEngine:
 
     def time_phases(self) -> PhaseClock:
         """From now on, time each step's forward, backward and optimizer call (on CUDA as
-        the device ran them: worker/step_phases.py); the clock's totals() are running sums."""
+        the device ran them: worker/store/step_phases.py); the clock's totals() are running sums."""
         self.phases = PhaseClock(self.store.device)
         return self.phases
 
@@ -658,7 +658,7 @@ class OffloadEngine:
         """Measure one forward and backward on this micro-batch (every block streamed and,
         under policy "auto", recomputed: the safe placement; under an explicit policy, in
         that policy), then place what fits the HBM budget on the device
-        (worker/placement.py). Runs once, before the first step; the probe's gradients are
+        (worker/engine/placement.py). Runs once, before the first step; the probe's gradients are
         thrown away."""
         return self.place_with(lambda: self._loss(inputs, targets))
 
@@ -770,7 +770,7 @@ class OffloadEngine:
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the model's logits; with large logits, a chunk of tokens at
-        a time from the head's input (worker/chunked_loss.py), never the whole logits."""
+        a time from the head's input (worker/engine/chunked_loss.py), never the whole logits."""
         if self._head is None or not wants_chunks(targets.numel(), self._head[1].out_features):
             return F.cross_entropy(self._logits(inputs).flatten(0, 1).float(), targets.flatten())
         name, head = self._head

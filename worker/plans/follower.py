@@ -39,8 +39,8 @@ from tierstack.errors import InvalidArgumentError, KeyNotFoundError
 from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.model import JobTrace, Plan, TensorSpec
 from tierstack.tiers import CPU, NVME
-from tierstack.worker.plan_watcher import PlanWatcher
-from tierstack.worker.layers import LayerStore
+from tierstack.worker.plans.watcher import PlanWatcher
+from tierstack.worker.store.layer_store import LayerStore
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ the HBM budget with what it measured (`DeviceFootprint`):
 
 When even the probe's footprint is over the budget, no block moves in or keeps its
 activations; instead the fewest recomputed blocks' inputs wait for the backward with the
-tier manager (worker/activation_stash.py) rather than on the device, the first blocks'
+tier manager (worker/engine/activation_stash.py) rather than on the device, the first blocks'
 first. An explicit activation policy (train.activations.policy) overrides step 2 and
 this: the probe runs in it (what it keeps is in the measured peak), a budget below that
 is refused (`check_policy_fits`), and the placement reports what it runs (`under_policy`).

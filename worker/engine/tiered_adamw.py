@@ -35,8 +35,8 @@ from tierstack.config import OptimizerConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
 from tierstack.dtypes import dtype_name
-from tierstack.worker.layout import LayerLayout
-from tierstack.worker.offload import OffloadedBlocks
+from tierstack.worker.store.layout import LayerLayout
+from tierstack.worker.engine.offloaded_blocks import OffloadedBlocks
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STEP_TIMEOUT = 3600.0  # seconds one AdamWStep call may take (a large block from a slow disk)

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.scheduler.model import Plan
-from tierstack.worker.plan_follower import PlanFollower
+from tierstack.worker.plans.follower import PlanFollower
 
 log = logging.getLogger(__name__)
 

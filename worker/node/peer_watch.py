@@ -8,7 +8,7 @@ whose counter stands still for `timeout` seconds, without having said it ended, 
 gone: the watch keeps one line saying so (`reason`) and calls `on_failure`, where the
 partitioned store aborts the process group so that a collective waiting on the dead
 peer returns with an error (NCCL; gloo fails by itself). The partitioned store turns the failed collective into a
-`RankFailedError` carrying that line (worker/sharded_store.py). If the rank is still
+`RankFailedError` carrying that line (worker/store/sharded_store.py). If the rank is still
 alive `exit_after` seconds later (stuck outside any collective), the watch writes the
 line to stderr and ends the process.
 

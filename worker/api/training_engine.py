@@ -8,7 +8,7 @@
         engine.backward(loss)      # / gradient_accumulation_steps, x the fp16 loss scale
         engine.step()              # an optimizer step at each accumulation boundary
 
-It is the same engine as `tierstack train`'s (worker/engine.py), not a side door: the first
+It is the same engine as `tierstack train`'s (worker/engine/offload_engine.py), not a side door: the first
 training forward measures and places what fits the HBM budget, blocks stream with their
 prefetches, each block's AdamW step starts in the tier manager during the last backward of
 a window (unless clipping or fp16's overflow check needs every gradient first), and its
@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from tierstack.config import TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
-from tierstack.worker import checkpoint
-from tierstack.worker.engine import OffloadEngine
-from tierstack.worker.param_groups import HYPER_KEYS
+from tierstack.worker.engine import checkpoint
+from tierstack.worker.engine.offload_engine import OffloadEngine
+from tierstack.worker.engine.param_groups import HYPER_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class TrainingEngine(torch.nn.Module):
                         client_state: dict | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         """The whole training state as `save_dir`/`tag` (default global_step<N>), atomic and
-        verified (worker/checkpoint.py), with `client_state`; `save_latest` points
+        verified (worker/engine/checkpoint.py), with `client_state`; `save_latest` points
         `save_dir`/latest at it."""
         tag = _checked_tag(f"global_step{self.global_steps}" if tag is None else tag)
         save_dir = Path(save_dir)

@@ -1,7 +1,7 @@
 """A worker's session with its node's tier manager: whole blocks in and out of its CPU pool.
 
 The session owns the client and the mapping of the daemon's arenas (which come and go
-as the daemon's CPU pool grows and shrinks: worker/arenas.py). A block is written
+as the daemon's CPU pool grows and shrinks: worker/store/arenas.py). A block is written
 by leasing a buffer, filling it in place (through the mapping) and committing it; it is
 read by fetching it (the daemon pins it), copying out of the mapping and releasing it.
 A daemon restart is survived: calls wait for the daemon, and an operation interrupted
@@ -28,8 +28,8 @@ from tierstack.errors import (ConfigError, InvalidArgumentError, KeyNotFoundErro
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.types import Resident
 from tierstack.tiers import AUTO
-from tierstack.worker.arenas import ArenaMap
-from tierstack.worker.daemon_address import check_reachable
+from tierstack.worker.store.arenas import ArenaMap
+from tierstack.worker.node.daemon_address import check_reachable
 
 log = logging.getLogger(__name__)
 

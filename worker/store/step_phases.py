@@ -5,7 +5,7 @@ backward and optimizer call (its main thread), and a partitioned store's collect
 (all_gather, reduce_scatter, all_reduce) and waits for its tiers (tier_wait: the
 communication thread waiting for this rank's shard to come from the CPU pool or NVMe).
 Readers take differences of `totals()` around a step, as they do with byte counters
-(worker/training.py's run_steps).
+(worker/engine/training_loop.py's run_steps).
 
 Two kinds of span, because the work is of two kinds:
 - `host(name)`: the calling thread's wall time (time.perf_counter). A wait for the

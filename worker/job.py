@@ -1,0 +1,1 @@
+"""The job's composition root (being written)."""
