@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test docs docs-reference bench-io bench-ensure-layer bench-train bench-scheduler bench-partitioned proto clean system-packages
+.PHONY: run test docs docs-reference docs-layout bench-io bench-ensure-layer bench-train bench-scheduler bench-partitioned proto clean system-packages
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c \
           services/tier_manager/native/adamw.c
@@ -76,6 +76,10 @@ docs: $(STAMP)
 # Regenerate docs/reference/configuration.md from the config schema (a test checks it).
 docs-reference: $(STAMP)
 	$(PY) -m tierstack.config_reference > docs/reference/configuration.md
+
+# Regenerate docs/architecture/layout.md from the modules' docstrings (a test checks it).
+docs-layout: $(STAMP)
+	$(PY) docs/architecture/generate_layout.py
 
 # Regenerate proto/*_pb2*.py from proto/*.proto (a test fails when they are out of date).
 proto: $(STAMP)

@@ -218,7 +218,7 @@ def main() -> None:
             store.ensure_layer(0)
             hits.append((time.perf_counter() - start) * 1e6)
         store.release_layer(0)
-        peak = store.budget.peak
+        peak = store.figures().device_peak
         res = store.client.fetch([store.key(0)])
         arena_pinned = store.session.arenas.view(res.tensors[0].arena, res.tensors[0].offset, 16).is_pinned()
         store.client.release(store.key(0), res.tensors[0].info.version)

@@ -149,7 +149,7 @@ def main() -> None:
                                 params=ParamOffloadConfig(weights_from_masters=args.weights_from_masters))
             try:
                 if args.auto:
-                    node = store.client.node()
+                    node = store.tiers.node()
                     result.update(cpu_pool_bytes=node.cpu_capacity, nvme_pool_bytes=node.nvme_capacity)
                     engine = OffloadEngine(model, store, train, budgets=stated)
                     result["budgets"] = vars(engine.budgets)
@@ -163,8 +163,8 @@ def main() -> None:
                 steps = run_steps(engine.train_step, random_batches(args.batch_size, args.seq_len),
                                   device, args.steps, on_step=lambda step: print(
                                       f"step {step.index + 1}: loss {step.loss:.4f}, {step.seconds:.1f} s; "
-                                      f"{pool_line(store.client.stats())}", flush=True))
-                stats = store.client.stats()
+                                      f"{pool_line(store.tiers.stats())}", flush=True))
+                stats = store.tiers.stats()
                 losses = [step.loss for step in steps]
                 engine.wait_for_optimizer()
                 in_cpu, nvme_only = block_state_bytes(store)
@@ -181,7 +181,7 @@ def main() -> None:
                               cpu_pool_used=stats.cpu_used, nvme_used=stats.nvme_used,
                               nvme_bytes_read=stats.nvme_bytes_read,
                               nvme_bytes_written=stats.nvme_bytes_written,
-                              layer_bytes_peak=store.budget.peak)
+                              layer_bytes_peak=store.figures().device_peak)
                 if device.type == "cuda":
                     result["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
                 result["trained"] = all(l == l for l in losses)  # finite losses, every step done

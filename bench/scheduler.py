@@ -118,7 +118,7 @@ def _measure(layers, layer_mib, rows, iterations, device, x, out, tmp: Path) -> 
             plan = follower.report_trace()
             mine = plan.nodes["bench"]
             _iteration(store, layers, out, x)  # warm-up under the plan
-            stats0 = store.client.stats()
+            stats0 = store.tiers.stats()
             steps, traces = [], []
             for _ in range(iterations):
                 # Each timed iteration records its own compute times: on a shared machine
@@ -129,7 +129,7 @@ def _measure(layers, layer_mib, rows, iterations, device, x, out, tmp: Path) -> 
                 _iteration(store, layers, out, x)
                 steps.append(time.perf_counter() - start)
                 traces.append(follower.trace())
-            stats1 = store.client.stats()
+            stats1 = store.tiers.stats()
             time.sleep(1.2)  # let the daemon report the timed iterations' disk bandwidth
             state = client.list_nodes()[0]
             probe, in_run = state.node.bandwidth, state.last_measured
@@ -143,7 +143,7 @@ def _measure(layers, layer_mib, rows, iterations, device, x, out, tmp: Path) -> 
     staging = STAGING
 
     def simulated(t, bw):
-        return simulate(t, tiers, bw, store.prefetch_depth, store.read_ahead, staging_buffers=staging).step_seconds
+        return simulate(t, tiers, bw, store.figures().prefetch_depth, store.figures().read_ahead, staging_buffers=staging).step_seconds
 
     sims = [simulated(t, bandwidth) for t in traces]
     ratios = [s_ / m for s_, m in zip(sims, steps)]
@@ -159,7 +159,7 @@ def _measure(layers, layer_mib, rows, iterations, device, x, out, tmp: Path) -> 
             "expected_read_mb_per_iteration": 2 * layers * layer_mib * MiB / 1e6,
             "disk_read_gbs_in_run": in_run.disk_read / 1e9, "disk_read_gbs_probe": probe.disk_read / 1e9,
             "h2d_gbs_probe": probe.h2d / 1e9, "plan_version": plan.version,
-            "prefetch_depth": store.prefetch_depth, "read_ahead": store.read_ahead,
+            "prefetch_depth": store.figures().prefetch_depth, "read_ahead": store.figures().read_ahead,
             "plan_predicted_step_s": mine.predicted_step_seconds}
 
 

@@ -80,9 +80,9 @@ def offloaded(model: GPT, tm: TierManagerConfig, device, budget: int, precision:
             train = TrainConfig(precision=precision, optimizer=OptimizerConfig(lr=1e-4),
                                 params=ParamOffloadConfig(buffer_count=3))
             engine = OffloadEngine(model, store, train, job_budgets(BudgetsConfig(), store).with_(hbm=0))
-            before = store.client.stats()
+            before = store.tiers.stats()
             times = time_steps(engine.train_step, data, warmup, device)
-            after = store.client.stats()
+            after = store.tiers.stats()
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         finally:
             if engine is not None:
@@ -94,8 +94,8 @@ def offloaded(model: GPT, tm: TierManagerConfig, device, budget: int, precision:
                    "nvme_written_per_step": (after.nvme_bytes_written - before.nvme_bytes_written) / steps,
                    "adamw_update_s_per_step": opt.update_seconds / steps,
                    "adamw_wait_s_per_step": opt.wait_seconds / steps,
-                   "stall_s_per_step": store.stall_seconds / steps,
-                   "layer_bytes_peak": store.budget.peak, "cuda_max_memory_allocated": peak}
+                   "stall_s_per_step": store.figures().stall_seconds / steps,
+                   "layer_bytes_peak": store.figures().device_peak, "cuda_max_memory_allocated": peak}
 
 
 def main() -> None:

@@ -267,11 +267,11 @@ def run_tierstack(args, config_dict: dict, limits=None) -> dict:
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
                     spans: list[tuple[float, float, float]] = []
-                    stats0 = store.client.stats()
+                    stats0 = store.tiers.stats()
                     with _DiskTimeline(daemon.address) as timeline:
                         records = run_steps(engine.train_step, pairs, device, on_step=on_step,
                                             counters=phases.totals)
-                    stats1 = store.client.stats()
+                    stats1 = store.tiers.stats()
                     placement = engine.placement
                     result = {
                         "step_s": [r.seconds for r in records], "losses": [r.loss for r in records],
@@ -409,7 +409,7 @@ class _Phases:
 
     def totals(self) -> dict[str, float]:
         optimizer = self.engine.block_optimizer
-        return {**self.seconds, "tensor_waits": self.store.stall_seconds,
+        return {**self.seconds, "tensor_waits": self.store.figures().stall_seconds,
                 "daemon_adamw": getattr(optimizer, "update_seconds", 0.0),
                 "daemon_state_reads": getattr(optimizer, "wait_seconds", 0.0)}
 

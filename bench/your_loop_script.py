@@ -93,7 +93,7 @@ def main() -> None:
     if hasattr(engine, "core"):  # where tierstack's time went: its daemon's AdamW, its waits
         optimizer_ = engine.core.block_optimizer
         extra = {"phases": phases, "adamw_update_s": optimizer_.update_seconds, "adamw_wait_s": optimizer_.wait_seconds,
-                 "stall_s": engine.core.store.stall_seconds,
+                 "stall_s": engine.core.store.figures().stall_seconds,
                  "placement": engine.core.placement.describe(len(engine.core.blocks.blocks))
                  if engine.core.placement is not None else None}
     print("RESULT " + json.dumps({"step_s": times, "losses": losses, "lrs": lrs, "drain_s": drain,

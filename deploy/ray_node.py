@@ -132,8 +132,6 @@ def node_tier_manager_config(config_path: str | None, node_ip: str, ray_address:
     tm.metrics.node_name = tm.metrics.node_name or f"{socket.gethostname()} {node_ip}"
     cluster = cluster_dir_name(ray_address)
     tm.nvme_pool.paths = [str(Path(p) / cluster / f"node-{node_ip}") for p in tm.nvme_pool.paths]
-    if not tm.manifest_path:
-        tm.manifest_path = str(Path(tm.nvme_pool.paths[0]) / "manifest.sqlite")
     tm.listen = node_tier_manager_address(node_ip, ray_address)
     host, _, port = tm.metrics.http_listen.rpartition(":")
     if host == NODE_IP_HOST:  # beyond loopback, the daemon requires the token and TLS

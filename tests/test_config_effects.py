@@ -959,10 +959,10 @@ def no_bf16_weights_kept_by_the_daemon(runs, e):
 @effect("train.device_budget", "64KiB", ENGINE)
 def layers_on_the_device_within_budget(runs, e):
     with runs.engine(e.with_value()) as engine:
-        assert engine.core.store.budget.capacity == 64 * KiB
+        assert engine.core.store.figures().device_capacity == 64 * KiB
     with runs.engine(e.with_default()) as engine:
         layer = engine.core.store.layouts[0].nbytes
-        assert engine.core.store.budget.capacity == 3 * layer != 64 * KiB
+        assert engine.core.store.figures().device_capacity == 3 * layer != 64 * KiB
 
 
 def _moments_in_cpu(runs, config: dict, expected: list[bool]) -> None:
@@ -992,7 +992,7 @@ def blocks_stay_on_the_device(runs, e):
 def prefetch_depth(runs, e):
     for config, depth in ((e.with_value(), 2), (e.with_default(), 4)):
         with runs.engine(config) as engine:
-            assert engine.core.store.prefetch_depth == depth
+            assert engine.core.store.figures().prefetch_depth == depth
 
 
 @effect("train.params.buffer_size", 100, ENGINE, base={"train": {"params": {"device": "cpu"}}})
@@ -1138,7 +1138,7 @@ def _partition_rank(env, addresses: list[str], configs: list[dict], out_dir: str
         engine = ShardedEngine(Net(), store, load_config(config).train)
         try:
             engine.train_step(ids[rows], targets[rows])
-            exchanged.append(store.bytes_exchanged)
+            exchanged.append(store.collectives.bytes_exchanged)
         finally:
             engine.close()
             store.close()

@@ -52,3 +52,21 @@ def test_every_key_of_every_section_says_what_it_does():
         undocumented += [f"{name}.{f.name}".lstrip(".") for f in dataclasses.fields(cls)
                          if not dataclasses.is_dataclass(hints[f.name]) and not docs.get(f.name)]
     assert not undocumented, f"config fields with no docstring in tierstack/config.py: {undocumented}"
+
+
+def test_the_layout_page_names_every_module_as_its_docstring_says():
+    """docs/architecture/layout.md is generated from the modules (every code module named,
+    with its docstring's first sentence): a module added or moved without `make docs-layout`
+    fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "generate_layout", ROOT / "docs" / "architecture" / "generate_layout.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    committed = (ROOT / "docs" / "architecture" / "layout.md").read_text()
+    assert committed == generator.render(), "docs/architecture/layout.md is out of date: run `make docs-layout`"
+    for _, directory in generator._packages():
+        for module in directory.glob("*.py"):
+            if module.name != "__init__.py" and not module.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                assert f"  {module.name} " in committed, module

@@ -60,6 +60,13 @@ class ServiceProcess:
 
     def start(self) -> Self:
         """Start the process and return once it serves; raise with its log if it does not."""
+        self.spawn()
+        self.wait_started()
+        return self
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it to serve (`wait_started` waits): two
+        services started one after the other, then waited for, start side by side."""
         document = {self.section: self.config}
         if self.security:
             document["security"] = self.security
@@ -78,6 +85,10 @@ class ServiceProcess:
                 # job's group, Ctrl-C) reaches only us, and we stop it after our own end
                 # (a job finishes its step and checkpoint on SIGTERM with its daemons up).
                 start_new_session=True)
+
+    def wait_started(self) -> None:
+        """Wait until the spawned process serves; kill it and raise with its log if it
+        does not within the start-up timeout."""
         try:
             self.wait_ready(self.startup_timeout)
         except BaseException:
@@ -85,7 +96,6 @@ class ServiceProcess:
             self.kill()
             raise ServiceStartError(
                 f"the {self.name} did not start (log {self.log_path}):\n{log_tail}") from None
-        return self
 
     def wait_ready(self, timeout: float) -> None:
         """Wait until the service answers its health check with SERVING."""

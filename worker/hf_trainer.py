@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer door's public import path, kept stable for users' scripts:
+"""The Hugging Face Trainer door's public import path, kept stable for users' scripts.
 
     from tierstack.worker.hf_trainer import Trainer, TrainingArguments
 

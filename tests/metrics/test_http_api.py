@@ -38,13 +38,13 @@ def test_node_snapshot_counts_exactly_the_bytes_the_worker_moved(metrics_daemon,
     # register_layers uploaded every layer, and each pass wrote one back.
     assert links["device->cpu"]["bytes_total"] == (LAYERS + 3) * layer
     # NVMe figures are the daemon's own IO counters, as GetStats reports them.
-    stats = traffic.store.client.stats()
+    stats = traffic.store.tiers.stats()
     assert links["nvme->cpu"]["bytes_total"] == stats.nvme_bytes_read > 0
     assert links["cpu->nvme"]["bytes_total"] == stats.nvme_bytes_written > 0
     assert node["node"] == "test-node" and node["instance_id"] == stats.instance_id
     assert node["tiers"]["cpu"]["capacity_bytes"] == 16 << 20
     assert node["tiers"]["nvme"]["capacity_bytes"] == 256 << 20
-    assert node["tiers"]["device"]["capacity_bytes"] == traffic.store.budget.capacity
+    assert node["tiers"]["device"]["capacity_bytes"] == traffic.store.figures().device_capacity
     assert node["tiers"]["cpu"]["used_bytes"] == stats.cpu_used
     [worker] = node["workers"]
     assert worker["job"] == "metrics-test" and worker["device"] == "cpu"
@@ -71,7 +71,7 @@ def test_history_shows_bandwidth_while_bytes_move_and_peaks_bound_it(metrics_dae
         assert history["peaks"][link] >= max(s["links"][link] for s in history["samples"])
     assert [s["timestamp"] for s in history["samples"]] == sorted(s["timestamp"] for s in history["samples"])
     # A layer store's device never holds more than its budget, in every sample.
-    assert all(s["tiers_used"]["device"] <= traffic.store.budget.capacity for s in history["samples"])
+    assert all(s["tiers_used"]["device"] <= traffic.store.figures().device_capacity for s in history["samples"])
 
     cluster = get(metrics_daemon.url, "/api/v1/cluster")
     assert [n["node"] for n in cluster["nodes"]] == ["test-node"] and cluster["unreachable"] == []
@@ -202,7 +202,7 @@ def test_with_metrics_disabled_the_daemon_serves_and_workers_still_train(tmp_pat
     try:
         traffic = Traffic(daemon.address)
         traffic.one_pass()
-        assert traffic.store.dashboard_url() == ""
+        assert traffic.store.reports.dashboard_url() == ""
         assert traffic.store._reporter.send() is False  # the daemon takes no reports
         traffic.stop()
     finally:

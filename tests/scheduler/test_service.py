@@ -229,10 +229,10 @@ def test_tier_manager_follows_its_jobs_plans_and_evicts_what_they_put_on_nvme(
             [job] = get(daemon.url, "/api/v1/plan")["jobs"]
             assert (job["reason"], job["tensor_keys"]) == ("trace", layers)
             assert _plan_version_samples(daemon) == {"planned": 1.0}
-            evictions = store.client.stats().evictions
+            evictions = store.tiers.stats().evictions
             for _ in range(2):
                 _sweep(store, layers)
-            assert store.client.stats().evictions > evictions  # the pool was full: it chose
+            assert store.tiers.stats().evictions > evictions  # the pool was full: it chose
             resident = {k for k in keys if store.client.describe(k).in_cpu}
             assert kept <= resident, f"evicted although the plan keeps them: {sorted(kept - resident)}"
 
@@ -323,7 +323,7 @@ def test_worker_switches_plans_mid_run_without_losing_or_corrupting_a_layer(sche
             # test_tier_manager_follows_its_jobs_plans_and_evicts_what_they_put_on_nvme): nothing pinned here.
             assert store.placements == {}
             _iteration(store, layers, seed, errors, compute)
-            assert store.plan_version == 1 and store.prefetch_depth == first.prefetch_depth
+            assert store.figures().plan_version == 1 and store.figures().prefetch_depth == first.prefetch_depth
 
             # The node's device link slows to a crawl (a neighbour's copies, throttling):
             # reported for longer than the re-plan window while the worker keeps training.
@@ -339,28 +339,28 @@ def test_worker_switches_plans_mid_run_without_losing_or_corrupting_a_layer(sche
             reporter.start()
             iterations = 0
             deadline = time.time() + 60
-            while store.plan_version < 2 and time.time() < deadline:
+            while store.figures().plan_version < 2 and time.time() < deadline:
                 _iteration(store, layers, seed, errors, compute)
                 iterations += 1
             stop.set()
             reporter.join()
             _iteration(store, layers, seed, errors, compute)  # one more under the new plan
-            assert store.plan_version >= 2, "no new plan reached the worker"
+            assert store.figures().plan_version >= 2, "no new plan reached the worker"
             second = follower.plan.nodes["node-a"]
             assert "drift" in follower.plan.reason
             # Planned for the slow link (the depth it picks depends on how the copies
             # compare with the measured compute, which the machine's load moves).
             assert second.assumed.h2d < first.assumed.h2d / 100
             assert second.predicted_step_seconds >= first.predicted_step_seconds
-            assert store.prefetch_depth == second.prefetch_depth
+            assert store.figures().prefetch_depth == second.prefetch_depth
             # Every switch happened at a layer boundary, between two ensure_layer calls.
-            (switch_at, version, depth) = store.plan_switches[-1]
+            (switch_at, version, depth) = list(store.figures().plan_switches)[-1]
             assert version >= 2 and depth == second.prefetch_depth and switch_at > 0
             assert errors == []  # every byte of every layer, before, across and after the switch
-            assert store.budget.peak <= store.budget.capacity
+            assert store.figures().device_peak <= store.figures().device_capacity
             assert store.resident_layers() == []
             follower.close()
-            stats = store.client.stats()
+            stats = store.tiers.stats()
             assert stats.pinned == 0 and stats.checksum_failures == 0
     finally:
         client.close()
@@ -398,7 +398,7 @@ def test_worker_reports_its_trace_again_after_the_scheduler_restarts(daemon, tmp
                     time.sleep(0.2)
             assert client.plan("again").version == 1  # the worker reported its trace again
             _iteration(store, layers, seed, errors, lambda: None)
-            assert store.plan_version == 1 and errors == []
+            assert store.figures().plan_version == 1 and errors == []
             follower.close()
         finally:
             client.close()

@@ -68,8 +68,8 @@ def main() -> None:
             store.attach()
             assert len(store.layouts) == layers
         checked = run_passes(store, seed, layers, passes)
-        print(json.dumps({"done": True, "bytes_checked": checked, "peak": store.budget.peak,
-                          "budget": store.budget.capacity}), flush=True)
+        print(json.dumps({"done": True, "bytes_checked": checked, "peak": store.figures().device_peak,
+                          "budget": store.figures().device_capacity}), flush=True)
 
 
 if __name__ == "__main__":

@@ -91,12 +91,12 @@ def test_inputs_offloaded_to_the_tier_manager_train_like_plain_pytorch(daemon, p
                               activations={"policy": policy})
         engine = OffloadEngine(_model(), store, train)
         assert [engine.blocks.policy(i) for i in range(LAYERS)] == [policy] * LAYERS
-        before = store.client.stats()
+        before = store.tiers.stats()
         got, tensors = [], []
         for x, y in batches:
             got.append(engine.train_step(x, y))
-            tensors.append(store.client.stats().tensors)
-        after = store.client.stats()
+            tensors.append(store.tiers.stats().tensors)
+        after = store.tiers.stats()
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
         # Every block's input went through the tier manager, one write per block and step.
         assert engine.blocks.stash.bytes_written == len(batches) * LAYERS * INPUT_BYTES

@@ -14,7 +14,7 @@ def _pinned(store: LayerStore, expect: int, timeout: float = 10.0) -> int:
     background thread), or their count when `timeout` passes."""
     deadline = time.monotonic() + timeout
     while True:
-        pinned = store.client.stats().pinned
+        pinned = store.tiers.stats().pinned
         if pinned == expect or time.monotonic() > deadline:
             return pinned
         time.sleep(0.02)
@@ -30,7 +30,7 @@ def test_a_cpu_layer_is_a_view_of_the_arena_pinned_until_it_is_released(daemon):
         store.prefetch(1)  # starts the daemon's read only: a waiting layer holds no pin
         tensors = store.ensure_layer(0)
         assert torch.equal(tensors["w"], layers[0]["w"]) and torch.equal(tensors["b"], layers[0]["b"])
-        arenas = [store.session.arenas.view(a.index, 0, a.size) for a in store.client.node().arenas]
+        arenas = [store.session.arenas.view(a.index, 0, a.size) for a in store.tiers.node().arenas]
         inside = [a for a in arenas if a.data_ptr() <= tensors["w"].data_ptr() < a.data_ptr() + a.numel()]
         assert len(inside) == 1  # no copy: the bytes the daemon keeps
         assert _pinned(store, 1) == 1
@@ -42,7 +42,7 @@ def test_a_cpu_layer_is_a_view_of_the_arena_pinned_until_it_is_released(daemon):
         again = store.ensure_layer(0)
         assert again["w"].abs().sum() == 0 and torch.equal(again["b"], torch.ones(256))
         store.release_layer(0)
-        assert store.budget.used == 0 and store.stall_seconds > 0
+        assert store.figures().device_used == 0 and store.figures().stall_seconds > 0
 
 
 def test_closing_a_store_releases_the_pins_of_layers_still_in_use(daemon):

@@ -78,7 +78,7 @@ def test_tier_overrides_place_each_block_and_training_still_matches(daemon):
                           tier_overrides={"blocks[0]": "gpu", "blocks[1-2]": "cpu"})
     assert block_tiers(train, "blocks", 6) == ["gpu", "cpu", "cpu", "nvme", "nvme", "nvme"]
     store = LayerStore("tiers", device="cpu", device_budget=64 << 20, address=daemon.address, durable=False)
-    read_before = store.client.stats().nvme_bytes_read
+    read_before = store.tiers.stats().nvme_bytes_read
     try:
         engine = OffloadEngine(model, store, train)
         assert engine.blocks.positions == [1, 2, 3, 4, 5]
@@ -86,7 +86,7 @@ def test_tier_overrides_place_each_block_and_training_still_matches(daemon):
         assert all(p.numel() for p in model.blocks[0].parameters())
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
-        stats = store.client.stats()
+        stats = store.tiers.stats()
         assert stats.nvme_bytes_read > read_before and stats.cpu_used <= stats.cpu_capacity
         for layer in (0, 1):  # model blocks 1 and 2: placed on the CPU tier, never evicted
             for kind in ("params", "exp_avg", "exp_avg_sq"):
@@ -142,14 +142,14 @@ def test_hugging_face_llama_twenty_steps_with_state_on_nvme_match_plain_adamw(da
                           optimizer_state={"device": "nvme", "max_in_cpu": 0})
     store = LayerStore("llama20", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
-    read_before = store.client.stats().nvme_bytes_read
+    read_before = store.tiers.stats().nvme_bytes_read
     try:
         engine = OffloadEngine(model, store, train, blocks_attr="model.layers")
         assert engine.tiers == ["nvme"] * 4
         assert_hf_steps_match(reference, ref_opt, model, engine, steps=20, seq=32)
-        stats = store.client.stats()
+        stats = store.tiers.stats()
         assert stats.nvme_bytes_read > read_before and stats.cpu_used <= stats.cpu_capacity
-        assert store.budget.peak <= store.budget.capacity
+        assert store.figures().device_peak <= store.figures().device_capacity
         engine.close()
     finally:
         store.close()
@@ -226,12 +226,12 @@ def test_optimizer_state_device_places_the_blocks_optimizer_state(daemon):
     assert state_tiers(train, "blocks", 5) == ["nvme"] * 5
     store = LayerStore("state-tier", device="cpu", device_budget=64 << 20, address=daemon.address,
                        durable=False)
-    read_before = store.client.stats().nvme_bytes_read
+    read_before = store.tiers.stats().nvme_bytes_read
     try:
         engine = OffloadEngine(model, store, train)
         got = [engine.train_step(x, y) for x, y in batches]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
-        assert store.client.stats().nvme_bytes_read > read_before
+        assert store.tiers.stats().nvme_bytes_read > read_before
         assert all(store.client.describe(store.key(i)).in_cpu for i in range(5))
         moments = [store.client.describe(store.key(i, kind)) for i in range(5)
                    for kind in ("exp_avg", "exp_avg_sq")]
@@ -302,7 +302,7 @@ def test_a_tensor_larger_than_buffer_size_is_refused_by_block_tensor_and_setting
                                               r"it to at least 16384"):
             OffloadEngine(TinyGPT(dim=64, layers=2), store,
                                       _train_config(params={"device": "cpu", "buffer_size": 16383}))
-        assert store.client.stats().tensors == 0  # refused before anything was stored
+        assert store.tiers.stats().tensors == 0  # refused before anything was stored
     finally:
         store.close()
     # The limit itself is allowed; with offload_param off (device none) nothing is staged

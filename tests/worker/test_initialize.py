@@ -418,7 +418,7 @@ def test_with_no_daemon_one_is_started_in_a_directory_named_by_the_job_under_nvm
         for ids, targets, mask in _batches(5, 2):
             engine.backward(_my_loss(engine(ids, mask), targets, mask))
             engine.step()
-        assert engine.core.store.client.stats().nvme_bytes_written > 0
+        assert engine.core.store.tiers.stats().nvme_bytes_written > 0
     finally:
         engine.close()
     assert not nvme.exists()  # made for the run, removed with it

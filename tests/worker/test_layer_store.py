@@ -34,9 +34,9 @@ def test_hundred_layers_larger_than_the_cpu_pool_verify_bit_exact(daemon):
         checked = run_passes(store, 1, 100, passes=2)
         assert checked == 2 * sum(
             sum(v.numel() * v.element_size() for v in make_layer(1, i).values()) for i in range(100))
-        assert store.budget.peak <= store.budget.capacity
+        assert store.figures().device_peak <= store.figures().device_capacity
         assert store.resident_layers() == []
-        stats = store.client.stats()
+        stats = store.tiers.stats()
         assert stats.nvme_bytes_read > 16 << 20  # layers really came back from NVMe
         assert stats.cpu_used <= stats.cpu_capacity
         assert stats.pinned == 0  # every fetch was released
@@ -93,7 +93,7 @@ def test_device_budget_is_never_exceeded(daemon):
             store.ensure_layer(2)
         store.release_layer(0)
         assert torch.equal(store.ensure_layer(2)["w"], layers[2]["w"])
-        assert store.budget.peak <= 2_200_000
+        assert store.figures().device_peak <= 2_200_000
         with pytest.raises(InvalidArgumentError, match="layer 9 does not exist"):
             store.ensure_layer(9)
 
@@ -107,5 +107,5 @@ def test_a_failed_load_gives_its_device_budget_back(daemon):
         for _ in range(3):
             with pytest.raises(KeyNotFoundError):
                 store.ensure_layer(1)
-        assert store.budget.used == 0
-        assert store.client.stats().pinned == 0
+        assert store.figures().device_used == 0
+        assert store.tiers.stats().pinned == 0

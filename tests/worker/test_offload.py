@@ -54,7 +54,7 @@ def test_offloaded_forward_and_backward_match_plain_pytorch(daemon):
             for (n, p), (_, q) in zip(getattr(reference, name).named_parameters(),
                                       getattr(model, name).named_parameters()):
                 torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7)
-        assert store.budget.peak <= store.budget.capacity
+        assert store.figures().device_peak <= store.figures().device_capacity
         assert store.resident_layers() == []
     finally:
         store.close()
@@ -81,7 +81,7 @@ def test_twenty_steps_with_state_on_nvme_match_plain_adamw(daemon):
         tiered = TieredAdamW(blocks, OptimizerConfig(lr=1e-3, betas=[0.9, 0.95], eps=1e-8,
                                                      weight_decay=0.1))
         data = torch.Generator().manual_seed(1)
-        read_before = store.client.stats().nvme_bytes_read
+        read_before = store.tiers.stats().nvme_bytes_read
         for step in range(20):
             idx = torch.randint(0, 256, (4, 32), generator=data)
             targets = torch.randint(0, 256, (4, 32), generator=data)
@@ -96,7 +96,7 @@ def test_twenty_steps_with_state_on_nvme_match_plain_adamw(daemon):
             opt.step()
             tiered.step()
             assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), step
-        stats = store.client.stats()
+        stats = store.tiers.stats()
         assert stats.nvme_bytes_read > read_before and stats.cpu_used <= stats.cpu_capacity
         for i, ref_block in enumerate(reference.blocks):  # the weights themselves agree too
             stored = blocks.parameters_of(i)
@@ -391,6 +391,6 @@ def test_a_budget_of_two_layers_is_enough_whatever_the_prefetch_depth(daemon):
         OffloadedBlocks(model.blocks, store, prefetch_depth=3)  # puts its proxies in model.blocks
         idx = torch.randint(0, 256, (2, 32))
         torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
-        assert store.budget.peak <= 2 * layer and store.resident_layers() == []
+        assert store.figures().device_peak <= 2 * layer and store.resident_layers() == []
     finally:
         store.close()

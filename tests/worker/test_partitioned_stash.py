@@ -90,7 +90,7 @@ def _rank(env, out_dir: str, policy: str) -> None:
                         pass
             out[partition] = {"losses": losses, "peak": stash.peak_bytes_held, "left": left,
                               "live": stash.live(), "stash": type(stash).__name__,
-                              "capacity": getattr(store.client.node(), f"{policy}_capacity")}
+                              "capacity": getattr(store.tiers.node(), f"{policy}_capacity")}
             engine.close()
             store.close()
     torch.distributed.destroy_process_group()

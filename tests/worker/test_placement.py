@@ -110,7 +110,7 @@ def _engine_run(daemon, job: str, hbm: int, batches, **train):
         engine = OffloadEngine(model, store, _train_config(**train), budgets=_budgets(hbm))
         try:  # closed when a step raises too: its AdamW threads end with it
             losses = [engine.train_step(x, y) for x, y in batches]
-            return losses, engine.placement, store.resident_layers(), store.client.stats().tensors
+            return losses, engine.placement, store.resident_layers(), store.tiers.stats().tensors
         finally:
             engine.close()
     finally:
@@ -230,14 +230,14 @@ def test_a_model_larger_than_every_budget_is_refused_before_anything_is_stored(d
     model = TinyGPT(dim=512, layers=8, vocab=4096)
     store = LayerStore("too-big", device="cpu", address=daemon.address, durable=False)
     try:
-        before = store.client.stats().tensors
+        before = store.tiers.stats().tensors
         with pytest.raises(ConfigError, match=r"training state needs .* GiB \(with .* GiB of room for "
                                               r"a streamed block's step\) but the budgets hold "
                                               r".* raise budgets.nvme \(tier_manager.nvme_pool.size\) "
                                               r"to at least"):
             OffloadEngine(model, store, _train_config(params={"device": "cpu"}),
                                       budgets=_budgets(0))
-        assert store.client.stats().tensors == before
+        assert store.tiers.stats().tensors == before
     finally:
         store.close()
 
@@ -253,7 +253,7 @@ def test_budgets_that_hold_the_state_but_no_room_for_a_streamed_step_are_refused
     working = 2 * largest * 12  # two blocks' new fp32 parameters and moments
     store = LayerStore("no-room", device="cpu", address=daemon.address, durable=False)
     try:
-        node = store.client.node()
+        node = store.tiers.node()
         pools = node.cpu_capacity + node.nvme_capacity
         with pytest.raises(ConfigError, match=r"room for a streamed block's step"):
             check_capacity(model, "fp32", state - pools + working // 2, node, largest)
@@ -276,13 +276,13 @@ def test_a_bf16_model_s_masters_wait_for_the_placement(daemon):
         store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address,
                            durable=False)
         try:
-            before = store.client.stats().cpu_used  # the daemon serves other tests' jobs too
+            before = store.tiers.stats().cpu_used  # the daemon serves other tests' jobs too
             engine = OffloadEngine(
                 model, store, _train_config(precision="bf16", params={"device": params_device}),
                 budgets=_budgets(hbm))
-            registered = store.client.stats().cpu_used - before
+            registered = store.tiers.stats().cpu_used - before
             engine._probe(lambda: engine._loss(*batches[0]))
-            after_probe = store.client.stats().cpu_used - before
+            after_probe = store.tiers.stats().cpu_used - before
             losses = [engine.train_step(x, y) for x, y in batches]
             engine.close()
             return losses, registered, after_probe, engine.placement

@@ -241,7 +241,7 @@ def _llama_rank(env, out_dir: str, steps: int) -> None:
             engine.zero_grad()
             loss.backward()
             engine.step()
-            losses.append(store.all_reduce_mean(loss.item()))
+            losses.append(store.collectives.all_reduce_mean(loss.item()))
         export_safetensors(engine, f"{out_dir}/export")  # every rank: blocks are gathered
         store.close()
     torch.distributed.destroy_process_group()

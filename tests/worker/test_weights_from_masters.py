@@ -243,7 +243,7 @@ def test_checkpoint_resume_eval_attach_and_the_device_budget(daemon, tmp_path):
                 staging = store.staging_nbytes(0)
                 assert staging == 2 * store.layouts[0].nbytes  # fp32 masters of bf16 weights
                 assert store.layer_nbytes(0) == store.layouts[0].nbytes + staging
-                assert store.layer_nbytes(0) <= store.budget.peak <= store.budget.capacity
+                assert store.layer_nbytes(0) <= store.figures().device_peak <= store.figures().device_capacity
                 with torch.no_grad():  # an eval forward loads the blocks as training does
                     logits = engine.model(batches[0][0])
                     assert torch.isfinite(logits.float()).all()

@@ -9,15 +9,15 @@ learning-rate schedule the config's `scheduler`, a torch scheduler, or a callabl
 builds one from the optimizer. The engine (worker/api/training_engine.py) offers DeepSpeed's
 training surface.
 
-Services: the node's tier manager when one answers (the address given, else
-$TIERSTACK_TIER_MANAGER or the per-user socket), else one started for this job alone (as
-DeepSpeed needs no daemon), its NVMe pool in a directory named after the job under each
-configured NVMe path (the config's nvme_path: several paths stripe), removed with the job.
+The job itself — the node's services (the node's tier manager, or one started for the
+job with a scheduler beside it, as DeepSpeed needs no daemon), budgets, store, engine and
+the scheduler's plans — is built by worker/job.py, as for every door; this module turns
+DeepSpeed's arguments into its `JobSpec`. An engine the script never closes (DeepSpeed has
+no close) is closed when it is collected or the interpreter exits: nothing is left behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -29,18 +29,12 @@ import torch
 import torch.distributed as dist
 
 from tierstack.addresses import JOB_ENV
-from tierstack.config import TierstackConfig, load_config
+from tierstack.config import load_config
 from tierstack.errors import ConfigError
-from tierstack.worker.node.daemon_address import check_reachable, running_tier_manager
-from tierstack.worker.node.distributed import RankEnv, init_process_group
-from tierstack.worker.engine.offload_engine import OffloadEngine, job_budgets, materialize
-from tierstack.worker.store.layer_store import LayerStore, layer_tensors
-from tierstack.worker.store.layout import LayerLayout
-from tierstack.worker.engine.model_blocks import check_blocks, find_blocks
-from tierstack.worker.node.run_directory import job_directories
-from tierstack.worker.engine.sharded_engine import ShardedEngine
-from tierstack.worker.store.sharded_store import ShardedLayerStore
 from tierstack.worker.api.training_engine import TrainingEngine
+from tierstack.worker.engine.model_blocks import check_blocks, find_blocks
+from tierstack.worker.job import JobSpec, open_job
+from tierstack.worker.node.distributed import RankEnv, init_process_group
 
 log = logging.getLogger(__name__)
 
@@ -81,42 +75,31 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     job = _job_name(job)
     device = _device()
     ranks = _ranks()
-    stack = contextlib.ExitStack()
+    if ranks is not None:
+        _join_ranks(ranks, device)
+    # Each rank of a partitioned job keeps 1/N of every block (worker/store/sharded_store.py).
+    built = open_job(JobSpec(job, settings, model, blocks_attr, device, param_groups=groups,
+                             partitioned=ranks is not None, tier_manager=tier_manager or "",
+                             tier_manager_setting="initialize(tier_manager=)"))
+    def schedule(optimizer: torch.optim.Optimizer):
+        """The schedule over the engine's optimizer: the caller's, made by the caller's
+        callable, or the config's `scheduler` section."""
+        if lr_scheduler is None:
+            return _configured_schedule(optimizer, train)
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(optimizer)
+        return lr_scheduler
+
     try:
-        if ranks is not None:
-            _join_ranks(ranks, device)
-        address = _tier_manager(settings, job, tier_manager, stack)
-        blocks = model.get_submodule(blocks_attr)
-        layer_bytes = max(LayerLayout.of(layer_tensors(b)).nbytes for b in blocks)
-        budget = train.device_budget_bytes(layer_bytes)
-        if ranks is None:
-            store = LayerStore(job, device=device, device_budget=budget, address=address,
-                               durable=False)
-        else:  # each rank keeps 1/N of every block (worker/store/sharded_store.py)
-            store = ShardedLayerStore(job, device=device, device_budget=budget, address=address,
-                                      durable=False)
-        stack.callback(store.close)
-        budgets = job_budgets(settings.budgets, store)
-        engine_class = OffloadEngine if ranks is None else ShardedEngine
-        core = engine_class(model, store, train, budgets, blocks_attr=blocks_attr,
-                            initialize=materialize, param_groups=groups)
-        stack.callback(core.close)
         loader = _dataloader(training_data, train.micro_batch_size, collate_fn, ranks)
-        scheduler = lr_scheduler
-        engine = TrainingEngine(core, train, training_dataloader=loader,
-                                on_close=stack.pop_all().close)
-        if scheduler is None:
-            scheduler = _configured_schedule(engine.optimizer, train)
-        elif callable(scheduler) and not hasattr(scheduler, "step"):
-            scheduler = scheduler(engine.optimizer)
-        engine.lr_scheduler = scheduler
+        engine = TrainingEngine(built, lr_scheduler=schedule, training_dataloader=loader)
     except BaseException:
-        stack.close()
+        built.close()
         raise
-    log.info("tierstack.initialize: job %s on %s%s, blocks %s (%d), %s, budgets %s", job, device,
+    log.info("tierstack.initialize: job %s on %s%s, blocks %s (%d), %s", job, device,
              "" if ranks is None else f" (rank {ranks.rank} of {ranks.world_size}, partitioned)",
-             blocks_attr, len(blocks), train.precision, budgets.describe())
-    return engine, engine.optimizer, loader, scheduler
+             blocks_attr, len(model.get_submodule(blocks_attr)), train.precision)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def add_config_arguments(parser: Any) -> Any:
@@ -287,26 +270,3 @@ def _device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
-
-
-def _tier_manager(settings: TierstackConfig, job: str, address: str | None,
-                  stack: contextlib.ExitStack) -> str:
-    """The address of the tier manager the job uses: the one named (it must answer), the
-    node's running one, or one started for this job (stopped with `stack`)."""
-    named = address or settings.tier_manager.listen
-    if named:
-        check_reachable(named, "initialize(tier_manager=)" if address else "tier_manager.listen")
-        return named
-    running = running_tier_manager()
-    if running is not None:
-        log.info("tierstack.initialize: using the node's tier manager at %s", running)
-        return running
-    from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-
-    tm = settings.tier_manager
-    tm.nvme_pool.paths = stack.enter_context(job_directories(tm.nvme_pool.paths, job))
-    tm.manifest_path = os.path.join(tm.nvme_pool.paths[0], "manifest.sqlite")
-    daemon = stack.enter_context(EmbeddedTierManager(tm, for_training=True))
-    log.info("tierstack.initialize: started a tier manager for job %s (NVMe pool at %s)", job,
-             ", ".join(tm.nvme_pool.paths))
-    return daemon.address

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -34,8 +35,8 @@ import torch.distributed as dist
 from tierstack.config import TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.worker.engine import checkpoint
-from tierstack.worker.engine.offload_engine import OffloadEngine
 from tierstack.worker.engine.param_groups import HYPER_KEYS
+from tierstack.worker.job import Job
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +92,18 @@ class EngineOptimizer(torch.optim.Optimizer):
 
 class TrainingEngine(torch.nn.Module):
     """A model trained with its blocks' state in the tiers, driven by the caller's loop
-    (DeepSpeed's DeepSpeedEngine surface). `core` is the offload engine doing the work."""
+    (DeepSpeed's DeepSpeedEngine surface) over `job` (worker/job.py): `core` is its offload
+    engine doing the work. The job closes with `close`, or when the engine is collected or
+    the interpreter exits (a script need not call close: DeepSpeed has none)."""
 
-    def __init__(self, core: OffloadEngine, train: TrainConfig, lr_scheduler: Any = None,
-                 training_dataloader: Any = None, on_close: Callable[[], None] | None = None) -> None:
+    def __init__(self, job: Job, lr_scheduler: Any = None, training_dataloader: Any = None) -> None:
         super().__init__()
+        core = job.engine
         self.module = core.model
         self.core = core
-        self.config = train
+        self.config: TrainConfig = job.spec.config.train
         self.optimizer = EngineOptimizer(self)
+        # A callable makes the schedule over this engine's optimizer (initialize's).
         self.lr_scheduler = lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(
             lr_scheduler, "step") else lr_scheduler
         self.training_dataloader = training_dataloader
@@ -109,8 +113,10 @@ class TrainingEngine(torch.nn.Module):
         self.skipped_steps = 0
         self._boundary: bool | None = None
         self._step_applied = False
-        self._on_close = on_close
+        self._job = job
+        self._close_job = job.close_with(self)
         self._closed = False
+        self._last_step_end: float | None = None  # monotonic seconds, for the plans' step times
 
     # ---- what DeepSpeed's engine tells ------------------------------------------------------
 
@@ -232,7 +238,16 @@ class TrainingEngine(torch.nn.Module):
                 self._step_schedule(lr_kwargs or {})
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self._step_ended()
         self.micro_steps += 1
+
+    def _step_ended(self) -> None:
+        """An optimizer step ended: its time (since the last one ended, the caller's loop
+        included, as a plan's step is) goes to the job's plans and the node's dashboard."""
+        now = time.monotonic()
+        if self._last_step_end is not None:
+            self._job.step_done(now - self._last_step_end)
+        self._last_step_end = now
 
     def _step_schedule(self, lr_kwargs: dict) -> None:
         """The LR schedule's step. A torch scheduler built on the caller's own optimizer
@@ -358,20 +373,15 @@ class TrainingEngine(torch.nn.Module):
     # ---- the end -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for the last updates, stop the engine and what initialize started for it."""
+        """Wait for the last updates, then close the job: the engine, its store and what
+        was started for it (worker/job.py)."""
         if self._closed:
             return
         self._closed = True
         try:
             self.core.wait_for_optimizer()
         finally:
-            if self._on_close is not None:  # what initialize started, the engine first
-                self._on_close()
-            else:
-                try:
-                    self.core.close()
-                finally:
-                    self.core.store.close()
+            self._close_job()
 
     def __enter__(self) -> "TrainingEngine":
         return self

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from tierstack.errors import KeyNotFoundError
-from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.store.block_store import BlockStore
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class StashedInput:
 class ActivationStash:
     """Block inputs kept by the tier manager from a block's forward to its backward."""
 
-    def __init__(self, store: LayerStore) -> None:
+    def __init__(self, store: BlockStore) -> None:
         self.store = store
         self._live: list[StashedInput] = []  # in forward order; backward takes from the end
         self._reads: dict[str, Future] = {}
@@ -101,7 +101,7 @@ class ActivationStash:
             ready.record(torch.cuda.current_stream(data.device))
         copy = self._copier(data, ready)
         write = self._writes[entry.key] = self._writer.submit(
-            self.store.session.write, entry.key, data.numel(), copy, False, placement)
+            self.store.tiers.write_bytes, entry.key, data.numel(), copy, placement)
         self._last_write = (write, data, data._version)
         self.bytes_written += data.numel()
         self.bytes_held += data.numel()
@@ -129,7 +129,7 @@ class ActivationStash:
         if future is not None:
             future.exception()  # the read ends before its key goes
         try:
-            self.store.client.delete([entry.key])
+            self.store.tiers.delete([entry.key])
         except KeyNotFoundError:
             pass  # a restarted daemon lost it already (never durable)
 
@@ -199,7 +199,7 @@ class ActivationStash:
         return self._read(entry)
 
     def _read(self, entry: StashedInput) -> torch.Tensor:
-        data = self.store.session.read_block(entry.key)  # a CPU copy: the pin goes at once
+        data = self.store.tiers.read_bytes(entry.key)  # a CPU copy: the pin goes at once
         x = data.view(entry.dtype).view(entry.shape)
         if entry.device.type == "cuda":
             x = x.pin_memory().to(entry.device, non_blocking=True)

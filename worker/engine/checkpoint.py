@@ -160,7 +160,7 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
     store, optimizer = engine.store, engine.block_optimizer
     for i in range(meta["blocks"]):
         saved = load_file(str(_block_file(directory, i)))
-        layout_names = {s.name for s in store.layouts[i].slots}
+        layout_names = {s.name for s in store.layout(i).slots}
         store.write_back(i, {n: saved[n] for n in layout_names})
         kinds = (MOMENTS if meta["steps"] else ()) + (("master",) if optimizer.masters else ())
         for kind in kinds:

@@ -89,3 +89,26 @@ def chunked_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor,
     for h, t in zip(hidden.split(size), targets.split(size)):
         total = total + checkpoint(_chunk_loss, head, h, t, use_reentrant=False)
     return total / (targets != IGNORE_INDEX).sum()
+
+
+def model_logits(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The model's logits: a plain module's output, or a Hugging Face model's `.logits`
+    (called without a key/value cache: training recomputes blocks)."""
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        out = model(inputs, use_cache=False)
+    else:
+        out = model(inputs)
+    return getattr(out, "logits", out)
+
+
+def language_model_loss(model: torch.nn.Module, head: tuple[str, torch.nn.Linear] | None,
+                        inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of `model`'s logits for `inputs` against `targets`; with large
+    logits and an output `head` (output_head's: its name and module), a chunk of tokens at a
+    time from the head's input, never the whole logits."""
+    if head is None or not wants_chunks(targets.numel(), head[1].out_features):
+        return F.cross_entropy(model_logits(model, inputs).flatten(0, 1).float(), targets.flatten())
+    name, module = head
+    with stopped_at_head(model, name):
+        hidden = model_logits(model, inputs)
+    return chunked_cross_entropy(module, hidden, targets)

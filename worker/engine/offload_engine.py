@@ -46,7 +46,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from tierstack.budgets import Budgets, measure
 from tierstack.config import DEVICE_BUDGET_LAYERS, BudgetsConfig, OptimizerConfig, TrainConfig
@@ -54,8 +53,7 @@ from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.module_tiers import ModuleTiers
 from tierstack.services.tier_manager.types import NodeInfo
 from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS, NVME, BlockTier
-from tierstack.worker.engine.chunked_loss import (chunked_cross_entropy, output_head, stopped_at_head,
-                                           wants_chunks)
+from tierstack.worker.engine.chunked_loss import language_model_loss, output_head
 from tierstack.worker.store.grad_norm import squared_norm
 from tierstack.worker.store.block_store import BlockStore
 from tierstack.worker.engine.offloaded_blocks import OffloadedBlocks
@@ -182,6 +180,54 @@ def weights_from_masters(setting: str, precision: str, numel: int, cpu_pool: int
             >= host_state_bytes(numel, precision, True))
 
 
+def decide_weights_from_masters(model: torch.nn.Module, blocks_attr: str, train: TrainConfig,
+                                cpu_capacity: int, tiers: list[str] | None = None,
+                                partitioned: bool = False) -> bool:
+    """Whether a job's store makes the offloaded blocks' weights from their masters
+    (`weights_from_masters` over the blocks the config offloads; meta tensors count):
+    decided once, before the store is made (worker/job.py), since it is the store's
+    setting. `partitioned`: a multi-rank job, which cannot."""
+    block_list = model.get_submodule(blocks_attr)
+    numels = [sum(p.numel() for p in block.parameters()) for block in block_list]
+    planned = tiers if tiers is not None else block_tiers(train, blocks_attr, len(numels), numels)
+    offloaded = [i for i, t in enumerate(planned) if t != GPU]
+    why_not = PARTITIONED_FROM_MASTERS if partitioned else masterless_reason(block_list, blocks_attr,
+                                                                           offloaded)
+    return weights_from_masters(train.params.weights_from_masters, train.precision,
+                                sum(numels[i] for i in offloaded), cpu_capacity, why_not)
+
+
+PARTITIONED_FROM_MASTERS = ("partitioned (multi-rank) jobs keep each block's weights as shards "
+                            "gathered in the training dtype, which this does not make from masters")
+
+
+def masterless_reason(block_list: torch.nn.Module, blocks_attr: str, offloaded: list[int]) -> str:
+    """Why the offloaded blocks' weights cannot be made from masters ('' where they can):
+    every tensor of such a block needs a master to be made from."""
+    for i in offloaded:
+        others = masterless_tensors(block_list[i])
+        if others:
+            return (f"block {blocks_attr}.{i} holds {others[0]!r}, which has no fp32 master "
+                    f"(a buffer or a frozen parameter) to make it from")
+    return ""
+
+
+def _store_from_masters(train: TrainConfig, store_from_masters: bool, why_not: str) -> bool:
+    """The store's setting, checked against the config: 'on' needs a store made so, and a
+    store made so needs blocks whose every tensor has a master."""
+    setting = train.params.weights_from_masters
+    if setting == "on" and train.precision != "fp32":
+        weights_from_masters("on", train.precision, 0, 0, why_not)  # refuses with `why_not`
+        if not store_from_masters:
+            raise ConfigError("train.params.weights_from_masters 'on': the store keeps the "
+                              "weights; make the job with tierstack.worker.job.open_job, or "
+                              "the store with from_masters=True")
+    if store_from_masters and why_not:
+        raise ConfigError(f"the store makes weights from masters (from_masters=True), but "
+                          f"{why_not}; make it with from_masters=False")
+    return store_from_masters
+
+
 def pending_moment_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
     """Device bytes AdamW's two moments will add for `params` that have none yet (made
     lazily by the optimizer's first step, in the dtype of the parameters it updates)."""
@@ -223,7 +269,7 @@ def job_budgets(config: BudgetsConfig, store: BlockStore) -> Budgets:
     NVMe budget's ceiling is what the store's tier manager holds on its drives (it knows
     them). The one place a worker turns budget settings into bytes."""
     limits = dataclasses.replace(measure(None, str(store.device)),
-                                 nvme=store.client.node().nvme_capacity)
+                                 nvme=store.tiers.node().nvme_capacity)
     return config.resolve(limits)
 
 
@@ -267,14 +313,11 @@ class OffloadEngine:
         ModuleTiers(train.tier_overrides).check_matches(name for name, _ in model.named_modules())
         if budgets is None:
             budgets = job_budgets(BudgetsConfig(), store)
-        node = store.client.node()
+        node = store.tiers.node()
         planned = tiers if tiers is not None else block_tiers(train, blocks_attr, count, numels)
         offloaded = [i for i, t in enumerate(planned) if t != GPU]
-        self.from_masters = weights_from_masters(
-            train.params.weights_from_masters, train.precision,
-            sum(numels[i] for i in offloaded), node.cpu_capacity,
-            self._why_not_from_masters(block_list, blocks_attr, offloaded))
-        store.from_masters = self.from_masters
+        self.from_masters = _store_from_masters(
+            train, store.from_masters, self._why_not_from_masters(block_list, blocks_attr, offloaded))
         if self.from_masters:
             log.info("train.params.weights_from_masters %r: the offloaded blocks' weights are "
                      "their fp32 masters rounded on the way to the device (12 bytes per "
@@ -314,8 +357,8 @@ class OffloadEngine:
             # "Three layers' worth" of loads: each holds its staging masters too (a stated
             # train.device_budget is a bound that includes them, and stays as it is).
             loads = DEVICE_BUDGET_LAYERS * max(store.layer_nbytes(i) for i in range(len(positions)))
-            if loads > store.budget.capacity:
-                store.budget.resize(loads)
+            if loads > store.figures().device_capacity:
+                store.resize_device_budget(loads)
         self._keep_the_rest(model, initialize)
         self.placement: BlockPlacement | None = None
         # Where the loss may stop the model to take it a chunk at a time (None: no head).
@@ -330,14 +373,8 @@ class OffloadEngine:
     def _why_not_from_masters(self, block_list: torch.nn.Module, blocks_attr: str,
                               offloaded: list[int]) -> str:
         """Why this engine cannot make the offloaded blocks' weights from their masters
-        ('' where it can): every tensor of such a block needs a master to be made from.
-        A partitioned engine says its own reason."""
-        for i in offloaded:
-            others = masterless_tensors(block_list[i])
-            if others:
-                return (f"block {blocks_attr}.{i} holds {others[0]!r}, which has no fp32 master "
-                        f"(a buffer or a frozen parameter) to make it from")
-        return ""
+        ('' where it can). A partitioned engine says its own reason."""
+        return masterless_reason(block_list, blocks_attr, offloaded)
 
     def _offload_blocks(self, block_list: torch.nn.Module, positions: list[int],
                         initialize: Callable[[torch.nn.Module, torch.device], None]) -> None:
@@ -420,12 +457,13 @@ class OffloadEngine:
             # Every block's tensors stay from its forward to its backward, with the
             # prefetch window on top: the layer store must hold them all.
             layers = [self.store.layer_nbytes(i) for i in blocks.offloaded()]
-            need = sum(layers) + self.store.prefetch_depth * max(layers)
-            if need > self.store.budget.capacity:
+            figures = self.store.figures()
+            need = sum(layers) + figures.prefetch_depth * max(layers)
+            if need > figures.device_capacity:
                 log.info("train.activations.policy 'keep': the device budget grows from %d to "
                          "%d bytes to hold every offloaded block from forward to backward",
-                         self.store.budget.capacity, need)
-                self.store.budget.resize(need)
+                         figures.device_capacity, need)
+                self.store.resize_device_budget(need)
 
     def _partition_activations(self) -> None:
         """train.activations.partition on one rank: no other tier manager to spread over."""
@@ -439,10 +477,10 @@ class OffloadEngine:
         would be full of held tensors at times: there the updates finish first."""
         if not self.blocks.blocks:
             return False
-        layers = [store.layouts[i].nbytes for i in range(len(self.blocks.blocks))]
+        layers = [store.layout(i).nbytes for i in range(len(self.blocks.blocks))]
         state = max(4 * n for n in layers)  # parameters, gradients, two moments (and masters)
-        need = 2 * state + (store.prefetch_depth + 1) * max(layers)
-        return store.client.node().cpu_capacity >= 2 * need
+        need = 2 * state + (store.figures().prefetch_depth + 1) * max(layers)
+        return store.tiers.node().cpu_capacity >= 2 * need
 
     def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool):
         """The offloaded blocks' optimizer (partitioned training brings its own)."""
@@ -675,7 +713,7 @@ class OffloadEngine:
         self._placement_pending = False
         self.block_optimizer.wait_all()  # the stored state is current before it is read
         policy = self.activation_policy
-        recorder, self.store.recorder = self.store.recorder, None  # not part of a trace
+        recorder = self.store.record_uses(None)  # not part of a trace
         try:
             devices = [self.store.device] if self.store.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
@@ -689,12 +727,12 @@ class OffloadEngine:
                 f"{self.budgets.hbm / MiB:,.0f} MiB); set the policy to 'auto' (keeps what fits, "
                 f"recomputes or offloads the rest) or lower the micro-batch or sequence length") from e
         finally:
-            self.store.recorder = recorder
+            self.store.record_uses(recorder)
         offloaded = self.blocks.offloaded()
         if policy != AUTO:  # the probe ran in it: no inputs sent out, nothing recomputed for it
             check_policy_fits(self.footprint, self.budgets.hbm, policy)
         placement = place_blocks(self.footprint, self.budgets.hbm, self._resident_ok,
-                                 window_layers=self.store.prefetch_depth + 1)
+                                 window_layers=self.store.figures().prefetch_depth + 1)
         for index in placement.resident:
             keep = index in placement.keep_activations if policy == AUTO else policy == "keep"
             self._make_resident(index, recompute=not keep)
@@ -704,7 +742,7 @@ class OffloadEngine:
             for index in placement.offload_inputs:  # the CPU pool keeps what fits, NVMe the rest
                 self.blocks.input_tiers[index] = AUTO
         if len(placement.resident) < len(offloaded):
-            self.store.budget.resize(max(placement.layer_budget, self.store.budget.used, 1))
+            self.store.resize_device_budget(max(placement.layer_budget, self.store.figures().device_used, 1))
         if policy != AUTO:  # the configured policy for the blocks left offloaded
             self._apply_activation_policy()
             placement = under_policy(placement, self.footprint, policy)
@@ -738,7 +776,7 @@ class OffloadEngine:
         self.zero_grad()
         stashed = self.blocks.probe_stashed_bytes
         store = self.store
-        layers = tuple(store.layouts[i].nbytes for i in range(len(self.blocks.blocks)))
+        layers = tuple(store.layout(i).nbytes for i in range(len(self.blocks.blocks)))
         # A load holds its staging buffer too (weights made from masters): the window's bytes.
         loads = tuple(store.layer_nbytes(i) for i in range(len(self.blocks.blocks)))
         activations = tuple(self.blocks.activation_bytes)
@@ -765,27 +803,13 @@ class OffloadEngine:
             persistent = sum(p.numel() * (2 * p.element_size() + (0 if m is p else 4))
                              for p, m in zip(self.persistent, self.persistent_masters))
             peak = (persistent + extra + outside.bytes + stashed
-                    + (store.prefetch_depth + 1) * max(loads) + max(activations, default=0))
+                    + (store.figures().prefetch_depth + 1) * max(loads) + max(activations, default=0))
         return DeviceFootprint(int(peak), tuple(states), loads, activations, inputs)
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the model's logits; with large logits, a chunk of tokens at
         a time from the head's input (worker/engine/chunked_loss.py), never the whole logits."""
-        if self._head is None or not wants_chunks(targets.numel(), self._head[1].out_features):
-            return F.cross_entropy(self._logits(inputs).flatten(0, 1).float(), targets.flatten())
-        name, head = self._head
-        with stopped_at_head(self.model, name):
-            hidden = self._logits(inputs)
-        return chunked_cross_entropy(head, hidden, targets)
-
-    def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's logits: a plain module's output, or a Hugging Face model's `.logits`
-        (called without a key/value cache: training recomputes blocks)."""
-        if getattr(getattr(self.model, "config", None), "use_cache", None) is not None:
-            out = self.model(inputs, use_cache=False)
-        else:
-            out = self.model(inputs)
-        return getattr(out, "logits", out)
+        return language_model_loss(self.model, self._head, inputs, targets)
 
     def _make_resident(self, index: int, recompute: bool = False) -> None:
         """Bring offloaded block `index` to the device for good: its tensors, fp32 masters

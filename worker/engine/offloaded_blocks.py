@@ -44,7 +44,7 @@ from tierstack.tiers import AUTO
 from tierstack.worker.engine.activation_stash import ActivationStash
 from tierstack.worker.store.grad_norm import squared_norm
 from tierstack.worker.engine.gradient_writes import GradientWrites
-from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.store.block_store import BlockStore
 from tierstack.worker.engine.placement import SavedBytes
 
 
@@ -189,7 +189,7 @@ class _BlockProxy(torch.nn.Module):
 class OffloadedBlocks(torch.nn.Module):
     """A sequence of blocks whose parameters live with the node's tier manager."""
 
-    def __init__(self, module_list: torch.nn.ModuleList, store: LayerStore,
+    def __init__(self, module_list: torch.nn.ModuleList, store: BlockStore,
                  prefetch_depth: int = 2, positions: list[int] | None = None,
                  prepare: Callable[[int, torch.nn.Module], None] | None = None) -> None:
         """Offload the blocks of `module_list` at `positions` (default: all of them);
@@ -204,7 +204,7 @@ class OffloadedBlocks(torch.nn.Module):
         self.blocks = [module_list[p] for p in self.positions]
         self.store = store
         # The store's depths until a scheduler plan replaces them (PlanFollower).
-        store.depths.set_fixed(prefetch_depth)
+        store.use_prefetch_depth(prefetch_depth)
         for i, block in enumerate(self.blocks):
             _check_supported(i, block)
         self._anchor = torch.empty(0, requires_grad=True)
@@ -263,7 +263,7 @@ class OffloadedBlocks(torch.nn.Module):
     # ---- one block ---------------------------------------------------------------------
 
     def _materialize(self, index: int) -> None:
-        recorder = self.store.recorder
+        recorder = self.store.recording()
         if recorder is None:
             self.before_use(index)
         else:  # waiting for the block's update is not compute
@@ -318,8 +318,9 @@ class OffloadedBlocks(torch.nn.Module):
             with torch.enable_grad():
                 x_in = x.detach().requires_grad_(x.requires_grad)
                 out = self.blocks[index](x_in, *args, **kwargs)
-            if self.store.recorder is not None:  # its forward ends here; it stays on the device
-                self.store.recorder.computed(index)
+            recorder = self.store.recording()
+            if recorder is not None:  # its forward ends here; it stays on the device
+                recorder.computed(index)
             return x_in, out
         except BaseException:
             self._kept_live.discard(index)
@@ -331,8 +332,9 @@ class OffloadedBlocks(torch.nn.Module):
     def _backward_kept(self, index: int, x_in: torch.Tensor, out: torch.Tensor,
                        grad_out: torch.Tensor) -> torch.Tensor | None:
         """Run the kept graph of block `index`, store its gradients, let its tensors go."""
-        if self.store.recorder is not None:  # its backward: a use without a load
-            self.store.recorder.used(index)
+        recorder = self.store.recording()
+        if recorder is not None:  # its backward: a use without a load
+            recorder.used(index)
         self.store.prefetch_ahead(index, -1, ready=self.ready_for_use)  # earlier blocks may need loading
         try:
             block = self.blocks[index]
@@ -477,7 +479,7 @@ class OffloadedBlocks(torch.nn.Module):
     def trainable(self, index: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """Block `index`'s parameters that get gradients: (name, shape, dtype), in the order
         its gradients are stored."""
-        layout = {s.name: s for s in self.store.layouts[index].slots}
+        layout = {s.name: s for s in self.store.layout(index).slots}
         return [(n, layout[n].shape, dtype_from_name(layout[n].dtype))
                 for n, p in self.blocks[index].named_parameters() if p.requires_grad]
 

@@ -50,10 +50,10 @@ class DaemonRoom:
 
 def daemon_rooms(store: ShardedLayerStore) -> list[DaemonRoom]:
     """Every rank's DaemonRoom, in rank order (a collective)."""
-    node = store.client.node()
+    node = store.tiers.node()
     digest = int.from_bytes(hashlib.sha1(node.instance_id.encode()).digest()[:7], "big")
     return [DaemonRoom(*row) for row in
-            store.all_gather_ints([digest, node.cpu_capacity, node.nvme_capacity])]
+            store.collectives.all_gather_ints([digest, node.cpu_capacity, node.nvme_capacity])]
 
 
 def shares(nbytes: int, weights: list[int]) -> list[int]:
@@ -93,10 +93,10 @@ class PartitionedActivationStash(ActivationStash):
         """Spread block `index`'s input `x` over the ranks' tier managers (a collective)."""
         store, weights = self.sharded, self._weights[placement]
         flat = x.detach().contiguous().view(-1).view(torch.uint8)
-        counts = [row[0] for row in store.all_gather_ints([flat.numel()])]
+        counts = [row[0] for row in store.collectives.all_gather_ints([flat.numel()])]
         sent = tuple(shares(flat.numel(), weights))
         held = tuple(shares(n, weights)[store.rank] for n in counts)
-        pieces = store.all_to_all(flat, sent, held)
+        pieces = store.collectives.all_to_all(flat, sent, held)
         entry = SpreadInput(self._next_key(index), tuple(x.shape), x.dtype, x.device,
                             x.requires_grad, sum(held), sent=sent, held=held)
         self._keep(entry, pieces, placement)
@@ -108,8 +108,8 @@ class PartitionedActivationStash(ActivationStash):
         pieces = super().take(entry)  # this daemon's pieces, from the reader thread
         if entry.device.type == "cuda":
             pieces = pieces.pin_memory().to(entry.device, non_blocking=True)
-        flat = self.sharded.all_to_all(pieces, entry.held, entry.sent)
+        flat = self.sharded.collectives.all_to_all(pieces, entry.held, entry.sent)
         return flat.view(entry.dtype).view(entry.shape)
 
     def _read(self, entry: SpreadInput) -> torch.Tensor:
-        return self.store.session.read_block(entry.key)  # a CPU copy: the pin goes at once
+        return self.store.tiers.read_bytes(entry.key)  # a CPU copy: the pin goes at once

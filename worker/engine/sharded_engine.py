@@ -28,7 +28,7 @@ from tierstack.config import BudgetsConfig, OptimizerConfig, TrainConfig
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWSegment
 from tierstack.tiers import AUTO
-from tierstack.worker.engine.offload_engine import OffloadEngine, job_budgets
+from tierstack.worker.engine.offload_engine import PARTITIONED_FROM_MASTERS, OffloadEngine, job_budgets
 from tierstack.worker.store.layout import LayerLayout
 from tierstack.worker.engine.offloaded_blocks import OffloadedBlocks
 from tierstack.worker.engine.placement import DeviceFootprint
@@ -61,7 +61,7 @@ class ShardedAdamW(TieredAdamW):
         self.asynchronous = False
 
     def _prepare_block(self, i: int) -> AdamWBlock:
-        local, layout = self.store.local, self.store.layouts[i]
+        local, layout = self.store.local, self.store.layout(i)
         itemsize = layout.torch_dtype.itemsize
         if not self.masters and layout.dtype != "float32":
             raise InvalidArgumentError(
@@ -104,21 +104,20 @@ class ShardedEngine(OffloadEngine):
         kwargs.setdefault("tiers", [AUTO] * count)
         if budgets is None:
             budgets = job_budgets(BudgetsConfig(), store).with_(hbm=0)
-        budgets = store.broadcast_object(budgets)
+        budgets = store.collectives.broadcast_object(budgets)
         super().__init__(model, store, train, budgets, **kwargs)
 
     def _why_not_from_masters(self, block_list, blocks_attr: str, offloaded: list[int]) -> str:
         """Partitioned blocks keep their weights as flat shards that the ranks all-gather
         in the training dtype; making them from fp32 master shards would gather twice the
         bytes (or round each shard first, a path not built): not supported."""
-        return ("partitioned (multi-rank) jobs keep each block's weights as shards gathered "
-                "in the training dtype, which this does not make from masters")
+        return PARTITIONED_FROM_MASTERS
 
     def _probe(self, run_loss: Callable[[], torch.Tensor]) -> DeviceFootprint:
         """Every rank runs the probe step (its forward gathers every block, as the others'
         do); rank 0's footprint is the one every rank places by, so the placement, a pure
         function of it and of the (broadcast) budgets, is rank 0's on every rank."""
-        footprint = self.store.broadcast_object(super()._probe(run_loss))
+        footprint = self.store.collectives.broadcast_object(super()._probe(run_loss))
         log.info("placement: rank %d of %d follows rank 0's probe (peak %d bytes)",
                  self.store.rank, self.store.world, footprint.peak)
         return footprint
@@ -143,7 +142,7 @@ class ShardedEngine(OffloadEngine):
         """OffloadEngine's phases, and the store's collectives and waits for its tiers on
         the same clock (all_gather, reduce_scatter, all_reduce, broadcast, tier_wait)."""
         clock = super().time_phases()
-        self.store.phases = clock
+        self.store.collectives.time_phases(clock)
         return clock
 
     def _make_block_optimizer(self, optimizer: OptimizerConfig, masters: bool) -> ShardedAdamW:
@@ -159,7 +158,7 @@ class ShardedEngine(OffloadEngine):
         shards = [store.grad_sq_norms[i] for i in range(len(self.blocks.blocks))
                   if i in store.grad_sq_norms]
         local = torch.stack(shards).sum() if shards else torch.zeros((), device=store.device)
-        blocks_sq = store.all_reduce_mean(float(local)) * store.world
+        blocks_sq = store.collectives.all_reduce_mean(float(local)) * store.world
         persistent_sq = sum(float(p.grad.float().square().sum()) for p in self.persistent
                             if p.grad is not None)
         return (blocks_sq + persistent_sq) ** 0.5
@@ -169,11 +168,11 @@ class ShardedEngine(OffloadEngine):
 
     def step(self, loss_scale: float = 1.0) -> bool:
         grads = [p.grad for p in self.persistent if p.grad is not None]
-        self.store.all_reduce_mean_(grads)
+        self.store.collectives.all_reduce_mean_(grads)
         applied = super().step(loss_scale)
         self.store.agree_on_plan()  # the step boundary: every rank switches plans here
         return applied
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward, backward and step on this rank's slice; the global batch's mean loss."""
-        return self.store.all_reduce_mean(super().train_step(inputs, targets))
+        return self.store.collectives.all_reduce_mean(super().train_step(inputs, targets))

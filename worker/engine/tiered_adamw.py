@@ -96,7 +96,7 @@ class TieredAdamW:
 
     def _block_request(self, i: int, trainable) -> AdamWBlock:
         store = self.blocks.store
-        params = {s.name: s for s in store.layouts[i].slots}
+        params = {s.name: s for s in store.layout(i).slots}
         if not trainable:
             raise InvalidArgumentError(f"block {i} has no parameter that needs gradients; "
                                        f"keep it out of the offloaded blocks")
@@ -114,7 +114,7 @@ class TieredAdamW:
         offsets = {s.name[:-len(".exp_avg")]: s.offset for s in state.slots}
         return AdamWBlock(
             # No parameters where the store makes them from the masters on each load.
-            params="" if getattr(store, "from_masters", False) else store.key(i),
+            params="" if store.from_masters else store.key(i),
             grads=store.key(i, "grad"),
             master=store.key(i, "master") if self.masters else "",
             exp_avg=store.key(i, "exp_avg"), exp_avg_sq=store.key(i, "exp_avg_sq"),
@@ -140,7 +140,7 @@ class TieredAdamW:
 
     def _run(self, indices: list[int], hyper: AdamWHyper) -> None:
         start = time.perf_counter()
-        result = self.blocks.store.client.adamw_step([self._requests[i] for i in indices], hyper,
+        result = self.blocks.store.tiers.adamw_step([self._requests[i] for i in indices], hyper,
                                                      timeout=STEP_TIMEOUT)
         end = time.perf_counter()
         self.update_spans.extend((i, start, end) for i in indices)

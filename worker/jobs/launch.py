@@ -1,13 +1,15 @@
 """`tierstack launch script.py [args]`: the user's own training script with the node's
 services around it, as `deepspeed script.py` or `torchrun script.py` runs one.
 
-The launcher finds the node's tier manager (--tier-manager, else $TIERSTACK_TIER_MANAGER
-or the per-user socket, when one answers) or starts the embedded single-node default: a
-scheduler and a tier manager registered with it, the tier manager's NVMe pool in a
-directory named after the job under the config's NVMe paths (--nvme-path, else a
-DeepSpeed JSON's nvme_path, else /var/tmp/tierstack/train-nvme). The script runs with
+The launcher finds the node's services as every door does (worker/job.py): the tier
+manager named (--tier-manager), else the node's ($TIERSTACK_TIER_MANAGER or the per-user
+socket, when one answers), else the embedded single-node default: a scheduler and a tier
+manager registered with it, the tier manager's NVMe pool in a directory named after the
+job under the config's NVMe paths (--nvme-path, else a DeepSpeed JSON's nvme_path, else
+the one default root, /var/tmp/tierstack-<uid>/nvme). The script runs with
 $TIERSTACK_TIER_MANAGER, $TIERSTACK_SCHEDULER and $TIERSTACK_JOB set, so its
-`tierstack.initialize` uses them; with --config, $TIERSTACK_CONFIG names the file too.
+`tierstack.initialize` uses them and follows that scheduler's plans; with --config,
+$TIERSTACK_CONFIG names the file too.
 
 Every exit path cleans up: the script's exit (its code is the launcher's), Ctrl-C (the
 script, in the same process group, gets it itself; the launcher waits for it), SIGTERM to
@@ -29,8 +31,7 @@ from pathlib import Path
 from tierstack.addresses import JOB_ENV, SCHEDULER_ENV, TIER_MANAGER_ENV
 from tierstack.config import load_config
 from tierstack.errors import ConfigError
-from tierstack.worker.node.daemon_address import check_reachable, running_tier_manager
-from tierstack.worker.jobs.train_flags import nvme_bases
+from tierstack.worker.job import SchedulerUse, open_services
 
 CONFIG_ENV = "TIERSTACK_CONFIG"
 """The config file `tierstack launch --config` was given, for the script to read."""
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-path", default=None,
                         help="directory for the embedded tier manager's NVMe pool (a "
                              "subdirectory named after the job is used and removed); default: "
-                             "the config's NVMe paths, else /var/tmp/tierstack/train-nvme")
+                             "the config's NVMe paths, else /var/tmp/tierstack-<uid>/nvme")
     parser.add_argument("--tier-manager", metavar="ADDRESS",
                         help="use this running tier manager instead of finding or starting one")
     parser.add_argument("--no-scheduler", action="store_true",
@@ -72,33 +73,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _services(args: argparse.Namespace, config, job: str, stack: contextlib.ExitStack) -> dict:
-    """The environment that points the script at the node's services, started if needed."""
-    if args.tier_manager or config.tier_manager.listen:  # the daemon named, never one beside it
-        named = args.tier_manager or config.tier_manager.listen
-        check_reachable(named, "--tier-manager" if args.tier_manager else "tier_manager.listen")
-        return {TIER_MANAGER_ENV: named}
-    running = running_tier_manager()
-    if running is not None:
-        print(f"tierstack launch: the node's tier manager at {running}", file=sys.stderr)
-        return {TIER_MANAGER_ENV: running}
-    from tierstack.services.tier_manager.embedded import EmbeddedTierManager
-    from tierstack.worker.node.run_directory import job_directories
-
-    tm = config.tier_manager
-    bases, setting = nvme_bases(args, tm)
-    tm.nvme_pool.paths = stack.enter_context(job_directories(bases, job, setting))
-    tm.manifest_path = os.path.join(tm.nvme_pool.paths[0], "manifest.sqlite")
-    env = {}
-    if not args.no_scheduler:
-        from tierstack.services.scheduler.embedded import EmbeddedScheduler
-
-        scheduler = stack.enter_context(EmbeddedScheduler(config.scheduler))
-        tm.scheduler_address, tm.node_id = scheduler.address, "local"
-        env[SCHEDULER_ENV] = scheduler.address
-    daemon = stack.enter_context(EmbeddedTierManager(tm, for_training=True))
-    env[TIER_MANAGER_ENV] = daemon.address
-    print(f"tierstack launch: job {job}, a tier manager at {daemon.address} (NVMe pool at "
-          f"{', '.join(tm.nvme_pool.paths)})", file=sys.stderr)
+    """The environment that points the script at the node's services (worker/job.py's
+    choice, as the script's own initialize would make it), started if needed."""
+    services = open_services(
+        stack, config, job, tier_manager=args.tier_manager or "", tier_manager_setting="--tier-manager",
+        scheduler=SchedulerUse.OFF if args.no_scheduler else SchedulerUse.AUTO,
+        nvme_paths=[args.nvme_path] if args.nvme_path else None, nvme_setting="--nvme-path")
+    env = {TIER_MANAGER_ENV: services.tier_manager}
+    if services.scheduler:
+        env[SCHEDULER_ENV] = services.scheduler
+    print(f"tierstack launch: job {job}, {services.describe()}", file=sys.stderr)
     return env
 
 

@@ -11,7 +11,6 @@ it, so every way of starting ranks trains the same way.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import os
@@ -24,21 +23,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tierstack.config import (ActivationConfig, MiB, OptimizerConfig, ParamOffloadConfig,
-                              TierManagerConfig, TrainConfig, config_dict, load_config)
+from tierstack.config import (ActivationConfig, BudgetsConfig, MiB, OptimizerConfig,
+                              ParamOffloadConfig, TierManagerConfig, TierstackConfig, TrainConfig,
+                              config_dict, load_config)
 from tierstack.errors import InvalidArgumentError
-from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
-from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
-from tierstack.worker.node.distributed import RankEnv, init_process_group, rank_device
-from tierstack.worker.engine.offload_engine import materialize
-from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
-from tierstack.worker.node.run_directory import run_directory
-from tierstack.worker.store.layer_store import layer_tensors
-from tierstack.worker.store.layout import LayerLayout
-from tierstack.worker.engine.sharded_engine import ShardedEngine
-from tierstack.worker.store.sharded_store import ShardedLayerStore
+from tierstack.worker.engine.offload_engine import OffloadEngine, materialize
 from tierstack.worker.engine.training_loop import run_steps
+from tierstack.worker.job import Job, JobSpec, SchedulerUse, open_job
+from tierstack.worker.jobs.corpus import ByteBatches, stdlib_bytes
+from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
+from tierstack.worker.node.distributed import RankEnv, init_process_group, rank_device
 
 
 @dataclass
@@ -68,7 +63,11 @@ class PartitionedSpec:
     job: str = ""
     data: str = "stdlib"          # "stdlib" (the byte corpus) or "random" tokens
     tier_manager: str | None = None
-    """The node's tier-manager address; None: each rank starts its own embedded one."""
+    """The node's tier-manager address; None: each rank finds its node's, or starts its own
+    embedded one (its NVMe pool under the config's root, in a directory per rank)."""
+    scheduler: str = ""
+    """The scheduler rank 0 reports the job's trace to and takes plans from, which every
+    rank follows ('' for none); the ranks' tier managers are registered with it."""
     embedded: dict | None = None
     """tier_manager config (as config_dict gives) for the embedded daemons; paths get a per-rank suffix."""
     collect_state: bool = False   # gather the trained weights into the result (tests)
@@ -223,76 +222,77 @@ def run_rank(env: RankEnv, spec: PartitionedSpec) -> RankResult:
         torch.set_num_threads(spec.cpu_threads)
     init_process_group(env, device)
     try:
-        if spec.tier_manager is not None:
-            return _train(env, spec, device, spec.tier_manager)
-        tm = load_config({"tier_manager": spec.embedded or {}}).tier_manager
-        with contextlib.ExitStack() as dirs:
-            # Per-rank directories: ranks of one machine stand for nodes with their own drives.
-            name = f"rank{env.rank}-{uuid.uuid4().hex[:8]}"
-            tm.nvme_pool.paths = [
-                dirs.enter_context(run_directory(p, f"{name}-{i}", "tier_manager.nvme_pool.paths"))
-                for i, p in enumerate(tm.nvme_pool.paths or [tempfile.gettempdir()])]
-            tm.manifest_path = os.path.join(tm.nvme_pool.paths[0], "manifest.sqlite")
-            with EmbeddedTierManager(tm, for_training=True) as daemon:
-                return _train(env, spec, device, daemon.address)
+        torch.manual_seed(spec.seed)  # every rank builds the same initial model
+        model, blocks_attr, initialize = build_model(spec, device)
+        # The partitioned job's budgets: no HBM budget (every block streamed), unless stated.
+        config = TierstackConfig(train=spec.train_config(),
+                                 tier_manager=load_config({"tier_manager": spec.embedded or {}}).tier_manager,
+                                 budgets=BudgetsConfig(hbm=0))
+        if spec.scheduler:
+            config.scheduler.listen = spec.scheduler
+        job = open_job(JobSpec(
+            spec.job or f"train-{uuid.uuid4().hex[:8]}", config, model, blocks_attr, device,
+            initialize=initialize, partitioned=True, tier_manager=spec.tier_manager or "",
+            tier_manager_setting="the spec's tier_manager",
+            scheduler=SchedulerUse.AUTO if spec.scheduler else SchedulerUse.OFF,
+            device_budget=spec.device_budget, device_budget_layers=spec.device_budget_layers,
+            total_steps=spec.steps))
+        try:
+            return _train(env, spec, job)
+        finally:
+            job.close()
     finally:
         dist.destroy_process_group()
 
 
-def _train(env: RankEnv, spec: PartitionedSpec, device: torch.device, address: str) -> RankResult:
-    torch.manual_seed(spec.seed)  # every rank builds the same initial model
-    model, blocks_attr, initialize = build_model(spec, device)
-    layer_bytes = LayerLayout.of(layer_tensors(model.get_submodule(blocks_attr)[0])).nbytes
-    job = spec.job or f"train-{uuid.uuid4().hex[:8]}"
-    budget = spec.device_budget or spec.device_budget_layers * layer_bytes
-    store = ShardedLayerStore(job, device=device, device_budget=budget,
-                              address=address, durable=False)
-    try:
-        engine = ShardedEngine(model, store, spec.train_config(), blocks_attr=blocks_attr,
-                               initialize=initialize)
-        start = _resume(spec, engine) if spec.resume else 0
+def _train(env: RankEnv, spec: PartitionedSpec, job: Job) -> RankResult:
+    engine, store = job.engine, job.store
+    model, device = engine.model, store.device
+    start = _resume(spec, engine) if spec.resume else 0
+    if start:
+        job.starting_at(start)
 
-        def save(step: int) -> None:
-            save_checkpoint(engine, spec.checkpoint_dir, extra={"step": step, **_signature(spec)})
+    def save(step: int) -> None:
+        save_checkpoint(engine, spec.checkpoint_dir, extra={"step": step, **_signature(spec)})
 
-        def on_step(record) -> None:
-            done = start + record.index + 1
-            if spec.checkpoint_dir and spec.checkpoint_every and done % spec.checkpoint_every == 0 \
-                    and done < spec.steps:
-                save(done)
+    def on_step(record) -> None:
+        job.step_done(record.seconds)
+        done = start + record.index + 1
+        if spec.checkpoint_dir and spec.checkpoint_every and done % spec.checkpoint_every == 0 \
+                and done < spec.steps:
+            save(done)
 
-        # Same seed, same batches: a resumed run skips the ones already trained on.
-        batches = ((rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size))
-                   for x, y in itertools.islice(global_batches(spec), start, None))
+    # Same seed, same batches: a resumed run skips the ones already trained on.
+    batches = ((rank_slice(x, env.rank, env.world_size), rank_slice(y, env.rank, env.world_size))
+               for x, y in itertools.islice(global_batches(spec), start, None))
 
-        phases = engine.time_phases() if spec.time_phases else None
+    phases = engine.time_phases() if spec.time_phases else None
 
-        def counters() -> dict[str, float]:
-            node, optimizer = store.client.stats(), engine.block_optimizer
-            timed = {} if phases is None else {f"{name}_s": s for name, s in phases.totals().items()}
-            return {"cpu_pool_read": store.local.bytes_read, "cpu_pool_written": store.local.bytes_written,
-                    "nvme_read": node.nvme_bytes_read, "nvme_written": node.nvme_bytes_written,
-                    "gathered": store.bytes_gathered, "exchanged": store.bytes_exchanged,
-                    "stalled_s": store.stall_seconds, "daemon_adamw_s": optimizer.update_seconds,
-                    "daemon_state_reads_s": optimizer.wait_seconds,
-                    **{name: timed.get(name, 0.0) for name in PHASES}}
+    def counters() -> dict[str, float]:
+        node, optimizer, mine = store.tiers.stats(), engine.block_optimizer, store.figures()
+        moved = store.collectives
+        timed = {} if phases is None else {f"{name}_s": s for name, s in phases.totals().items()}
+        return {"cpu_pool_read": mine.bytes_read, "cpu_pool_written": mine.bytes_written,
+                "nvme_read": node.nvme_bytes_read, "nvme_written": node.nvme_bytes_written,
+                "gathered": moved.bytes_gathered, "exchanged": moved.bytes_exchanged,
+                "stalled_s": mine.stall_seconds, "daemon_adamw_s": optimizer.update_seconds,
+                "daemon_state_reads_s": optimizer.wait_seconds,
+                **{name: timed.get(name, 0.0) for name in PHASES}}
 
-        steps = [StepFigures(r.loss, r.seconds, **{k: v if k.endswith("_s") else int(v)
-                                                   for k, v in r.moved.items()})
-                 for r in run_steps(engine.train_step, batches, device, spec.steps - start,
-                                    counters=counters, on_step=on_step)]
-        if spec.checkpoint_dir:
-            save(spec.steps)
-        if spec.export:
-            export_safetensors(engine, spec.export)
-        state = None
-        if spec.collect_state:
-            state = {"blocks": [store.read_layer(i) for i in range(len(store.layouts))],
-                     "persistent": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
-        node = os.uname().nodename
-        return RankResult(env.rank, env.world_size, node, str(device), steps, state)
-    finally:
-        store.close()
+    steps = [StepFigures(r.loss, r.seconds, **{k: v if k.endswith("_s") else int(v)
+                                               for k, v in r.moved.items()})
+             for r in run_steps(engine.train_step, batches, device, spec.steps - start,
+                                counters=counters, on_step=on_step)]
+    if spec.checkpoint_dir:
+        save(spec.steps)
+    if spec.export:
+        export_safetensors(engine, spec.export)
+    state = None
+    if spec.collect_state:
+        state = {"blocks": [store.read_layer(i) for i in range(store.layer_count())],
+                 "persistent": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
+    node = os.uname().nodename
+    return RankResult(env.rank, env.world_size, node, str(device), steps, state)
 
 
 def _signature(spec: PartitionedSpec) -> dict:
@@ -301,7 +301,7 @@ def _signature(spec: PartitionedSpec) -> dict:
             "global_batch": spec.global_batch, "seed": spec.seed, "data": spec.data}
 
 
-def _resume(spec: PartitionedSpec, engine: ShardedEngine) -> int:
+def _resume(spec: PartitionedSpec, engine: OffloadEngine) -> int:
     """Load `spec.checkpoint_dir` into the engine (on every rank); the steps it had done."""
     if not spec.checkpoint_dir:
         raise InvalidArgumentError("resume needs checkpoint_dir: the checkpoint to continue from")
@@ -326,10 +326,10 @@ def spec_from_dict(data: dict) -> PartitionedSpec:
 
 
 def small_embedded_node(size_mib: int = 64) -> dict:
-    """A tier_manager config for an embedded per-rank daemon (CPU pool + NVMe)."""
+    """A tier_manager config for an embedded per-rank daemon (CPU pool + NVMe, under the
+    config's one default NVMe root)."""
     tm = TierManagerConfig()
     tm.cpu_pool.size = size_mib * MiB
-    tm.nvme_pool.paths = ["/var/tmp/tierstack/partitioned"]
     tm.nvme_pool.size = 1024 * MiB
     return config_dict(tm)
 

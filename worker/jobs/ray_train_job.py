@@ -1,8 +1,9 @@
 """`tierstack train --ranks N` / `--address`: partitioned training on Ray actors.
 
 Without `--address`, Ray starts embedded on this machine (`ray.init()` with a small
-object store: the actors exchange nothing through it but their results) and one
-embedded tier manager serves every rank, as the one daemon of this one node. With
+object store: the actors exchange nothing through it but their results) and one tier
+manager serves every rank, as the one daemon of this one node: the node's, or one started
+for the job with a scheduler beside it, whose plans rank 0 follows (worker/job.py). With
 `--address` (`auto`, or `host:port` of the head), the job joins that Ray cluster and
 each rank uses its own node's tier manager, started by deploy/cluster.yaml.
 """
@@ -10,6 +11,7 @@ each rank uses its own node's tier manager, started by deploy/cluster.yaml.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import uuid
@@ -20,11 +22,9 @@ from rich.table import Table
 from tierstack.config import MiB, TierstackConfig, TrainConfig, parse_size
 from tierstack.errors import ConfigError
 from tierstack.tiers import AUTO, GPU
-from tierstack.services.tier_manager.embedded import EmbeddedTierManager
+from tierstack.worker.job import SchedulerUse, open_services
 from tierstack.worker.jobs.gpt import GPTConfig
 from tierstack.worker.jobs.partitioned_job import PartitionedSpec, RankResult
-from tierstack.worker.jobs.train_flags import nvme_bases
-from tierstack.worker.node.run_directory import job_directories
 
 log = logging.getLogger(__name__)
 console = Console()
@@ -90,24 +90,23 @@ def run(args: argparse.Namespace, config: TierstackConfig) -> int:
                                           on_placed=_print_dashboards), args)
         finally:
             ray.shutdown()
-    tm = config.tier_manager
-    if args.cpu_pool_size is not None:
-        tm.cpu_pool.size = args.cpu_pool_size
-    if tm.nvme_pool.size != "auto":  # a stated cap: at least 1 GiB ('auto': the disk's room)
-        tm.nvme_pool.size = max(tm.nvme_pool.size, 1024 * MiB)
-    bases, setting = nvme_bases(args, tm)
-    with job_directories(bases, f"train-{os.getpid()}", setting) as run_dirs:
-        tm.nvme_pool.paths = list(run_dirs)
-        tm.manifest_path = os.path.join(run_dirs[0], "manifest.sqlite")
+    if config.tier_manager.nvme_pool.size != "auto":  # a stated cap: at least 1 GiB ('auto': the disk's room)
+        config.tier_manager.nvme_pool.size = max(config.tier_manager.nvme_pool.size, 1024 * MiB)
+    with contextlib.ExitStack() as stack:
+        # The node's services for every rank: the tier manager named, the node's, or one
+        # started for the job with a scheduler beside it, whose plans rank 0 follows.
+        services = open_services(
+            stack, config, spec.job, tier_manager=args.tier_manager or "",
+            tier_manager_setting="--tier-manager",
+            scheduler=SchedulerUse.OFF if args.no_scheduler else SchedulerUse.AUTO,
+            nvme_paths=[args.nvme_path] if args.nvme_path else None, nvme_setting="--nvme-path",
+            cpu_pool_size=args.cpu_pool_size)
+        spec.tier_manager, spec.scheduler = services.tier_manager, services.scheduler
         start_local_ray(max(args.ranks, os.cpu_count() or 1), EMBEDDED_OBJECT_STORE, log_to_driver=True)
         try:
-            if args.tier_manager:
-                spec.tier_manager = args.tier_manager
-                return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
-            with EmbeddedTierManager(tm, for_training=True) as daemon:
-                spec.tier_manager = daemon.address
-                _print_dashboards({"this machine": _http_endpoint(daemon.address)})
-                return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
+            if services.started:
+                _print_dashboards({"this machine": _http_endpoint(services.tier_manager)})
+            return _report(train_with_ray(spec, args.ranks, placement=args.placement), args)
         finally:
             ray.shutdown()
 

@@ -11,7 +11,6 @@ import argparse
 from pathlib import Path
 
 from tierstack import arguments as types
-from tierstack.config import NvmePoolConfig, TierManagerConfig
 from tierstack.errors import ConfigError
 from tierstack.worker.node.daemon_address import check_reachable
 
@@ -74,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="directory for the embedded tier manager's NVMe pool; a subdirectory "
                             "named after the job is used and removed (default: the config's "
                             "NVMe paths, e.g. a DeepSpeed JSON's nvme_path, else "
-                            "/var/tmp/tierstack/train-nvme)")
+                            "/var/tmp/tierstack-<uid>/nvme)")
 
     services = parser.add_argument_group("services and ranks")
     services.add_argument("--tier-manager", metavar="ADDRESS",
@@ -106,20 +105,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     state.add_argument("--log-every", type=types.non_negative_float, default=10.0,
                        help="seconds between progress lines when the output is not a terminal "
                             "(default 10; a last line always comes at the end)")
-
-
-DEFAULT_NVME_BASE = "/var/tmp/tierstack/train-nvme"
-
-
-def nvme_bases(args: argparse.Namespace, tm: TierManagerConfig) -> tuple[list[str], str]:
-    """Where the embedded tier manager's NVMe pool goes (each drive gets a directory named
-    after the job), and the setting that said so: --nvme-path, else the config's paths (a
-    DeepSpeed JSON's nvme_path; several stripe), else DEFAULT_NVME_BASE."""
-    if args.nvme_path:
-        return [args.nvme_path], "--nvme-path"
-    if tm.nvme_pool.paths != NvmePoolConfig().paths:
-        return list(tm.nvme_pool.paths), "tier_manager.nvme_pool.paths"
-    return [DEFAULT_NVME_BASE], "--nvme-path"
 
 
 def check_arguments(args: argparse.Namespace) -> None:

@@ -23,23 +23,18 @@ from typing import Callable
 
 import torch
 
-from tierstack.config import AUTO_SIZE, MiB, TierManagerConfig, TierstackConfig, load_config
+from tierstack.config import MiB, TierstackConfig, load_config
 from tierstack.lr_schedules import build_schedule, schedule_for_cli
 from tierstack.errors import ConfigError
-from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
-from tierstack.worker.engine.offload_engine import OffloadEngine, job_budgets, materialize
+from tierstack.worker.engine.offload_engine import OffloadEngine, materialize
+from tierstack.worker.engine.training_loop import StepRecord, StopSignal, run_steps
+from tierstack.worker.job import Job as BuiltJob
+from tierstack.worker.job import JobSpec, SchedulerUse, open_job
 from tierstack.worker.jobs import corpus
 from tierstack.worker.jobs.gpt import GPTConfig, build_gpt
 from tierstack.worker.jobs.progress import TrainProgress
-from tierstack.worker.node.daemon_address import check_reachable
-from tierstack.worker.jobs.train_flags import nvme_bases
-from tierstack.worker.node.run_directory import job_directories
-from tierstack.worker.store.layer_store import LayerStore, layer_tensors
-from tierstack.worker.store.layout import LayerLayout
-from tierstack.worker.engine.training_loop import StepRecord, StopSignal, run_steps
-
-LOCAL_NODE = "local"  # the embedded default's one node, as the scheduler knows it
+from tierstack.worker.store.block_store import BlockStore
 
 
 # ---- what to train --------------------------------------------------------------------------
@@ -136,73 +131,47 @@ def run(args: argparse.Namespace) -> int:
                           f"give a multiple of {accumulation}")
     if args.device_budget is not None:
         args.device_budget = args.device_budget or None  # 0: the config's default
-    if not args.tier_manager and config.tier_manager.listen:
-        # A config naming its tier manager's address means that daemon (as initialize reads
-        # it), not a private one started beside it.
-        check_reachable(config.tier_manager.listen, "tier_manager.listen")
-        args.tier_manager = config.tier_manager.listen
     if args.ranks > 1 or args.address:
         from tierstack.worker.jobs.ray_train_job import run as run_on_ray
         return run_on_ray(args, config)
     device = resolve_device(args.device)
-    job = f"train-{os.getpid()}"
     # SIGTERM from here on ends the job after the step in progress, as its last step would
     # (checkpoint, export, daemons stopped, run directory removed): exit 143. With a
     # checkpoint to write, Ctrl-C does the same (exit 130); a second Ctrl-C stops at once.
     also = (signal.SIGINT,) if args.checkpoint_dir else ()
     with StopSignal(also=also) as stop:
-        if args.tier_manager:
-            return _run_in(args, config, device, job, [], stop)
-        bases, setting = nvme_bases(args, config.tier_manager)
-        with job_directories(bases, job, setting) as run_dirs:
-            return _run_in(args, config, device, job, run_dirs, stop)
+        return _run(args, config, device, f"train-{os.getpid()}", stop)
 
 
-def _run_in(args: argparse.Namespace, config: TierstackConfig, device: torch.device, job_name: str,
-            run_dirs: list[str], stop: StopSignal) -> int:
-    """The run, with its NVMe directories made (none with --tier-manager)."""
+def _run(args: argparse.Namespace, config: TierstackConfig, device: torch.device, job_name: str,
+         stop: StopSignal) -> int:
     accumulation = config.train.gradient_accumulation_steps
     torch.manual_seed(args.seed)
     job = build_job(args, device)
     blocks = job.model.get_submodule(job.blocks_attr)
-    layer_bytes = LayerLayout.of(layer_tensors(blocks[0])).nbytes  # with slot padding (meta: no memory)
     state_bytes = sum(p.numel() for p in blocks.parameters()) * 16  # fp32 param, grad, m, v
-    budget = args.device_budget or config.train.device_budget_bytes(layer_bytes)
     tokens = corpus.tokens(args.data, job.tokenizer, job.vocab_size)
     data = corpus.ByteBatches(tokens, args.seq_len, args.batch_size, seed=args.seed)
-    tm: TierManagerConfig = config.tier_manager
-    if args.cpu_pool_size is not None:
-        tm.cpu_pool.size = args.cpu_pool_size
-    if run_dirs:
-        # The pools' caps are the config's ('auto' by default: the machine's host and
-        # NVMe budgets); they grow to what is stored, so nothing is sized by hand here.
-        tm.nvme_pool.paths = list(run_dirs)
-        tm.manifest_path = os.path.join(run_dirs[0], "manifest.sqlite")
     progress = TrainProgress(args.steps, args.batch_size * args.seq_len, interval=args.log_every)
-    micro = f" in {accumulation} micro-batches" if accumulation > 1 else ""
-    where = (f"tier manager at {args.tier_manager}" if args.tier_manager else
-             f"CPU pool {_cap(tm.cpu_pool.size)} -> NVMe {_cap(tm.nvme_pool.size)} at "
-             f"{', '.join(run_dirs)}")
-    progress.say(f"tierstack train: {job.description} on {device}, batch {args.batch_size}{micro}, "
-                 f"{'data ' + args.data if args.data else 'the standard library sources'} as "
-                 f"{'tokens' if job.tokenizer else 'bytes'}; block state {_mib(state_bytes)} vs "
-                 f"device budget {_mib(budget)} and {where}")
     try:
-        if args.tier_manager:
-            return _train(args, job, job_name, device, budget, args.tier_manager, data, config,
-                          progress, stop)
-        if args.no_scheduler:
-            with EmbeddedTierManager(tm, for_training=True) as daemon:
-                return _train(args, job, job_name, device, budget, daemon.address, data, config,
-                              progress, stop)
-        # The embedded single-node default: a scheduler, and a tier manager registered
-        # with it; the job reports its first iteration and follows the plans it gets.
-        from tierstack.services.scheduler.embedded import EmbeddedScheduler
-        with EmbeddedScheduler(config.scheduler) as scheduler:
-            tm.scheduler_address, tm.node_id = scheduler.address, LOCAL_NODE
-            with EmbeddedTierManager(tm, for_training=True) as daemon:
-                return _train(args, job, job_name, device, budget, daemon.address, data, config,
-                              progress, stop, scheduler.address)
+        built = open_job(JobSpec(
+            job_name, config, job.model, job.blocks_attr, device, initialize=job.initialize,
+            tier_manager=args.tier_manager or "", tier_manager_setting="--tier-manager",
+            scheduler=SchedulerUse.OFF if args.no_scheduler else SchedulerUse.AUTO,
+            nvme_paths=[args.nvme_path] if args.nvme_path else None, nvme_setting="--nvme-path",
+            cpu_pool_size=args.cpu_pool_size, device_budget=args.device_budget or 0,
+            total_steps=args.steps))
+        try:
+            micro = f" in {accumulation} micro-batches" if accumulation > 1 else ""
+            budget = built.store.figures().device_capacity
+            progress.say(f"tierstack train: {job.description} on {device}, batch {args.batch_size}"
+                         f"{micro}, {'data ' + args.data if args.data else 'the standard library sources'}"
+                         f" as {'tokens' if job.tokenizer else 'bytes'}; block state "
+                         f"{_mib(state_bytes)} vs device budget {_mib(budget)}; "
+                         f"{built.services.describe()}")
+            return _train(args, job, built, data, config, progress, stop)
+        finally:
+            built.close()
     finally:
         progress.close()
 
@@ -212,26 +181,22 @@ def _volume(nbytes: int) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
-def _cap(size: int | str) -> str:
-    """A pool cap as the config states it: bytes, or 'auto' (the machine's budget)."""
-    return "up to the machine's budget" if size == AUTO_SIZE else f"up to {_mib(size)}"
-
-
 def _mib(nbytes: int) -> str:
     """MiB, with a decimal only where a small size needs one (0.4 MiB, 5 MiB, 226 MiB)."""
     mib = nbytes / MiB
     return f"{mib:.0f} MiB" if mib >= 10 or mib == round(mib) else f"{mib:.1f} MiB"
 
 
-def _counters(store: LayerStore) -> dict[str, float]:
+def _counters(store: BlockStore) -> dict[str, float]:
     """Running totals the progress shows: the tier manager's NVMe traffic and CPU pool,
     and this worker's own device-side copies and stalls."""
-    stats, m = store.client.stats(), store.metrics
+    stats, reports = store.tiers.stats(), store.reports
+    m = reports.metrics if reports is not None else None
     return {"nvme_read": stats.nvme_bytes_read, "nvme_written": stats.nvme_bytes_written,
             "cpu_used": stats.cpu_used, "cpu_capacity": stats.cpu_capacity,
             "to_device": m.cpu_to_device_bytes if m is not None else 0,
             "from_device": m.device_to_cpu_bytes if m is not None else 0,
-            "stalled": store.stall_seconds}
+            "stalled": store.figures().stall_seconds}
 
 
 def _signature(args: argparse.Namespace, job: Job, precision: str) -> dict:
@@ -240,108 +205,84 @@ def _signature(args: argparse.Namespace, job: Job, precision: str) -> dict:
             "batch_size": args.batch_size, "data": args.data or "stdlib"}
 
 
-def _train(args, job: Job, job_name: str, device: torch.device, budget: int, address: str,
-           data: corpus.ByteBatches, config: TierstackConfig, progress: TrainProgress,
-           stop: StopSignal, scheduler: str = "") -> int:
-    store = LayerStore(job_name, device=device, device_budget=budget, address=address,
-                       durable=False)
-    engine = follower = None
-    try:
-        engine = OffloadEngine(job.model, store, config.train, job_budgets(config.budgets, store),
-                               blocks_attr=job.blocks_attr, initialize=job.initialize)
-        schedule = build_schedule(engine, config.train.lr_schedule)
-        start, signature = 0, _signature(args, job, config.train.precision)
-        if args.resume:
-            start = _resume(args, engine, data, signature, schedule)
-            progress.done = progress.first = start
-            progress.say(f"resumed from {args.checkpoint_dir} after step {start}")
-        keeper = None
-        if scheduler:  # traces settled iterations, and again when a plan's step is off
-            from tierstack.worker.plans.follower import PlanFollower
-            from tierstack.worker.plans.keeper import PlanKeeper
-            follower = PlanFollower(store, scheduler, node_id=LOCAL_NODE)
-            # The first step probes the placement and creates the optimizer state; a short
-            # run traces fewer iterations, so that a step still runs under the plan.
-            remaining = args.steps - start
-            warmup = min(1, remaining - 1)
-            keeper = PlanKeeper(follower, lambda: engine.block_optimizer.block_seconds,
-                                warmup=warmup, iterations=max(1, min(3, remaining - warmup - 1)))
-        url = store.dashboard_url()
-        if url:
-            progress.say(f"dashboard: {url}/dashboard/   Prometheus metrics: {url}/metrics")
+def _train(args, job: Job, built: BuiltJob, data: corpus.ByteBatches, config: TierstackConfig,
+           progress: TrainProgress, stop: StopSignal) -> int:
+    engine, store = built.engine, built.store
+    schedule = build_schedule(engine, config.train.lr_schedule)
+    start, signature = 0, _signature(args, job, config.train.precision)
+    if args.resume:
+        start = _resume(args, engine, data, signature, schedule)
+        built.starting_at(start)
+        progress.done = progress.first = start
+        progress.say(f"resumed from {args.checkpoint_dir} after step {start}")
+    url = store.reports.dashboard_url() if store.reports is not None else ""
+    if url:
+        progress.say(f"dashboard: {url}/dashboard/   Prometheus metrics: {url}/metrics")
 
-        def save(step: int) -> None:
-            save_checkpoint(engine, args.checkpoint_dir,
-                            extra={**signature, "step": step, "data_state": data.state(),
-                                   "lr_schedule": schedule.state_dict() if schedule else None})
+    def save(step: int) -> None:
+        save_checkpoint(engine, args.checkpoint_dir,
+                        extra={**signature, "step": step, "data_state": data.state(),
+                               "lr_schedule": schedule.state_dict() if schedule else None})
 
-        said = [0]  # the last plan version the progress named
+    said = [0]  # the last plan version the progress named
 
-        def report(step: StepRecord) -> None:
-            if keeper is not None:
-                keeper.step_done(step.seconds)
-                plan = follower.plan
-                if plan is not None and plan.version != said[0]:
-                    said[0] = plan.version
-                    mine = plan.nodes[LOCAL_NODE]
-                    progress.say(f"scheduler plan v{plan.version}: prefetch depth "
-                                 f"{mine.prefetch_depth}, NVMe read-ahead {mine.read_ahead}, "
-                                 f"predicted step {plan.predicted_step_seconds:.3f} s (step "
-                                 f"{start + step.index + 1} measured {step.seconds:.3f} s; "
-                                 f"{plan.reason})")
-            plan = follower.plan if follower is not None else None
-            store.report_step(step.seconds, plan.predicted_step_seconds if plan is not None else 0.0)
-            progress.step(step)
-            done = start + step.index + 1
-            if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
-                save(done)
-
-        first, began = store.client.stats(), time.perf_counter()
-        batches = iter(data.next, None)  # endless: next() never returns None
-        def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
-            loss = engine.train_step(inputs, targets)
-            if schedule is not None and engine.last_step_applied:  # DeepSpeed's convention
-                schedule.step()
-            return loss
-
-        steps = run_steps(train_step, batches, device, args.steps - start,
-                          counters=lambda: _counters(store), on_step=report, stop=stop)
-        # The last step's updates run behind it (until the next forward would need them):
-        # the run's time and traffic count them.
-        engine.wait_for_optimizer()
-        elapsed = time.perf_counter() - began
-        end = store.client.stats()
-        progress.close()
-        done = start + len(steps)
-        if stop.requested:
-            progress.say(f"stopped by {stop.name} after step {done} of {args.steps}")
-        if not steps:  # stopped before its first step: nothing new to save or report
-            return stop.exit_code
-        if args.checkpoint_dir:
+    def report(step: StepRecord) -> None:
+        built.step_done(step.seconds)
+        plan = built.plan
+        if plan is not None and plan.version != said[0]:
+            said[0] = plan.version
+            mine = plan.nodes[built.services.node_id]
+            progress.say(f"scheduler plan v{plan.version}: prefetch depth {mine.prefetch_depth}, "
+                         f"NVMe read-ahead {mine.read_ahead}, predicted step "
+                         f"{plan.predicted_step_seconds:.3f} s (step {start + step.index + 1} "
+                         f"measured {step.seconds:.3f} s; {plan.reason})")
+        progress.step(step)
+        done = start + step.index + 1
+        if args.checkpoint_every and done % args.checkpoint_every == 0 and done < args.steps:
             save(done)
-            progress.say(f"checkpoint: {args.checkpoint_dir} (step {done})")
-        if args.export:
-            index = export_safetensors(engine, args.export)
-            progress.say(f"exported: {index.parent} (safetensors for from_pretrained)")
-        tokens = args.batch_size * args.seq_len * len(steps)
-        progress.say(
-            f"done: {len(steps)} steps, loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}, "
-            f"{tokens / elapsed:,.0f} tokens/s, "
-            f"{job.flops_per_token(args.seq_len) * tokens / elapsed / 1e12:.3f} model TFLOP/s; "
-            f"NVMe read {_volume(end.nvme_bytes_read - first.nvme_bytes_read)}, "
-            f"written {_volume(end.nvme_bytes_written - first.nvme_bytes_written)}; "
-            f"device budget peak {_mib(store.budget.peak)} of {_mib(store.budget.capacity)}")
-        for record in keeper.plans if keeper is not None else ():
-            progress.say(f"plan v{record.version}: predicted {record.predicted_seconds:.3f} s, "
-                         f"measured {record.measured_seconds:.3f} s (median of {len(record.steps)} "
-                         f"steps), {record.ratio:.2f}x ({record.reason})")
-        return stop.exit_code if stop.requested else 0
-    finally:
-        if follower is not None:
-            follower.close()
-        if engine is not None:
-            engine.close()
-        store.close()
+
+    first, began = store.tiers.stats(), time.perf_counter()
+    batches = iter(data.next, None)  # endless: next() never returns None
+
+    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = engine.train_step(inputs, targets)
+        if schedule is not None and engine.last_step_applied:  # DeepSpeed's convention
+            schedule.step()
+        return loss
+
+    steps = run_steps(train_step, batches, store.device, args.steps - start,
+                      counters=lambda: _counters(store), on_step=report, stop=stop)
+    # The last step's updates run behind it (until the next forward would need them):
+    # the run's time and traffic count them.
+    engine.wait_for_optimizer()
+    elapsed = time.perf_counter() - began
+    end = store.tiers.stats()
+    progress.close()
+    done = start + len(steps)
+    if stop.requested:
+        progress.say(f"stopped by {stop.name} after step {done} of {args.steps}")
+    if not steps:  # stopped before its first step: nothing new to save or report
+        return stop.exit_code
+    if args.checkpoint_dir:
+        save(done)
+        progress.say(f"checkpoint: {args.checkpoint_dir} (step {done})")
+    if args.export:
+        index = export_safetensors(engine, args.export)
+        progress.say(f"exported: {index.parent} (safetensors for from_pretrained)")
+    tokens = args.batch_size * args.seq_len * len(steps)
+    figures = store.figures()
+    progress.say(
+        f"done: {len(steps)} steps, loss {steps[0].loss:.3f} -> {steps[-1].loss:.3f}, "
+        f"{tokens / elapsed:,.0f} tokens/s, "
+        f"{job.flops_per_token(args.seq_len) * tokens / elapsed / 1e12:.3f} model TFLOP/s; "
+        f"NVMe read {_volume(end.nvme_bytes_read - first.nvme_bytes_read)}, "
+        f"written {_volume(end.nvme_bytes_written - first.nvme_bytes_written)}; "
+        f"device budget peak {_mib(figures.device_peak)} of {_mib(figures.device_capacity)}")
+    for record in built.keeper.plans if built.keeper is not None else ():
+        progress.say(f"plan v{record.version}: predicted {record.predicted_seconds:.3f} s, "
+                     f"measured {record.measured_seconds:.3f} s (median of {len(record.steps)} "
+                     f"steps), {record.ratio:.2f}x ({record.reason})")
+    return stop.exit_code if stop.requested else 0
 
 
 def _resume(args, engine: OffloadEngine, data: corpus.ByteBatches, signature: dict,

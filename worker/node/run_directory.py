@@ -1,6 +1,6 @@
 """A job's own directory under a base path (its NVMe pool's files, its manifest): made
 fresh for the run, named after its job, and removed after it, with the parents the run
-had to create, so a job at a default path (/var/tmp/tierstack/...) leaves nothing behind
+had to create, so a job at the default root (/var/tmp/tierstack-<uid>/nvme) leaves nothing behind
 on the user's disk.
 
 A run that cannot clean up (SIGKILL, a lost machine) leaves its directories: each run is

@@ -1,7 +1,6 @@
 """A worker's side of the scheduler: report the job's trace, then follow its plans.
 
-    store = LayerStore("job", ...)
-    follower = PlanFollower(store, scheduler_address)     # starts recording uses
+    follower = PlanFollower(store, scheduler_address)     # starts recording the store's uses
     ... first iteration: ensure_layer / prefetch_ahead / release_layer ...
     follower.report_trace()                                 # plan v1, adopted at once
     ... later iterations: the store's prefetch depth follows every new plan ...
@@ -18,7 +17,7 @@ device's own optimizer), and counts with the use before it. So the trace's compu
 up to the iteration's time less its waits, and the plan's predicted step can be compared
 with the measured one. The optimizer's time per layer is given by the caller
 (`TieredAdamW.block_seconds`). New plans arrive on a background stream and
-take effect at the store's next layer boundary (`LayerStore.set_plan`). The plan's
+take effect at the store's next layer boundary (the store's `set_plan`). The plan's
 placement and eviction order reach the node's tier manager directly from the scheduler
 (services/tier_manager/node_link.py): the worker follows only the depths.
 """
@@ -40,7 +39,7 @@ from tierstack.services.scheduler.client import SchedulerClient
 from tierstack.services.scheduler.model import JobTrace, Plan, TensorSpec
 from tierstack.tiers import CPU, NVME
 from tierstack.worker.plans.watcher import PlanWatcher
-from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.store.block_store import BlockStore
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +119,7 @@ def _iteration(recorder: UseRecorder) -> tuple[list[_Use], list[float]]:
     return uses, compute
 
 
-def pinned_tiers(store: LayerStore, tensors: Sequence[TensorSpec]) -> dict[str, str]:
+def pinned_tiers(store: BlockStore, tensors: Sequence[TensorSpec]) -> dict[str, str]:
     """The tiers the job pins its tensors to (LayerStore.place: "cpu" kept in the CPU pool,
     "nvme" out of it between uses), as trace overrides. The tier manager honours a pin
     whatever a plan says, so a plan must start from them: without them the planner put the
@@ -146,7 +145,7 @@ def pinned_tiers(store: LayerStore, tensors: Sequence[TensorSpec]) -> dict[str, 
 class PlanFollower:
     """Reports one store's trace and keeps its prefetch depths on the current plan."""
 
-    def __init__(self, store: LayerStore, scheduler_address: str | None = None,
+    def __init__(self, store: BlockStore, scheduler_address: str | None = None,
                  node_id: str | None = None, timeout: float = 30.0) -> None:
         self.store = store
         self.node_id = node_id or socket.gethostname()
@@ -159,7 +158,8 @@ class PlanFollower:
     def record(self) -> None:
         """Start recording the store's layer uses afresh (the next iteration's trace)."""
         self.recorded: list[UseRecorder] = []  # earlier iterations of the same trace
-        self.recorder = self.store.recorder = UseRecorder(self.store.device)
+        self.recorder = UseRecorder(self.store.device)
+        self.store.record_uses(self.recorder)
 
     def next_iteration(self) -> None:
         """The iteration being recorded ended; record the next one into the same trace
@@ -167,7 +167,8 @@ class PlanFollower:
         machine can take twice the next one's)."""
         self.recorder.finish()
         self.recorded.append(self.recorder)
-        self.recorder = self.store.recorder = UseRecorder(self.store.device)
+        self.recorder = UseRecorder(self.store.device)
+        self.store.record_uses(self.recorder)
 
     def trace(self, nodes: list[str] | None = None,
               tier_overrides: Mapping[str, str] | None = None,
@@ -175,7 +176,7 @@ class PlanFollower:
         """The recorded iteration as a trace (stops recording). `optimizer_seconds[l]`:
         the CPU optimizer step's time for layer l (none given: no optimizer)."""
         store = self.store
-        store.recorder = None
+        store.record_uses(None)
         self.recorder.finish()
         uses, compute = _iteration(self.recorder)
         if not uses:
@@ -193,26 +194,19 @@ class PlanFollower:
         for use in uses:
             backward.append(use.layer in seen)
             seen.add(use.layer)
-        # What moves through this node's tiers: a partitioned store's node holds its shards.
-        node_store = getattr(store, "local", store)
-        # With weights made from the masters, the masters are what each use moves to the
-        # device (the scheduler's "params" kind), and no weights are stored.
-        loaded = "master" if getattr(node_store, "from_masters", False) else "params"
-        if loaded == "params":
-            tensors = [TensorSpec(store.key(i), i, "params", layout.nbytes)
-                       for i, layout in enumerate(node_store.layouts) if i not in store.forgotten]
-        else:
-            tensors = []
-        tensors += [TensorSpec(store.key(i, kind), i, "params" if kind == loaded else
-                               "grad" if kind.startswith("grad") else kind, nbytes)
-                    for (i, kind), nbytes in sorted(store.stored_kinds.items())
-                    if i not in store.forgotten]
+        # What moves through this node's tiers (a partitioned store's node holds its
+        # shards). With weights made from the masters, the masters are what each use moves
+        # to the device (the scheduler's "params" kind), and no weights are stored.
+        loaded = "master" if store.from_masters else "params"
+        tensors = [TensorSpec(store.key(i, kind), i, "params" if kind == loaded else
+                              "grad" if kind.startswith("grad") else kind, nbytes)
+                   for (i, kind), nbytes in store.stored_state().items()]
         return JobTrace(job=store.job, nodes=list(nodes or [self.node_id]),
                         step_layer=order, step_compute=compute,
                         step_backward=backward, tensors=tensors,
                         optimizer_seconds=[float(t) for t in optimizer_seconds],
                         tier_overrides={**pinned_tiers(store, tensors), **(tier_overrides or {})},
-                        device_budget=store.budget.capacity,
+                        device_budget=store.figures().device_capacity,
                         # The store drops a layer at release_layer: its budget is all buffers.
                         device_residency=False)
 
@@ -250,8 +244,8 @@ class PlanFollower:
             return
         self.plan = plan
         self.store.set_plan(plan.version, mine.prefetch_depth, mine.read_ahead, mine.staging_buffers)
-        log.info("job %s: plan v%d (%s): prefetch depth %d, read-ahead %d", plan.job, plan.version,
-                 plan.reason, mine.prefetch_depth, mine.read_ahead)
+        log.debug("job %s: plan v%d (%s): prefetch depth %d, read-ahead %d", plan.job, plan.version,
+                  plan.reason, mine.prefetch_depth, mine.read_ahead)
 
     def close(self) -> None:
         if self.watcher is not None:

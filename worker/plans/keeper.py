@@ -92,9 +92,9 @@ class PlanKeeper:
         elif plan is not None and self._off_band(self.plans[-1]):
             record = self.plans[-1]
             recent = statistics.median(record.steps[-self.patience:])
-            log.info("job %s: plan v%d predicted %.3f s, the last %d steps took %.3f s (%.2fx); "
-                     "tracing again", plan.job, record.version, record.predicted_seconds,
-                     self.patience, recent, record.predicted_seconds / recent)
+            log.debug("job %s: plan v%d predicted %.3f s, the last %d steps took %.3f s (%.2fx); "
+                      "tracing again", plan.job, record.version, record.predicted_seconds,
+                      self.patience, recent, record.predicted_seconds / recent)
             self._start_recording()
         return None
 

@@ -26,7 +26,8 @@ from tierstack.addresses import default_tier_manager_address
 from tierstack.errors import (ConfigError, InvalidArgumentError, KeyNotFoundError,
                               TierManagerUnavailableError)
 from tierstack.services.tier_manager.client import TierManagerClient
-from tierstack.services.tier_manager.types import Resident
+from tierstack.services.tier_manager.types import (AdamWBlock, AdamWHyper, AdamWResult, NodeInfo,
+                                                   NodeStats, Resident)
 from tierstack.tiers import AUTO
 from tierstack.worker.store.arenas import ArenaMap
 from tierstack.worker.node.daemon_address import check_reachable
@@ -159,6 +160,31 @@ class TierSession:
                 self.client.release(key, res.info.version)
 
         return self.retrying(f"read of {key}", op)
+
+    # ---- the calls a job's parts make of its tier manager (block_store.JobTiers) ---------------
+
+    def node(self) -> NodeInfo:
+        """The daemon's capacities and arenas."""
+        return self.client.node()
+
+    def stats(self) -> NodeStats:
+        """The daemon's pools: bytes held and moved."""
+        return self.client.stats()
+
+    def write_bytes(self, key: str, nbytes: int, fill: Callable[[torch.Tensor], None],
+                    placement: str = AUTO) -> None:
+        """Store `nbytes` under `key`, not durable (activation checkpoints)."""
+        self.write(key, nbytes, fill, durable=False, placement=placement)
+
+    def read_bytes(self, key: str) -> torch.Tensor:
+        return self.read_block(key)
+
+    def delete(self, keys: list[str]) -> None:
+        self.client.delete(list(keys))
+
+    def adamw_step(self, blocks: list[AdamWBlock], hyper: AdamWHyper, **options) -> AdamWResult:
+        """The daemon's AdamW over state it holds (TierManagerClient.adamw_step)."""
+        return self.client.adamw_step(blocks, hyper, **options)
 
     def count(self, read: int = 0, written: int = 0) -> None:
         with self._count_lock:

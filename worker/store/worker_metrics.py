@@ -111,3 +111,37 @@ class WorkerReporter:
         self._stop.set()
         self._thread.join()
         self.send()
+
+
+class WorkerReports:
+    """What the node's dashboard is told of one store's worker: its counters and figures,
+    and the training loop's step (a store's `reports`; the job reports its steps here)."""
+
+    def __init__(self, client: TierManagerClient, metrics: WorkerMetrics, worker_id: str, job: str,
+                 device: str, figures: Callable[[], object], loading: Callable[[], int]) -> None:
+        self.metrics = metrics
+        self.worker_id, self.job, self.device = worker_id, job, device
+        self._figures, self._loading = figures, loading
+        # The training loop's last step and its plan's prediction, for the node's dashboard.
+        self.step_seconds = self.predicted_step_seconds = 0.0
+        self._reporter = WorkerReporter(client, self._report)
+
+    def step(self, seconds: float, predicted_seconds: float = 0.0) -> None:
+        """A training step's measured time and the scheduler plan's prediction of it (0:
+        none), sent with the next report: the node's dashboard shows them per job."""
+        self.step_seconds, self.predicted_step_seconds = seconds, predicted_seconds
+
+    def _report(self) -> WorkerReport:
+        f = self._figures()
+        return self.metrics.report(self.worker_id, self.job, self.device, f.stall_seconds,
+                                   f.device_used, f.device_capacity, self._loading(),
+                                   f.prefetch_depth, f.plan_version, self.predicted_step_seconds,
+                                   self.step_seconds)
+
+    def dashboard_url(self) -> str:
+        """The node's dashboard and HTTP API URL, or '' when it serves none."""
+        return self._reporter.endpoint()
+
+    def close(self) -> None:
+        """A last report, so that the node has the final figures; then no more."""
+        self._reporter.close()
