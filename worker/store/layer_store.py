@@ -519,6 +519,13 @@ class LayerStore:
         none), sent with the next report: the node's dashboard shows them per job."""
         self.step_seconds, self.predicted_step_seconds = seconds, predicted_seconds
 
+    def report_training(self, step: int, loss: float | None, tokens: int,
+                        learning_rate: float | None = None, total_steps: int | None = None) -> None:
+        """One optimizer step's training figures (WorkerMetrics.training_step), sent with
+        the next report: the node's dashboard shows them per job."""
+        if self.metrics is not None:
+            self.metrics.training_step(step, loss, tokens, learning_rate, total_steps)
+
     def _metrics_report(self):
         return self.metrics.report(self.worker_id, self.job, str(self.device), self.stall_seconds,
                                    self.budget.used, self.budget.capacity, self.residency.loading(),
