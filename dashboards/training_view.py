@@ -15,6 +15,7 @@ same function, so a job whose ranks report to several nodes gets one set of figu
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from typing import Iterable, Sequence
 
@@ -44,19 +45,22 @@ def combine(steps: Iterable[TrainingStep],
         at_step = [w for w in workers if w.step == step]
         with_loss = [w for w in at_step if w.loss is not None or not w.loss_finite]
         finite = all(w.loss_finite for w in with_loss)
-        loss = (sum(w.loss for w in with_loss) / len(with_loss)
-                if with_loss and finite else None)
+        loss = _mean([w.loss for w in with_loss]) if with_loss and finite else None
         totals = [w.total_steps for w in workers if w.total_steps is not None]
         total_steps = max(totals) if totals else None
         rates = [w.learning_rate for w in at_step if w.learning_rate is not None]
         seconds_per_step = max(w.seconds_per_step for w in workers)
         eta = (max(0, total_steps - step) * seconds_per_step
                if total_steps is not None and seconds_per_step > 0 else None)
+        # Figures past a float's range would be JSON nulls where a number is due (a node
+        # reading this one's snapshot would call it unreachable): only absurd reports get here.
+        eta = eta if eta is None or math.isfinite(eta) else None
+        tokens_per_second = min(sum(w.tokens_per_second for w in workers), sys.float_info.max)
         jobs.append(JobTraining(
             job=job, step=step, total_steps=total_steps, loss=loss, loss_finite=finite,
             loss_workers=len(with_loss), learning_rate=rates[0] if rates else None,
             tokens=sum(w.tokens for w in workers),
-            tokens_per_second=sum(w.tokens_per_second for w in workers),
+            tokens_per_second=tokens_per_second,
             seconds_per_step=seconds_per_step, eta_seconds=eta, workers=len(workers),
             loss_history=list((histories or {}).get(job, ()))))
     return jobs
@@ -70,4 +74,8 @@ def merge_loss_histories(histories: Iterable[Sequence[tuple[int, float]]],
     for history in histories:
         for step, loss in history:
             seen[step].append(loss)
-    return [(step, sum(losses) / len(losses)) for step, losses in sorted(seen.items())][-points:]
+    return [(step, _mean(losses)) for step, losses in sorted(seen.items())][-points:]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(v / len(values) for v in values)  # divided first: finite losses, a finite mean

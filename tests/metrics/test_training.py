@@ -133,6 +133,14 @@ def test_a_diverged_loss_shows_as_not_finite():
         [(2, 2.0), (3, 1.5)]
 
 
+def test_figures_past_a_floats_range_stay_numbers_json_can_carry():
+    """Else a node reading this one's snapshot would find nulls where numbers are due."""
+    [job] = training_view.combine([step_of(step=0, total=2**64 - 1, rate=1e308, pace=1e308,
+                                           loss=1e308)] * 2)
+    assert job.eta_seconds is None and math.isfinite(job.tokens_per_second)
+    assert job.loss == 1e308
+
+
 # ---- through a real daemon ------------------------------------------------------------------
 
 
@@ -263,3 +271,45 @@ def test_a_report_with_a_non_finite_learning_rate_or_pace_is_refused(metrics_dae
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
             assert "finite" in e.value.details()
         stub.ReportWorker(report("w", "cpu", step=1, loss=float("nan")), timeout=10)  # diverged: shown
+
+
+def test_a_job_whose_ranks_report_to_two_nodes_is_one_job_in_the_cluster_view(
+        metrics_daemon, tmp_path, shm_dir):
+    import json
+
+    from tests.conftest import tier_manager_process
+    from tierstack.worker.store.layer_store import LayerStore
+
+    config = tmp_path / "second.json"
+    config.write_text(json.dumps({"tier_manager": {
+        "cpu_pool": {"size": "8MiB", "shm_dir": str(shm_dir)},
+        "nvme_pool": {"paths": [str(tmp_path / "second-nvme")], "size": "64MiB"},
+        "manifest_path": str(tmp_path / "second.sqlite"),
+        "metrics": {"http_listen": "127.0.0.1:0", "node_name": "second",
+                    "sample_interval_seconds": 0.25, "cluster_nodes": [metrics_daemon.url]}}}))
+    second = tier_manager_process(config, tmp_path / "second.sock").start()
+    ranks = []
+    try:
+        with grpc.insecure_channel(second.address) as channel:
+            url = pb_grpc.NodeMetricsStub(channel).GetHttpEndpoint(pb.GetHttpEndpointRequest()).url
+        for rank, address in enumerate((metrics_daemon.address, second.address)):
+            ranks.append(LayerStore(f"spread.rank{rank}of2", device="cpu", device_budget=1 << 20,
+                                    address=address, durable=False))
+        for rank, loss in zip(ranks, (1.0, 3.0)):
+            rank.report_training(5, loss, 64, learning_rate=0.5, total_steps=10)
+            rank._reporter.send()
+        # Each node sees its own rank; the cluster view (read over HTTP) sees the job.
+        assert [j["loss"] for j in get(url, "/api/v1/node")["training"]] == [3.0]
+
+        for node in (metrics_daemon.url, url):  # each node's sampler has seen its rank's loss
+            wait_for(lambda: get(node, "/api/v1/node")["training"][0]["loss_history"],
+                     what=f"the loss history of {node}")
+        [job] = get(url, "/api/v1/cluster")["training"]
+        assert (job["job"], job["workers"], job["step"], job["loss"], job["loss_workers"]) == \
+            ("spread", 2, 5, 2.0, 2)
+        assert job["tokens"] == 128 and job["total_steps"] == 10
+        assert job["loss_history"] == [[5, 2.0]]  # the two nodes' points at step 5, averaged
+    finally:
+        for rank in ranks:
+            rank.close()
+        second.kill()
