@@ -25,9 +25,11 @@ from tierstack import metric_catalog as mc
 from tierstack.addresses import SECURITY_DIR_ENV
 from tierstack.config import SecurityConfig
 from tierstack.rpc import load_credentials
+from tierstack.dashboards import training_view
 from tierstack.dashboards.snapshots import (ClusterHistory, ClusterSnapshot,
-                                                           History, HistorySample, LinkFigures,
-                                                           NodeError, NodeSnapshot, TierFigures)
+                                                           History, HistorySample, JobTraining,
+                                                           LinkFigures, NodeError, NodeSnapshot,
+                                                           TierFigures)
 
 
 class NodeSource(Protocol):
@@ -177,13 +179,30 @@ class ClusterView:
             capacity_bytes=sum(s.tiers[tier].capacity_bytes for s in snapshots),
             bandwidth_bytes_per_second=sum(s.tiers[tier].bandwidth_bytes_per_second for s in snapshots))
             for tier in mc.TIERS}
+        present = {link for s in snapshots for link in s.links_present}
         return ClusterSnapshot(
             timestamp=max((s.timestamp for s in snapshots), default=0.0), links=links, tiers=tiers,
             stall_seconds_total=sum(s.stall_seconds_total for s in snapshots),
-            workers=sum(len(s.workers) for s in snapshots), nodes=snapshots, unreachable=errors)
+            workers=sum(len(s.workers) for s in snapshots), nodes=snapshots, unreachable=errors,
+            training=cluster_training(snapshots),
+            links_present=[link for link in mc.LINKS if link in present])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+
+def cluster_training(snapshots: Sequence[NodeSnapshot]) -> list[JobTraining]:
+    """Each job's training over every node's workers (one rule: training_view.combine);
+    its loss history merged from the nodes' by step."""
+    histories: dict[str, list] = {}
+    for s in snapshots:
+        for job in s.training:
+            histories.setdefault(job.job, []).append(job.loss_history)
+    points = max((len(h) for per_job in histories.values() for h in per_job), default=0)
+    return training_view.combine(
+        [w.training for s in snapshots for w in s.workers if w.training is not None],
+        {job: training_view.merge_loss_histories(per_job, points)
+         for job, per_job in histories.items()})
 
 
 def sum_histories(histories: Sequence[History]) -> History:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tierstack import metric_catalog as mc
+
 
 @dataclass
 class LinkFigures:
@@ -26,6 +28,58 @@ class TierFigures:
     used_bytes: int
     capacity_bytes: int
     bandwidth_bytes_per_second: float
+
+
+@dataclass
+class TrainingStep:
+    """A worker's training loop at its last optimizer step, as it reported it."""
+
+    job: str
+    """The job the user named (the ranks of a partitioned job report their job's name)."""
+    step: int
+    total_steps: int | None
+    """Steps the run will take (None: not known)."""
+    loss: float | None
+    """As the user's code computed it; None: not reported, or not a finite number."""
+    loss_finite: bool
+    """False: the loss reported was NaN or infinite (JSON has no such numbers)."""
+    learning_rate: float | None
+    tokens: int
+    """Tokens this worker trained since it started."""
+    tokens_per_second: float
+    """Over its recent steps (0 until two steps are known)."""
+    seconds_per_step: float
+    """Wall time per step over its recent steps (0: not yet known)."""
+
+
+@dataclass
+class JobTraining:
+    """A job's training: its workers' last steps combined (dashboards/training_view.py)."""
+
+    job: str
+    step: int
+    """The furthest step any of its workers reported."""
+    total_steps: int | None
+    loss: float | None
+    """The mean of the losses of its workers at `step` (None: none reported one, or one
+    was not finite)."""
+    loss_finite: bool
+    loss_workers: int
+    """How many workers' losses the mean is over."""
+    learning_rate: float | None
+    """A worker's at `step` (the ranks of a job step with the same one)."""
+    tokens: int
+    """Summed over its workers."""
+    tokens_per_second: float
+    """Summed over its workers."""
+    seconds_per_step: float
+    """The slowest worker's (ranks wait for each other at every step)."""
+    eta_seconds: float | None
+    """(total_steps - step) x seconds_per_step; None while either is not known."""
+    workers: int
+    loss_history: list[tuple[int, float]] = field(default_factory=list)
+    """(step, loss) of its recent steps as the node saw them (about one a report), oldest
+    first; finite losses only."""
 
 
 @dataclass
@@ -49,6 +103,8 @@ class WorkerFigures:
     """That plan's predicted training step (0: none)."""
     step_seconds: float = 0.0
     """The worker's last measured training step (0: not training)."""
+    training: TrainingStep | None = None
+    """Its training loop's last step (None: it reported none)."""
 
 
 @dataclass
@@ -103,6 +159,12 @@ class NodeSnapshot:
     pinned_tensors: int
     plan: PlanFigures
     workers: list[WorkerFigures]
+    training: list[JobTraining] = field(default_factory=list)
+    """The jobs its workers train, one entry per job."""
+    links_present: list[str] = field(default_factory=lambda: list(mc.LINKS))
+    """The links this node has. cpu<->device are there once a worker on a device other than
+    the CPU reported: workers on the CPU read the pool in place, through no link, and a
+    link not present carries no bandwidth (its bytes_total counts what they read)."""
 
 
 @dataclass
@@ -146,6 +208,10 @@ class ClusterSnapshot:
     workers: int
     nodes: list[NodeSnapshot]
     unreachable: list[NodeError]
+    training: list[JobTraining] = field(default_factory=list)
+    """Each job's training over every node its workers report to."""
+    links_present: list[str] = field(default_factory=lambda: list(mc.LINKS))
+    """The links any node has."""
 
 
 @dataclass

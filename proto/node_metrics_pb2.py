@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tierstack/proto/node_metrics.proto\x12\x19tierstack.node_metrics.v1\"\xab\x03\n\x0cWorkerReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12\x1b\n\x13\x63pu_to_device_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13\x64\x65vice_to_cpu_bytes\x18\x06 \x01(\x04\x12\x15\n\rstall_seconds\x18\x07 \x01(\x01\x12\x1a\n\x12wait_bucket_bounds\x18\x08 \x03(\x01\x12\x1a\n\x12wait_bucket_counts\x18\t \x03(\x04\x12\x18\n\x10wait_seconds_sum\x18\n \x01(\x01\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x0b \x01(\x04\x12\x1d\n\x15\x64\x65vice_capacity_bytes\x18\x0c \x01(\x04\x12\x17\n\x0floads_in_flight\x18\r \x01(\r\x12\x16\n\x0eprefetch_depth\x18\x0e \x01(\r\x12\x14\n\x0cplan_version\x18\x0f \x01(\r\x12\x1e\n\x16predicted_step_seconds\x18\x10 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x11 \x01(\x01\"\x16\n\x14ReportWorkerResponse\"\x18\n\x16GetHttpEndpointRequest\"\x1b\n\x0cHttpEndpoint\x12\x0b\n\x03url\x18\x01 \x01(\t2\xe6\x01\n\x0bNodeMetrics\x12h\n\x0cReportWorker\x12\'.tierstack.node_metrics.v1.WorkerReport\x1a/.tierstack.node_metrics.v1.ReportWorkerResponse\x12m\n\x0fGetHttpEndpoint\x12\x31.tierstack.node_metrics.v1.GetHttpEndpointRequest\x1a\'.tierstack.node_metrics.v1.HttpEndpointb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tierstack/proto/node_metrics.proto\x12\x19tierstack.node_metrics.v1\"\xe9\x03\n\x0cWorkerReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12\x1b\n\x13\x63pu_to_device_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13\x64\x65vice_to_cpu_bytes\x18\x06 \x01(\x04\x12\x15\n\rstall_seconds\x18\x07 \x01(\x01\x12\x1a\n\x12wait_bucket_bounds\x18\x08 \x03(\x01\x12\x1a\n\x12wait_bucket_counts\x18\t \x03(\x04\x12\x18\n\x10wait_seconds_sum\x18\n \x01(\x01\x12\x19\n\x11\x64\x65vice_used_bytes\x18\x0b \x01(\x04\x12\x1d\n\x15\x64\x65vice_capacity_bytes\x18\x0c \x01(\x04\x12\x17\n\x0floads_in_flight\x18\r \x01(\r\x12\x16\n\x0eprefetch_depth\x18\x0e \x01(\r\x12\x14\n\x0cplan_version\x18\x0f \x01(\r\x12\x1e\n\x16predicted_step_seconds\x18\x10 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x11 \x01(\x01\x12<\n\x08training\x18\x12 \x01(\x0b\x32*.tierstack.node_metrics.v1.TrainingFigures\"\xe5\x01\n\x0fTrainingFigures\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x18\n\x0btotal_steps\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\x04loss\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rlearning_rate\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x0e\n\x06tokens\x18\x06 \x01(\x04\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x18\n\x10seconds_per_step\x18\x08 \x01(\x01\x42\x0e\n\x0c_total_stepsB\x07\n\x05_lossB\x10\n\x0e_learning_rate\"\x16\n\x14ReportWorkerResponse\"\x18\n\x16GetHttpEndpointRequest\"\x1b\n\x0cHttpEndpoint\x12\x0b\n\x03url\x18\x01 \x01(\t2\xe6\x01\n\x0bNodeMetrics\x12h\n\x0cReportWorker\x12\'.tierstack.node_metrics.v1.WorkerReport\x1a/.tierstack.node_metrics.v1.ReportWorkerResponse\x12m\n\x0fGetHttpEndpoint\x12\x31.tierstack.node_metrics.v1.GetHttpEndpointRequest\x1a\'.tierstack.node_metrics.v1.HttpEndpointb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierstack.proto.node_metric
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERREPORT']._serialized_start=66
-  _globals['_WORKERREPORT']._serialized_end=493
-  _globals['_REPORTWORKERRESPONSE']._serialized_start=495
-  _globals['_REPORTWORKERRESPONSE']._serialized_end=517
-  _globals['_GETHTTPENDPOINTREQUEST']._serialized_start=519
-  _globals['_GETHTTPENDPOINTREQUEST']._serialized_end=543
-  _globals['_HTTPENDPOINT']._serialized_start=545
-  _globals['_HTTPENDPOINT']._serialized_end=572
-  _globals['_NODEMETRICS']._serialized_start=575
-  _globals['_NODEMETRICS']._serialized_end=805
+  _globals['_WORKERREPORT']._serialized_end=555
+  _globals['_TRAININGFIGURES']._serialized_start=558
+  _globals['_TRAININGFIGURES']._serialized_end=787
+  _globals['_REPORTWORKERRESPONSE']._serialized_start=789
+  _globals['_REPORTWORKERRESPONSE']._serialized_end=811
+  _globals['_GETHTTPENDPOINTREQUEST']._serialized_start=813
+  _globals['_GETHTTPENDPOINTREQUEST']._serialized_end=837
+  _globals['_HTTPENDPOINT']._serialized_start=839
+  _globals['_HTTPENDPOINT']._serialized_end=866
+  _globals['_NODEMETRICS']._serialized_start=869
+  _globals['_NODEMETRICS']._serialized_end=1099
 # @@protoc_insertion_point(module_scope)

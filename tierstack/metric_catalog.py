@@ -108,9 +108,39 @@ WORKER_WAIT = _spec("tierstack_worker_ensure_layer_wait_seconds", "histogram",
 NODE = _spec("tierstack_node", "info", "The node and its tier-manager instance.",
              ("node", "instance_id"))
 
+# ---- training, per job: what its workers' loops report once a step, combined by the node
+# (dashboards/training_view.py: the furthest step, the mean loss of the workers at it) ----
+TRAINING_STEP = _spec("tierstack_training_step", "gauge",
+                      "The last optimizer step a job's workers on this node reported.", ("job",))
+TRAINING_TOTAL_STEPS = _spec("tierstack_training_total_steps", "gauge",
+                             "Steps a job's run will take; no sample when not known.", ("job",))
+TRAINING_LOSS = _spec("tierstack_training_loss", "gauge",
+                      "A job's loss at its last step as the user's code computed it, the mean "
+                      "over its workers at that step (NaN: one was not finite); no sample "
+                      "when none reported one.", ("job",))
+TRAINING_LEARNING_RATE = _spec("tierstack_training_learning_rate", "gauge",
+                               "The learning rate of a job's last step; no sample when not "
+                               "reported.", ("job",))
+TRAINING_TOKENS = _spec("tierstack_training_tokens_total", "counter",
+                        "Tokens a job's workers on this node trained since they started.",
+                        ("job",))
+TRAINING_TOKENS_PER_SECOND = _spec("tierstack_training_tokens_per_second", "gauge",
+                                   "Tokens a job trains per second over its recent steps, "
+                                   "summed over its workers on this node.", ("job",))
+TRAINING_SECONDS_PER_STEP = _spec("tierstack_training_seconds_per_step", "gauge",
+                                  "Wall time per step of a job over its recent steps (its "
+                                  "slowest worker's); 0 until two steps are known.", ("job",))
+TRAINING_ETA = _spec("tierstack_training_eta_seconds", "gauge",
+                     "Seconds until a job's last step at its recent pace; no sample when its "
+                     "total steps or its pace are not known.", ("job",))
+TRAINING_METRICS = (TRAINING_STEP, TRAINING_TOTAL_STEPS, TRAINING_LOSS, TRAINING_LEARNING_RATE,
+                    TRAINING_TOKENS, TRAINING_TOKENS_PER_SECOND, TRAINING_SECONDS_PER_STEP,
+                    TRAINING_ETA)
+
 NODE_METRICS = (LINK_BYTES, LINK_BANDWIDTH, LINK_PEAK, TIER_CAPACITY, TIER_USED, TENSORS,
                 QUEUE_DEPTH, IO_MAX_IN_FLIGHT, RPC_DURATION, RPC_FAILURES, CHECKSUM_FAILURES,
-                EVICTIONS, PLAN_VERSION, LEASES, PINS, WORKERS, WORKER_STALL, WORKER_WAIT, NODE)
+                EVICTIONS, PLAN_VERSION, LEASES, PINS, WORKERS, WORKER_STALL, WORKER_WAIT,
+                NODE) + TRAINING_METRICS
 
 # ---- the scheduler: its /metrics (services/scheduler/telemetry.py) ----
 SCHEDULER_PLAN_VERSION = _spec("tierstack_scheduler_plan_version", "gauge",

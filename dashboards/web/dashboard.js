@@ -9,7 +9,7 @@ const COLORS = {"nvme->cpu": "#4fc3f7", "cpu->nvme": "#ffb74d", "cpu->device": "
                 stall: "#ff8a65"};
 const SVG = "http://www.w3.org/2000/svg";
 const POLL_MS = 1000;
-const state = {updates: 0, view: "cluster"};
+const state = {updates: 0, view: "cluster", links: []};
 
 const $ = (id) => document.getElementById(id);
 const linkId = (link) => "link-" + link.replace("->", "-");
@@ -71,9 +71,16 @@ function drawChart(svg, series, peak, t0, t1, fmt) {
   }
 }
 
-function buildLinkCards() {
+// One card per link the view's machines have (links_present): a node whose workers all run
+// on the CPU reads the pool in place, and draws no cpu → device link. Rebuilt when the set
+// changes (a first GPU worker reports, or the view changes).
+function buildLinkCards(links) {
+  if (links.join() === state.links.join()) return;
+  state.links = links;
   const root = $("links");
-  for (const link of LINKS) {
+  root.replaceChildren();
+  root.className = links.length > 2 ? "grid four" : "grid two";  // no empty columns
+  for (const link of links) {
     const card = document.createElement("div");
     card.className = "card link";
     card.id = linkId(link);
@@ -82,9 +89,85 @@ function buildLinkCards() {
       <svg class="chart"></svg>`;
     root.append(card);
   }
+}
+
+function buildLegend() {
   const legend = $("tier-legend");
   for (const tier of TIERS) {
     legend.insertAdjacentHTML("beforeend", `<span><i style="background:${COLORS[tier]}"></i>${tier}</span>`);
+  }
+}
+
+function fmtCount(n) {
+  if (n >= 1e9) return (n / 1e9).toFixed(2) + " G";
+  if (n >= 1e6) return (n / 1e6).toFixed(2) + " M";
+  if (n >= 1e4) return (n / 1e3).toFixed(1) + " k";
+  return n.toFixed(n >= 100 || Number.isInteger(n) ? 0 : 1);
+}
+
+function fmtDuration(s) {
+  if (s < 60) return s.toFixed(0) + " s";
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = Math.floor(s % 60);
+  return h ? `${h} h ${m} min` : `${m} min ${sec} s`;
+}
+
+function fmtLoss(job) {
+  if (!job.loss_finite) return "not finite";
+  return job.loss === null ? "–" : Number(job.loss.toPrecision(4)).toString();
+}
+
+function fmtLearningRate(lr) {
+  if (lr === null) return "–";
+  return lr !== 0 && Math.abs(lr) < 0.01 ? lr.toExponential(2) : String(Number(lr.toPrecision(4)));
+}
+
+// The job's recent losses over its steps, scaled to their own range.
+function sparkline(svg, points) {
+  const w = svg.clientWidth || 240, h = svg.clientHeight || 36;
+  svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  svg.replaceChildren();
+  if (points.length < 2) return;
+  const steps = points.map((p) => p[0]), losses = points.map((p) => p[1]);
+  const s0 = Math.min(...steps), s1 = Math.max(...steps);
+  const lo = Math.min(...losses), hi = Math.max(...losses);
+  const x = (s) => 2 + (w - 4) * (s - s0) / Math.max(1, s1 - s0);
+  const y = (v) => h - 3 - (h - 6) * (hi > lo ? (v - lo) / (hi - lo) : 0.5);
+  const d = points.map(([st, v], i) => `${i ? "L" : "M"}${x(st).toFixed(1)},${y(v).toFixed(1)}`).join("");
+  svg.append(svgEl("path", {d}));
+  svg.append(svgEl("title", {}, `loss ${Number(hi.toPrecision(4))} .. ${Number(lo.toPrecision(4))} ` +
+                                `over steps ${s0}..${s1}`));
+}
+
+// One card per job: what a training user looks at first. Each figure keeps its number in
+// a data attribute ("" where not known), as the link cards do.
+function renderTraining(jobs) {
+  const root = $("training");
+  root.replaceChildren();
+  $("no-training").hidden = jobs.length > 0;
+  for (const j of jobs) {
+    const card = document.createElement("div");
+    card.className = "card job";
+    card.dataset.job = j.job;
+    const of = j.total_steps !== null ? ` / ${j.total_steps}` : "";
+    const pct = j.total_steps ? Math.min(100, 100 * j.step / j.total_steps) : 0;
+    const figure = (cls, label, text, value) =>
+      `<div class="figure ${cls}" data-value="${value === null ? "" : value}">
+         <div class="name">${label}</div><div class="value">${esc(text)}</div></div>`;
+    card.innerHTML = `<h3>${esc(j.job)} <span class="hint">${j.workers} worker(s)</span></h3>
+      <div class="figures">
+        ${figure("step", "step", `${j.step}${of}`, j.step)}
+        ${figure("loss", "loss" + (j.loss_workers > 1 ? ` (mean of ${j.loss_workers})` : ""),
+                 fmtLoss(j), j.loss_finite ? j.loss : "NaN")}
+        ${figure("tokens-per-second", "tokens/s", j.tokens_per_second > 0 ? fmtCount(j.tokens_per_second) : "–",
+                 j.tokens_per_second)}
+        ${figure("learning-rate", "learning rate", fmtLearningRate(j.learning_rate), j.learning_rate)}
+        ${figure("eta", "ETA", j.eta_seconds === null ? "–" : fmtDuration(j.eta_seconds), j.eta_seconds)}
+      </div>
+      <div class="bar"><div style="width:${pct.toFixed(1)}%;background:var(--cpu-device)"></div></div>
+      <svg class="sparkline"></svg>`;
+    if (!j.loss_finite) card.querySelector(".loss .value").classList.add("not-finite");
+    root.append(card);
+    sparkline(card.querySelector(".sparkline"), j.loss_history);
   }
 }
 
@@ -93,7 +176,7 @@ function seriesOf(history, pick) {
 }
 
 function tierRate(links, tier) {
-  return LINKS.filter((l) => l.split("->").includes(tier)).reduce((a, l) => a + (links[l] || 0), 0);
+  return state.links.filter((l) => l.split("->").includes(tier)).reduce((a, l) => a + (links[l] || 0), 0);
 }
 
 // What a job's workers report: the plan versions they follow, the plan's predicted step
@@ -126,7 +209,9 @@ function render(cluster, histories) {
   const first = history.samples.length ? history.samples[0].timestamp : now - 60;
   const t0 = Math.max(now - Number($("window").value), Math.min(first, now - 30));
 
-  for (const link of LINKS) {
+  renderTraining(snap.training || []);
+  buildLinkCards(snap.links_present || LINKS);
+  for (const link of state.links) {
     const card = $(linkId(link));
     const fig = snap.links[link];
     const value = card.querySelector(".value");
@@ -202,14 +287,17 @@ function render(cluster, histories) {
 
   const nodes = $("nodes");
   nodes.replaceChildren();
+  const columns = cluster.links_present || LINKS;
   nodes.insertAdjacentHTML("beforeend", "<tr><th>node</th>" +
-    LINKS.map((l) => `<th>${l.replace("->", " → ")}</th>`).join("") +
+    columns.map((l) => `<th>${l.replace("->", " → ")}</th>`).join("") +
     "<th>workers</th><th>queues</th><th>evictions</th><th>checksum failures</th></tr>");
   for (const n of cluster.nodes) {
-    const cells = LINKS.map((l) => `<td class="num">${fmtRate(n.links[l].bandwidth_bytes_per_second)}
-      / ${fmtRate(n.links[l].peak_bytes_per_second)}</td>`).join("");
+    const has = n.links_present || LINKS;
+    const cells = columns.map((l) => has.includes(l)
+      ? `<td class="num">${fmtRate(n.links[l].bandwidth_bytes_per_second)}
+      / ${fmtRate(n.links[l].peak_bytes_per_second)}</td>` : `<td class="num">no link</td>`).join("");
     const queues = Object.entries(n.queues).map(([k, v]) => `${k} ${v}`).join(", ");
-    nodes.insertAdjacentHTML("beforeend", `<tr><td>${n.node}</td>${cells}
+    nodes.insertAdjacentHTML("beforeend", `<tr><td>${esc(n.node)}</td>${cells}
       <td class="num">${n.workers.length}</td><td>${queues}</td>
       <td class="num">${n.evictions_total}</td><td class="num">${n.checksum_failures_total}</td></tr>`);
   }
@@ -237,7 +325,7 @@ async function refresh() {
   }
 }
 
-buildLinkCards();
+buildLegend();
 $("view").addEventListener("change", (e) => { state.view = e.target.value; refresh(); });
 $("window").addEventListener("change", refresh);
 refresh();

@@ -5,11 +5,14 @@ NodeStats, the same figures GetStats answers), the workers' reports and the RPC
 interceptor's timings. A sampler thread turns the cumulative byte counters into rates
 every `sample_interval_seconds` and keeps them for `history_seconds`; /metrics reads the
 counters at scrape time (a custom collector), so collecting costs nothing between
-scrapes but the interceptor's timer.
+scrapes but the interceptor's timer. The workers' training figures are combined per job
+(dashboards/training_view.py); the sampler keeps each job's recent losses for the
+dashboard's sparkline.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import threading
@@ -21,11 +24,14 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 
 from tierstack import metric_catalog as mc
 from tierstack.config import MetricsConfig
-from tierstack.dashboards.snapshots import (History, HistorySample, JobPlanFigures, LinkFigures,
-                                            NodeSnapshot, PlanFigures, TierFigures, WorkerFigures)
+from tierstack.dashboards import training_view
+from tierstack.dashboards.snapshots import (History, HistorySample, JobPlanFigures, JobTraining,
+                                            LinkFigures, NodeSnapshot, PlanFigures, TierFigures,
+                                            TrainingStep, WorkerFigures)
 from tierstack.services.tier_manager.history_ring import HistoryRing
 from tierstack.services.tier_manager.rpc_metrics import RpcMetrics
 from tierstack.services.tier_manager.server import TierManagerServicer
+from tierstack.services.tier_manager.wire import training_from
 from tierstack.services.tier_manager.worker_reports import WorkerReports
 
 log = logging.getLogger(__name__)
@@ -33,10 +39,33 @@ log = logging.getLogger(__name__)
 WORKER_LINKS = ("cpu->device", "device->cpu")
 # A worker reports every second; one silent for longer no longer adds to current rates.
 REPORT_FRESH_SECONDS = 3.0
+# (step, loss) points kept per job for the dashboard's sparkline: a few minutes of steps of
+# a second, and no more as a job runs for days; for at most this many jobs at once (~1.7 MB
+# however many jobs its workers name: a node runs a few).
+LOSS_POINTS = 240
+LOSS_HISTORY_JOBS = 64
 
 
 def _worker_bytes(report, link: str) -> int:
     return report.cpu_to_device_bytes if link == "cpu->device" else report.device_to_cpu_bytes
+
+
+def _on_a_device(report) -> bool:
+    """Whether a worker computes on a device of its own, across a link from the pool."""
+    return report.device.partition(":")[0] not in ("", "cpu")
+
+
+def _training_step(report) -> TrainingStep | None:
+    """A worker's last training step, None before its first."""
+    if not report.HasField("training"):
+        return None
+    t = training_from(report.training)
+    return training_view.training_step(t.job, t.step, t.total_steps, t.loss, t.learning_rate,
+                                       t.tokens, t.tokens_per_second, t.seconds_per_step)
+
+
+def _training_steps(live) -> list[TrainingStep]:
+    return [step for step in (_training_step(r) for r, _ in live) if step is not None]
 
 
 class _Counters:
@@ -67,6 +96,10 @@ class NodeMetrics:
         self._last: _Counters | None = None
         self._worker_prev: dict[str, object] = {}  # worker id -> its previous report
         self._worker_rate: dict[str, tuple[dict[str, float], float]] = {}
+        # Whether a worker on a device has reported since start: until one does, the
+        # node has no cpu<->device link (kept once seen: a GPU node between jobs has one).
+        self._device_links = False
+        self._loss_history: dict[str, collections.deque[tuple[int, float]]] = {}  # job -> points
         self._stop = threading.Event()
 
     # ---- readings ---------------------------------------------------------------------
@@ -79,6 +112,34 @@ class NodeMetrics:
                  "cpu->device": totals.cpu_to_device_bytes,
                  "device->cpu": totals.device_to_cpu_bytes}
         return stats, totals, _Counters(time.monotonic(), links, totals.stall_seconds)
+
+    def _links_present(self, live) -> list[str]:
+        """The node's links, in catalog order (lock held)."""
+        self._device_links = self._device_links or any(_on_a_device(r) for r, _ in live)
+        return [link for link in mc.LINKS if self._device_links or link not in WORKER_LINKS]
+
+    def _training(self, live) -> list[JobTraining]:
+        """Each job's training figures and recent losses (lock held)."""
+        return training_view.combine(_training_steps(live), self._loss_history)
+
+    def _record_losses(self, jobs: list[JobTraining]) -> None:
+        """Add each job's loss at a new step to its history; forget jobs no worker trains
+        (lock held)."""
+        for gone in set(self._loss_history) - {job.job for job in jobs}:
+            del self._loss_history[gone]
+        for job in jobs:
+            points = self._loss_history.get(job.job)
+            if points is None:
+                if len(self._loss_history) >= LOSS_HISTORY_JOBS:
+                    continue
+                points = self._loss_history[job.job] = collections.deque(maxlen=LOSS_POINTS)
+            if points and job.step < points[-1][0]:
+                points.clear()  # the job started over
+            if job.loss is None:
+                continue
+            if points and points[-1][0] == job.step:
+                points.pop()  # the mean over more of the job's workers, as their reports come
+            points.append((job.step, job.loss))
 
     def _queues(self, totals) -> dict[str, int]:
         engine = self.servicer.registry.durable.pool.engine
@@ -129,7 +190,11 @@ class NodeMetrics:
                 self._rates = {link: max(0, now.links[link] - last.links[link]) / dt
                                for link in mc.LINKS}
             worker_rates, self._stall_rate = self._worker_rates(live)
-            self._rates.update(worker_rates)
+            present = self._links_present(live)
+            # Workers on the CPU read the pool in place: no bandwidth over a link it lacks.
+            self._rates.update({link: rate if link in present else 0.0
+                                for link, rate in worker_rates.items()})
+            self._record_losses(training_view.combine(_training_steps(live)))
             for link, rate in self._rates.items():
                 self._peaks[link] = max(self._peaks[link], rate)
             sample = HistorySample(
@@ -158,8 +223,10 @@ class NodeMetrics:
         live = self.workers.live()
         with self._lock:
             rates, peaks, stall_rate = dict(self._rates), dict(self._peaks), self._stall_rate
+            present = self._links_present(live)
+            training = self._training(live)
         links = {link: LinkFigures(now.links[link], rates[link], peaks[link]) for link in mc.LINKS}
-        tier_rate = {tier: sum(rates[link] for link in mc.LINKS if tier in mc.link_tiers(link))
+        tier_rate = {tier: sum(rates[link] for link in present if tier in mc.link_tiers(link))
                      for tier in mc.TIERS}
         tiers = {"device": TierFigures(totals.device_used_bytes, totals.device_capacity_bytes,
                                        tier_rate["device"]),
@@ -169,7 +236,7 @@ class NodeMetrics:
                                  r.device_to_cpu_bytes, r.stall_seconds, r.device_used_bytes,
                                  r.device_capacity_bytes, r.loads_in_flight, r.prefetch_depth,
                                  round(age, 3), r.plan_version, r.predicted_step_seconds,
-                                 r.step_seconds) for r, age in live]
+                                 r.step_seconds, _training_step(r)) for r, age in live]
         return NodeSnapshot(
             node=self.node, instance_id=stats.instance_id, url=self.url, timestamp=time.time(),
             uptime_seconds=time.time() - self.started, links=links, tiers=tiers,
@@ -177,7 +244,7 @@ class NodeMetrics:
             stall_seconds_per_second=stall_rate, evictions_total=stats.evictions,
             checksum_failures_total=stats.checksum_failures, tensors=stats.tensors,
             buffer_leases=stats.leases, pinned_tensors=stats.pinned, plan=self.plan(live),
-            workers=workers)
+            workers=workers, training=training, links_present=present)
 
     def plan(self, live=None) -> PlanFigures:
         """The scheduler's plans this node's registry evicts by, and the access order."""
@@ -208,13 +275,15 @@ class NodeMetrics:
         live = self.workers.live()
         with self._lock:
             rates, peaks = dict(self._rates), dict(self._peaks)
+            present = self._links_present(live)
+            training = self._training(live)
 
         def family(spec: mc.MetricSpec):
             cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}[spec.kind]
             return cls(spec.name, spec.help, labels=spec.labels)
 
         link_bytes, bandwidth, peak = family(mc.LINK_BYTES), family(mc.LINK_BANDWIDTH), family(mc.LINK_PEAK)
-        for link in mc.LINKS:
+        for link in present:  # a link the node lacks has no series (see _links_present)
             link_bytes.add_metric([link], now.links[link])
             bandwidth.add_metric([link], rates[link])
             peak.add_metric([link], peaks[link])
@@ -256,9 +325,27 @@ class NodeMetrics:
                 buckets.append((_le(bound), cumulative))
             wait.add_metric([r.worker_id], buckets, r.wait_seconds_sum)
         yield from (stall, wait)
+        yield from _training_families(training, family)
         info = InfoMetricFamily(mc.NODE.name, mc.NODE.help, labels=mc.NODE.labels)
         info.add_metric([self.node, stats.instance_id], {})
         yield info
+
+
+def _training_families(jobs: list[JobTraining], family):
+    """The per-job training gauges; a figure not known has no sample."""
+    by_spec = {spec: family(spec) for spec in mc.TRAINING_METRICS}
+    for job in jobs:
+        loss = job.loss if job.loss_finite else float("nan")
+        for spec, value in ((mc.TRAINING_STEP, job.step), (mc.TRAINING_TOTAL_STEPS, job.total_steps),
+                            (mc.TRAINING_LOSS, loss if job.loss_workers else None),
+                            (mc.TRAINING_LEARNING_RATE, job.learning_rate),
+                            (mc.TRAINING_TOKENS, job.tokens),
+                            (mc.TRAINING_TOKENS_PER_SECOND, job.tokens_per_second),
+                            (mc.TRAINING_SECONDS_PER_STEP, job.seconds_per_step),
+                            (mc.TRAINING_ETA, job.eta_seconds)):
+            if value is not None:
+                by_spec[spec].add_metric([job.job], value)
+    return by_spec.values()
 
 
 def _le(bound: float) -> str:

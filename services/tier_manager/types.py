@@ -161,6 +161,20 @@ class AdamWResult:
 
 
 @dataclass(frozen=True)
+class TrainingFigures:
+    """What a worker's training loop reported at its last optimizer step."""
+
+    job: str  # the job the user named (a rank's store reports its job's name, not its own)
+    step: int
+    total_steps: int | None  # None: the run's length is not known
+    loss: float | None  # as the user's code computed it; None: not reported (NaN: diverged)
+    learning_rate: float | None
+    tokens: int  # trained by this worker since it started
+    tokens_per_second: float  # over the recent steps; 0 until two steps are known
+    seconds_per_step: float  # wall time per step over the recent steps; 0: not yet known
+
+
+@dataclass(frozen=True)
 class WorkerReport:
     """A worker's cumulative counters, sent to its node's tier manager about once a second."""
 
@@ -181,6 +195,7 @@ class WorkerReport:
     plan_version: int = 0  # the scheduler plan whose depths the worker follows (0: none)
     predicted_step_seconds: float = 0.0  # that plan's predicted training step (0: none)
     step_seconds: float = 0.0  # the worker's last measured training step (0: not training)
+    training: TrainingFigures | None = None  # None: the worker's loop reported no step yet
 
 
 @dataclass(frozen=True)

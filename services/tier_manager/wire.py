@@ -18,6 +18,7 @@ from tierstack.services.tier_manager.types import (
     NodeStats,
     Resident,
     TensorInfo,
+    TrainingFigures,
     WorkerReport,
 )
 from tierstack.tiers import AUTO, CPU, NVME, Placement
@@ -151,8 +152,24 @@ def adamw_result_from(msg: pb.AdamWStepResponse) -> AdamWResult:
 
 def worker_report_pb(report: WorkerReport) -> metrics_pb.WorkerReport:
     fields = vars(report)
+    training = training_pb(report.training) if report.training is not None else None
     return metrics_pb.WorkerReport(**{**fields, "wait_bucket_bounds": list(report.wait_bucket_bounds),
-                                      "wait_bucket_counts": list(report.wait_bucket_counts)})
+                                      "wait_bucket_counts": list(report.wait_bucket_counts),
+                                      "training": training})
+
+
+def training_pb(figures: TrainingFigures) -> metrics_pb.TrainingFigures:
+    # None (not known) is an absent optional field; the message's constructor takes None so.
+    return metrics_pb.TrainingFigures(**vars(figures))
+
+
+def training_from(msg: metrics_pb.TrainingFigures) -> TrainingFigures:
+    def known(name: str):
+        return getattr(msg, name) if msg.HasField(name) else None
+
+    return TrainingFigures(msg.job, msg.step, known("total_steps"), known("loss"),
+                           known("learning_rate"), msg.tokens, msg.tokens_per_second,
+                           msg.seconds_per_step)
 
 
 def job_info_pb(info: JobInfo) -> pb.JobInfo:

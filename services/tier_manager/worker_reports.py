@@ -37,6 +37,13 @@ class WorkerTotals:
     workers: int = 0
 
 
+def _training_valid(t: pb.TrainingFigures) -> bool:
+    # A loss of NaN or infinity is a diverged run the dashboard should show, not an error.
+    pace = [t.tokens_per_second, t.seconds_per_step]
+    return (len(t.job) <= MAX_ID and all(math.isfinite(x) and x >= 0 for x in pace)
+            and (not t.HasField("learning_rate") or math.isfinite(t.learning_rate)))
+
+
 class WorkerReports(pb_grpc.NodeMetricsServicer):
     """Keeps the newest report of each live worker and the sums of retired ones."""
 
@@ -63,6 +70,11 @@ class WorkerReports(pb_grpc.NodeMetricsServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "a worker report's timestamp, stall_seconds and wait_seconds_sum must "
                           "be finite and >= 0")
+        if request.HasField("training") and not _training_valid(request.training):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a worker report's training figures need a job of at most {MAX_ID} "
+                          f"characters, tokens_per_second and seconds_per_step finite and >= 0 "
+                          f"and a finite learning_rate (the loss may be any number)")
         with self._lock:
             if request.worker_id not in self._reports and len(self._reports) >= MAX_WORKERS:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -57,9 +57,15 @@ LAYER_BYTES = 4 << 20
 LAYERS = 8  # 32 MiB of layers through a 16 MiB CPU pool: every pass reads NVMe
 
 
+TOKENS_PER_STEP = 2048
+TOTAL_STEPS = 1000
+LEARNING_RATE = 3e-4
+
+
 class Traffic:
     """A worker in this process streaming layers through the daemon: NVMe -> CPU pool ->
-    device on every pass, and write_back (device -> CPU pool -> NVMe) of one layer."""
+    device on every pass, and write_back (device -> CPU pool -> NVMe) of one layer. A
+    training pass is also one optimizer step of its loop (`train_pass`)."""
 
     def __init__(self, address: str) -> None:
         from tierstack.worker.store.layer_store import LayerStore
@@ -84,13 +90,26 @@ class Traffic:
         store.write_back(self.passes % LAYERS, self.layers[self.passes % LAYERS])
         self.passes += 1
 
-    def run_for(self, seconds: float) -> None:
-        """Passes in the background until `seconds` have gone by or `stop`."""
+    @staticmethod
+    def loss_at(step: int) -> float:
+        """The loss the training passes report: falling, as a training run's does."""
+        return 4.0 / step
+
+    def train_pass(self) -> None:
+        """A pass and the step its loop reports after it, as the engine does."""
+        self.one_pass()
+        self.store.reports.training(self.passes, self.loss_at(self.passes), TOKENS_PER_STEP,
+                                   LEARNING_RATE, TOTAL_STEPS)
+
+    def run_for(self, seconds: float, train: bool = False) -> None:
+        """Passes (training passes if `train`) in the background until `seconds` have gone
+        by or `stop`."""
         deadline = time.monotonic() + seconds
+        one = self.train_pass if train else self.one_pass
 
         def loop():
             while not self._stop.is_set() and time.monotonic() < deadline:
-                self.one_pass()
+                one()
 
         self._thread = threading.Thread(target=loop, daemon=True)
         self._thread.start()

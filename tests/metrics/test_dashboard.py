@@ -37,15 +37,19 @@ def test_dashboard_shows_live_nonzero_bandwidth_and_keeps_updating(metrics_daemo
                     if r.status >= 400 else None)
             page.goto(metrics_daemon.url + "/dashboard/")
             screenshot.wait_for_traffic(page, timeout_s=45)
-            # Streaming through a CPU pool smaller than the model: NVMe reads and device
-            # copies both show, with their peaks.
+            # Streaming through a CPU pool smaller than the model: NVMe reads show, with
+            # their peak.
             page.wait_for_function(
-                """() => ['nvme-cpu', 'cpu-device'].every(l =>
-                     Number(document.querySelector(`#link-${l} .value`).dataset.bytesPerSecond) > 0)""",
-                timeout=45_000)
-            assert "GB/s" in page.inner_text("#link-cpu-device .value") or \
-                "MB/s" in page.inner_text("#link-cpu-device .value")
+                """() => Number(document.querySelector('#link-nvme-cpu .value')
+                                .dataset.bytesPerSecond) > 0""", timeout=45_000)
+            assert "GB/s" in page.inner_text("#link-nvme-cpu .value") or \
+                "MB/s" in page.inner_text("#link-nvme-cpu .value")
             assert "peak" in page.inner_text("#link-nvme-cpu .peak")
+            # This machine has no GPU: its worker reads the pool in place, and the page
+            # draws no link to a device, in the cards or the node table.
+            assert page.locator(".link").evaluate_all("cs => cs.map(c => c.id)") == \
+                ["link-nvme-cpu", "link-cpu-nvme"]
+            assert "device" not in page.inner_text("#nodes tr:first-child")
             first_updates = int(page.get_attribute("#status", "data-updates"))
             first_path = page.get_attribute("#link-nvme-cpu svg path.line", "d")
             page.wait_for_function(f"() => Number(document.querySelector('#status').dataset.updates) "
@@ -58,8 +62,9 @@ def test_dashboard_shows_live_nonzero_bandwidth_and_keeps_updating(metrics_daemo
             assert "test-node" in page.inner_text("#nodes")
             # The node's own view draws the same figures.
             page.select_option("#view", "test-node")
-            page.wait_for_function("() => Number(document.querySelector('#link-cpu-device .value')"
+            page.wait_for_function("() => Number(document.querySelector('#link-nvme-cpu .value')"
                                    ".dataset.bytesPerSecond) > 0", timeout=10_000)
+            assert page.locator("#link-cpu-device").count() == 0
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 20_000
@@ -70,6 +75,54 @@ def test_dashboard_shows_live_nonzero_bandwidth_and_keeps_updating(metrics_daemo
         finally:
             browser.close()
     assert errors == []
+
+
+def test_the_training_panel_shows_each_jobs_step_loss_pace_learning_rate_and_eta(
+        metrics_daemon, traffic, tmp_path):
+    """A worker's loop reports a step after each pass: the page shows its job first, with
+    what the node's JSON says of it."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.metrics.conftest import LEARNING_RATE, TOTAL_STEPS, get
+
+    traffic.run_for(90, train=True)
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = screenshot.launch(p)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+            page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}")
+                    if m.type == "error" else None)
+            page.goto(metrics_daemon.url + "/dashboard/")
+            card = '#training .job[data-job="metrics-test"]'
+            # Three steps reported, the pace known (two steps) and a loss history to draw.
+            page.wait_for_function(
+                f"""() => {{ const c = document.querySelector('{card}');
+                     return c && Number(c.querySelector('.step').dataset.value) >= 3 &&
+                            c.querySelector('.eta').dataset.value !== '' &&
+                            c.querySelector('.sparkline path') !== null; }}""", timeout=60_000)
+            figures = page.eval_on_selector(
+                card, """c => Object.fromEntries([...c.querySelectorAll('.figure')].map(f =>
+                           [f.classList[1], [f.dataset.value, f.querySelector('.value').textContent]]))""")
+            node = get(metrics_daemon.url, "/api/v1/node")
+            assert page.is_hidden("#no-training")
+            # The panel comes first, above the links.
+            assert page.evaluate("""() => document.querySelector('#training').compareDocumentPosition(
+                document.querySelector('#links')) & Node.DOCUMENT_POSITION_FOLLOWING""")
+        finally:
+            browser.close()
+    assert errors == []
+    [job] = node["training"]
+    step = int(figures["step"][0])
+    assert 3 <= step <= job["step"] and figures["step"][1] == f"{step} / {TOTAL_STEPS}"
+    shown_loss = float(figures["loss"][1])
+    assert float(figures["loss"][0]) == traffic.loss_at(step)
+    assert shown_loss == pytest.approx(traffic.loss_at(step), rel=1e-3)  # 4 significant digits
+    assert float(figures["tokens-per-second"][0]) > 0 and figures["tokens-per-second"][1] != "–"
+    assert float(figures["learning-rate"][0]) == LEARNING_RATE and figures["learning-rate"][1] == "3.00e-4"
+    eta = float(figures["eta"][0])
+    assert eta > 0 and figures["eta"][1].endswith((" s", " min"))  # its arithmetic: test_training
 
 
 def test_the_plan_panel_shows_each_jobs_plan_with_its_predicted_and_measured_step(tmp_path):

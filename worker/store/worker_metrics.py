@@ -3,29 +3,47 @@
 `WorkerMetrics` is updated on the layer store's paths, but never on ensure_layer's hit
 path (a layer already there: ~0.4 us on a CPU, where even one counter would show): the
 time ensure_layer waited for a load is kept with the load and goes into the histogram
-once, when the layer is released. `WorkerReporter` sends the cumulative figures to
-the node's tier manager every `interval` seconds (NodeMetrics.ReportWorker), which
-exports them with its own at the node's /metrics: a worker opens no port of its own.
+once, when the layer is released. The training loop adds its figures once per optimizer
+step (`training_step`: step, loss, tokens, learning rate). `WorkerReporter` sends the
+cumulative figures to the node's tier manager every `interval` seconds
+(NodeMetrics.ReportWorker), which exports them with its own at the node's /metrics: a
+worker opens no port of its own.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import logging
+import math
 import os
+import re
 import socket
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
+from tierstack.errors import InvalidArgumentError
 from tierstack.metric_catalog import WAIT_BUCKETS
 from tierstack.services.tier_manager.client import TierManagerClient
-from tierstack.services.tier_manager.types import WorkerReport
+from tierstack.services.tier_manager.types import TrainingFigures, WorkerReport
 
 log = logging.getLogger(__name__)
 
 _store_ids = itertools.count()
+
+
+# tokens/s and seconds per step are taken over the wall time of the last this many steps:
+# a few seconds of a small model's steps, so that the figure follows a change of pace (a
+# slower disk, another job) within seconds, and long enough that one slow step (a
+# checkpoint, an evaluation) does not make the ETA jump.
+RATE_WINDOW_STEPS = 10
+
+# A partitioned job's ranks each keep their shards under a job of their own on the node,
+# "<job>.rank<r>of<n>" (worker/store/sharded_store.py); their training figures are the job's.
+_RANK_STORE_JOB = re.compile(r"(.+)\.rank\d+of\d+")
 
 
 def new_worker_id(job: str) -> str:
@@ -33,8 +51,14 @@ def new_worker_id(job: str) -> str:
     return f"{job}@{socket.gethostname()}:{os.getpid()}.{next(_store_ids)}"
 
 
+def training_job(store_job: str) -> str:
+    """The job a store's training figures belong to: the user's job, not a rank's."""
+    rank_store = _RANK_STORE_JOB.fullmatch(store_job)
+    return rank_store.group(1) if rank_store else store_job
+
+
 class WorkerMetrics:
-    """Cumulative counters of one layer store."""
+    """Cumulative counters of one layer store, and its training loop's last step."""
 
     def __init__(self) -> None:
         self.cpu_to_device_bytes = 0
@@ -43,6 +67,46 @@ class WorkerMetrics:
         self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
         self.wait_sum = 0.0
         self._lock = threading.Lock()  # the byte counters are bumped by loader threads
+        # (monotonic time, tokens) of the recent training_step calls, the loop's thread only.
+        self._steps: collections.deque[tuple[float, int]] = collections.deque(
+            maxlen=RATE_WINDOW_STEPS + 1)
+        self._tokens = 0
+        # Replaced whole at each step, so the reporter thread never reads half a step.
+        self._training: TrainingFigures | None = None
+
+    def training_step(self, step: int, loss: float | None, tokens: int,
+                      learning_rate: float | None = None, total_steps: int | None = None) -> None:
+        """One optimizer step done: its number, its loss as the caller computed it (None:
+        none), the tokens trained in it, the learning rate it used and the run's length in
+        steps (None: not known). Called by the training loop, on its thread, once a step."""
+        if step < 0 or tokens < 0 or (total_steps is not None and total_steps < 0):
+            raise InvalidArgumentError(
+                f"training_step(step={step}, tokens={tokens}, total_steps={total_steps}): "
+                f"counts are >= 0; pass total_steps=None when the run's length is not known")
+        # The node refuses a report with a learning rate that is no number (the whole report,
+        # byte counters too); a loss may be anything: a diverged run shows as one.
+        if learning_rate is not None and not math.isfinite(learning_rate):
+            raise InvalidArgumentError(
+                f"training_step(learning_rate={learning_rate}): a step's learning rate is a "
+                f"finite number; check the learning-rate schedule, or pass None")
+        now = time.monotonic()
+        previous = self._training
+        if previous is not None and step <= previous.step:
+            self._steps.clear()  # a restarted or resumed loop: its pace starts afresh
+        self._steps.append((now, tokens))
+        self._tokens += tokens
+        steps = len(self._steps) - 1
+        span = now - self._steps[0][0]
+        # The oldest entry's tokens were trained before its time: the window counts the others.
+        window_tokens = sum(n for _, n in itertools.islice(self._steps, 1, None))
+        self._training = TrainingFigures(
+            job="",  # the store's job is known at report time
+            step=step, total_steps=total_steps,
+            loss=None if loss is None else float(loss),
+            learning_rate=None if learning_rate is None else float(learning_rate),
+            tokens=self._tokens,
+            tokens_per_second=window_tokens / span if steps and span > 0 else 0.0,
+            seconds_per_step=span / steps if steps else 0.0)
 
     def load_used(self, wait_seconds: float) -> None:
         """A layer load was used and released; ensure_layer waited `wait_seconds` for it
@@ -62,6 +126,7 @@ class WorkerMetrics:
                device_capacity: int, loads_in_flight: int, prefetch_depth: int = 0,
                plan_version: int = 0, predicted_step_seconds: float = 0.0,
                step_seconds: float = 0.0) -> WorkerReport:
+        training = self._training
         return WorkerReport(
             worker_id=worker_id, job=job, device=device, timestamp=time.time(),
             cpu_to_device_bytes=self.cpu_to_device_bytes,
@@ -70,7 +135,8 @@ class WorkerMetrics:
             wait_seconds_sum=self.wait_sum, device_used_bytes=device_used,
             device_capacity_bytes=device_capacity, loads_in_flight=loads_in_flight,
             prefetch_depth=prefetch_depth, plan_version=plan_version,
-            predicted_step_seconds=predicted_step_seconds, step_seconds=step_seconds)
+            predicted_step_seconds=predicted_step_seconds, step_seconds=step_seconds,
+            training=replace(training, job=training_job(job)) if training is not None else None)
 
 
 class WorkerReporter:
@@ -130,6 +196,12 @@ class WorkerReports:
         """A training step's measured time and the scheduler plan's prediction of it (0:
         none), sent with the next report: the node's dashboard shows them per job."""
         self.step_seconds, self.predicted_step_seconds = seconds, predicted_seconds
+
+    def training(self, step: int, loss: float | None, tokens: int,
+                 learning_rate: float | None = None, total_steps: int | None = None) -> None:
+        """One optimizer step's training figures (WorkerMetrics.training_step), sent with
+        the next report: the node's dashboard shows them per job."""
+        self.metrics.training_step(step, loss, tokens, learning_rate, total_steps)
 
     def _report(self) -> WorkerReport:
         f = self._figures()
