@@ -116,13 +116,16 @@ class Job:
         """The scheduler's plan the job follows now (None: none yet, or no scheduler)."""
         return self.follower.plan if self.follower is not None else None
 
-    def step_done(self, seconds: float) -> Plan | None:
-        """An optimizer step ended after `seconds`: the plan keeper decides whether to
-        record, report or trace again, and the node's dashboard hears of the step. Returns
-        a plan a trace reported now produced. A scheduler that cannot plan the job costs
-        the job its plans (said once), never the training."""
+    def step_done(self, step: int, seconds: float | None, loss: float | None = None,
+                  tokens: int = 0, learning_rate: float | None = None) -> Plan | None:
+        """Optimizer step `step` (counted from 1 over the run, resumed steps included) ended
+        after `seconds` (None: not known, the first step of a loop): the plan keeper
+        decides whether to record, report or trace again, and the node's dashboard hears of
+        the step, its loss as the user's code computed it, the tokens this worker trained in
+        it and its learning rate. Returns a plan a trace reported now produced. A scheduler
+        that cannot plan the job costs the job its plans (said once), never the training."""
         plan = None
-        if self.keeper is not None and not self._plans_failed:
+        if seconds is not None and self.keeper is not None and not self._plans_failed:
             try:
                 plan = self.keeper.step_done(seconds)
             except TierstackError as e:
@@ -131,8 +134,10 @@ class Job:
                             "configured prefetch depths", self.spec.name, self.services.scheduler, e)
         reports = self.store.reports
         if reports is not None:
-            current = self.plan
-            reports.step(seconds, current.predicted_step_seconds if current is not None else 0.0)
+            if seconds is not None:
+                current = self.plan
+                reports.step(seconds, current.predicted_step_seconds if current is not None else 0.0)
+            reports.training(step, loss, tokens, learning_rate, self.spec.total_steps)
         return plan
 
     def starting_at(self, step: int) -> None:
@@ -214,8 +219,8 @@ def _open(spec: JobSpec, stack: contextlib.ExitStack) -> Job:
         warmup, iterations = _trace_steps(spec)
         job.keeper = PlanKeeper(job.follower, lambda: engine.block_optimizer.block_seconds,
                                 warmup=warmup, iterations=iterations)
-    log.info("job %s on %s: %s; device budget %d MiB, budgets %s", spec.name, spec.device,
-             services.describe(), device_budget >> 20, budgets.describe())
+    log.info("job %s on %s: %s; device budget %.1f MiB, budgets %s", spec.name, spec.device,
+             services.describe(), device_budget / (1 << 20), budgets.describe())
     return job
 
 

@@ -67,7 +67,7 @@ def test_the_name_extraction_reads_promql():
 
 def test_every_promql_expression_names_metrics_a_real_node_exports(metrics_daemon, traffic):
     traffic.one_pass()
-    traffic.store._reporter.send()
+    traffic.store.reports.send()
     exported = exported_names(get(metrics_daemon.url, "/metrics", parse=False))
     exprs = dashboard_expressions()
     assert len(exprs) >= 15

@@ -29,7 +29,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 def test_node_snapshot_counts_exactly_the_bytes_the_worker_moved(metrics_daemon, traffic):
     for _ in range(3):
         traffic.one_pass()
-    traffic.store._reporter.send()  # the periodic report, now
+    traffic.store.reports.send()  # the periodic report, now
     layer = traffic.store.layouts[0].nbytes
     node = get(metrics_daemon.url, "/api/v1/node")
     links = node["links"]
@@ -73,7 +73,9 @@ def test_history_shows_bandwidth_while_bytes_move_and_peaks_bound_it(metrics_dae
     # A layer store's device never holds more than its budget, in every sample.
     assert all(s["tiers_used"]["device"] <= traffic.store.figures().device_capacity for s in history["samples"])
 
-    cluster = get(metrics_daemon.url, "/api/v1/cluster")
+    # The worker is counted once its first report is in (it reports once a second).
+    cluster = wait_for(lambda: (c := get(metrics_daemon.url, "/api/v1/cluster"))["workers"] and c,
+                       what="the worker's first report in the cluster view")
     assert [n["node"] for n in cluster["nodes"]] == ["test-node"] and cluster["unreachable"] == []
     assert cluster["workers"] == 1
     totals = get(metrics_daemon.url, "/api/v1/cluster/history?window_seconds=60")
@@ -87,7 +89,7 @@ def test_metrics_pass_promtool_and_agree_with_the_snapshot(metrics_daemon, traff
 
     for _ in range(2):
         traffic.train_pass()  # two steps: the training gauges have every figure
-    traffic.store._reporter.send()
+    traffic.store.reports.send()
     text = get(metrics_daemon.url, "/metrics", parse=False)
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -109,7 +111,7 @@ def test_metrics_pass_promtool_and_agree_with_the_snapshot(metrics_daemon, traff
     for link in node["links_present"]:  # this machine's: no cpu<->device (test_training)
         assert values[("tierstack_link_bytes_total", (("link", link),))] == \
             node["links"][link]["bytes_total"]
-    worker = traffic.store.worker_id
+    worker = traffic.store.reports.worker_id
     # Each layer load used (and released) is one observation of the wait for it.
     assert values[("tierstack_worker_ensure_layer_wait_seconds_count", (("worker", worker),))] == 2 * LAYERS
     assert values[("tierstack_rpc_duration_seconds_count", (("method", "Fetch"),))] >= 2 * LAYERS
@@ -143,7 +145,7 @@ def test_health_and_the_generated_openapi_schema(metrics_daemon):
 def test_cluster_view_adds_up_nodes_and_names_the_one_that_does_not_answer(
         metrics_daemon, traffic, tmp_path, shm_dir):
     traffic.one_pass()
-    traffic.store._reporter.send()
+    traffic.store.reports.send()
     dead = "http://127.0.0.1:9"  # the discard port: nothing serves HTTP there
     config = tmp_path / "second.json"
     config.write_text(json.dumps({"tier_manager": {
@@ -203,7 +205,7 @@ def test_with_metrics_disabled_the_daemon_serves_and_workers_still_train(tmp_pat
         traffic = Traffic(daemon.address)
         traffic.one_pass()
         assert traffic.store.reports.dashboard_url() == ""
-        assert traffic.store._reporter.send() is False  # the daemon takes no reports
+        assert traffic.store.reports.send() is False  # the daemon takes no reports
         traffic.stop()
     finally:
         daemon.kill()
@@ -218,7 +220,7 @@ def test_a_cluster_only_app_as_the_scheduler_will_serve_it(metrics_daemon, traff
     from tierstack.dashboards.http_api import HttpServer, create_app
 
     traffic.one_pass()
-    traffic.store._reporter.send()
+    traffic.store.reports.send()
     registry = CollectorRegistry()
     Gauge(SCHEDULER_NODES.name, SCHEDULER_NODES.help, registry=registry).set(1)
     nodes = [RemoteNode(metrics_daemon.url)]

@@ -147,8 +147,8 @@ def test_figures_past_a_floats_range_stay_numbers_json_can_carry():
 def test_a_jobs_step_loss_pace_and_eta_reach_the_json_and_the_metrics(metrics_daemon, traffic):
     for _ in range(3):
         traffic.train_pass()
-    traffic.store._reporter.send()
-    sent = traffic.store._metrics_report().training  # exactly what the worker reported
+    traffic.store.reports.send()
+    sent = traffic.store.reports.report().training  # exactly what the worker reported
     assert sent.tokens_per_second > 0 and sent.seconds_per_step > 0
 
     node = get(metrics_daemon.url, "/api/v1/node")
@@ -181,7 +181,7 @@ def test_a_jobs_step_loss_pace_and_eta_reach_the_json_and_the_metrics(metrics_da
 
     # The sampler keeps the loss at each step it sees, for the dashboard's sparkline.
     traffic.train_pass()
-    traffic.store._reporter.send()
+    traffic.store.reports.send()
     history = wait_for(lambda: (h := get(metrics_daemon.url, "/api/v1/node")["training"][0]
                                 ["loss_history"]) and h[-1][0] == 4 and h,
                        what="the loss at step 4 in the job's history")
@@ -197,13 +197,13 @@ def test_the_ranks_of_a_job_are_one_job(metrics_daemon):
     try:
         for rank, loss in zip(ranks, (2.0, 3.0)):
             rank.reports.training(7, loss, 100, learning_rate=0.01)
-            rank._reporter.send()
+            rank.reports.send()
         [job] = get(metrics_daemon.url, "/api/v1/node")["training"]
         assert (job["job"], job["workers"], job["step"], job["loss"], job["loss_workers"]) == \
             ("ranked", 2, 7, 2.5, 2)
         assert job["tokens"] == 200 and job["total_steps"] is None and job["eta_seconds"] is None
         ranks[1].reports.training(8, 1.0, 100, learning_rate=0.01)
-        ranks[1]._reporter.send()
+        ranks[1].reports.send()
         [job] = get(metrics_daemon.url, "/api/v1/node")["training"]
         assert (job["step"], job["loss"], job["loss_workers"]) == (8, 1.0, 1)  # rank 0 is behind
     finally:
@@ -214,20 +214,20 @@ def test_the_ranks_of_a_job_are_one_job(metrics_daemon):
 def test_a_non_finite_loss_is_shown_not_finite_and_exported_as_nan(metrics_daemon, traffic):
     traffic.one_pass()
     traffic.store.reports.training(1, float("inf"), 10)
-    traffic.store._reporter.send()
+    traffic.store.reports.send()
     [job] = get(metrics_daemon.url, "/api/v1/node")["training"]
     assert job["loss"] is None and job["loss_finite"] is False and job["loss_workers"] == 1
     values = samples(get(metrics_daemon.url, "/metrics", parse=False))
     assert math.isnan(values[(mc.TRAINING_LOSS.name, (("job", "metrics-test"),))])
 
 
-def test_a_store_without_metrics_takes_training_figures_and_sends_nothing(metrics_daemon):
+def test_a_store_without_metrics_reports_nothing(metrics_daemon):
     from tierstack.worker.store.layer_store import LayerStore
 
     store = LayerStore("quiet", device="cpu", device_budget=1 << 20, address=metrics_daemon.address,
                        durable=False, metrics=False)
     try:
-        store.reports.training(1, 1.0, 10)
+        assert store.reports is None  # a job's steps go nowhere (worker/job.py checks)
     finally:
         store.close()
     assert get(metrics_daemon.url, "/api/v1/node")["training"] == []
@@ -243,7 +243,7 @@ def report(worker_id: str, device: str, **training) -> pb.WorkerReport:
 def test_a_cpu_only_node_has_no_device_link_until_a_worker_on_a_device_reports(metrics_daemon, traffic):
     for _ in range(2):
         traffic.one_pass()
-    traffic.store._reporter.send()
+    traffic.store.reports.send()
     node = get(metrics_daemon.url, "/api/v1/node")
     # This machine's workers run on the CPU: they read the pool in place, through no link.
     assert node["links_present"] == ["nvme->cpu", "cpu->nvme"]
@@ -297,7 +297,7 @@ def test_a_job_whose_ranks_report_to_two_nodes_is_one_job_in_the_cluster_view(
                                     address=address, durable=False))
         for rank, loss in zip(ranks, (1.0, 3.0)):
             rank.reports.training(5, loss, 64, learning_rate=0.5, total_steps=10)
-            rank._reporter.send()
+            rank.reports.send()
         # Each node sees its own rank; the cluster view (read over HTTP) sees the job.
         assert [j["loss"] for j in get(url, "/api/v1/node")["training"]] == [3.0]
 

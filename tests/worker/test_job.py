@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tierstack
+from tests.metrics.conftest import get, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, DIM, LAYERS, ROWS, SEQ = 64, 32, 4, 4, 8
@@ -77,7 +78,7 @@ def _runs(state: Path) -> list[dict]:
 def test_initialize_follows_the_plans_of_the_scheduler_started_with_its_services(alone):
     torch.manual_seed(0)
     engine, _, _, _ = tierstack.initialize(model=Net(), config=_config(alone / "nvme"),
-                                           job="plans-initialize")
+                                           job="plans-initialize", total_steps=STEPS)
     try:
         g = torch.Generator().manual_seed(1)
         for _ in range(STEPS):
@@ -85,6 +86,15 @@ def test_initialize_follows_the_plans_of_the_scheduler_started_with_its_services
             loss = F.cross_entropy(engine(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
             engine.backward(loss)
             engine.step()
+        # The node's training view has the script's own loss of the last step, its tokens
+        # and learning rate (the store reports once a second: wait for the last step).
+        url = engine.core.store.reports.dashboard_url()
+        (view,) = wait_for(lambda: [j for j in get(url, "/api/v1/node")["training"]
+                                    if j["job"] == "plans-initialize" and j["step"] == STEPS],
+                           what="the last step in the node's training view")
+        assert view["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        assert view["total_steps"] == STEPS and view["tokens"] == STEPS * ROWS * SEQ
+        assert view["learning_rate"] == pytest.approx(1e-3)
         job = engine._job
         assert job.services.started and job.services.scheduler  # started beside the tier manager
         plan = job.plan
@@ -127,6 +137,7 @@ def test_the_trainer_follows_the_schedulers_plans(alone):
 LAUNCHED = """
 import json, sys, torch, torch.nn.functional as F
 import tierstack
+from tests.metrics.conftest import get, wait_for
 sys.path.insert(0, {tests!r})
 from test_job import Net, _config, VOCAB, ROWS, SEQ, STEPS
 torch.manual_seed(0)

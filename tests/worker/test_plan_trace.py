@@ -38,10 +38,12 @@ def _traced_step(daemon, scheduler, job: str, hbm: int, **train):
     placement, the optimizer's per-block seconds)."""
     torch.manual_seed(0)
     model = TinyGPT(dim=64, layers=LAYERS)
+    train_config = _train_config(**train)
+    from_masters = train_config.params.weights_from_masters == "on"  # the store's setting
     store = LayerStore(job, device="cpu", device_budget=64 << 20, address=daemon.address,
-                       durable=False)
+                       durable=False, from_masters=from_masters)
     try:
-        engine = OffloadEngine(model, store, _train_config(**train),
+        engine = OffloadEngine(model, store, train_config,
                                            budgets=Budgets(hbm=hbm, host=8 << 30, nvme=8 << 30))
         follower = PlanFollower(store, scheduler.address, node_id="trace-node")
         (x0, y0), (x1, y1) = _data(3, 2)

@@ -25,7 +25,8 @@ from tierstack.errors import ConfigError, KeyNotFoundError
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.worker.engine.checkpoint import load_checkpoint, save_checkpoint
 from tierstack.config import BudgetsConfig
-from tierstack.worker.engine.offload_engine import OffloadEngine, host_state_bytes, job_budgets, weights_from_masters
+from tierstack.worker.engine.offload_engine import (OffloadEngine, decide_weights_from_masters,
+                                                    host_state_bytes, job_budgets, weights_from_masters)
 from tierstack.worker.store.layer_store import LayerStore
 from tierstack.worker.engine.sharded_engine import ShardedEngine
 
@@ -98,8 +99,11 @@ def _run(address: str, setting: str, steps: int = 4, job: str | None = None,
     model = TinyGPT(dim=128, heads=4, layers=LAYERS)
     numel = sum(p.numel() for p in model.blocks.parameters())
     client = TierManagerClient(address, reconnect_timeout=10)
+    # The store's setting, decided as worker/job.py decides it for every door.
+    from_masters = decide_weights_from_masters(model, "blocks", _train(setting),
+                                               client.node().cpu_capacity)
     store = LayerStore(job or f"wfm-{uuid.uuid4().hex[:8]}", device=device, device_budget=64 << 20,
-                       address=address, durable=False)
+                       address=address, durable=False, from_masters=from_masters)
     try:
         budgets = job_budgets(BudgetsConfig(), store).with_(hbm=0)
         engine = OffloadEngine(model, store, _train(setting), budgets)
@@ -224,7 +228,7 @@ def test_checkpoint_resume_eval_attach_and_the_device_budget(daemon, tmp_path):
     for half in range(2):
         torch.manual_seed(0)
         store = LayerStore(job if half == 0 else job + "-b", device="cpu", device_budget=64 << 20,
-                           address=daemon.address, durable=False)
+                           address=daemon.address, durable=False, from_masters=True)
         try:
             engine = OffloadEngine(TinyGPT(dim=128, heads=4, layers=LAYERS), store, _train("on"))
             try:
@@ -240,7 +244,7 @@ def test_checkpoint_resume_eval_attach_and_the_device_budget(daemon, tmp_path):
                 masters = store.read_layer(0, "master")
                 assert all(torch.equal(t, masters[f"{n}.master"].to(torch.bfloat16))
                            for n, t in weights.items())
-                staging = store.staging_nbytes(0)
+                staging = store.loader.staging_nbytes(0)
                 assert staging == 2 * store.layouts[0].nbytes  # fp32 masters of bf16 weights
                 assert store.layer_nbytes(0) == store.layouts[0].nbytes + staging
                 assert store.layer_nbytes(0) <= store.figures().device_peak <= store.figures().device_capacity

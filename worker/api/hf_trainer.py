@@ -123,9 +123,10 @@ class Trainer(transformers.Trainer):
 
     # ---- the engine -------------------------------------------------------------------------
 
-    def _training_engine(self) -> TrainingEngine:
+    def _training_engine(self, total_steps: int | None = None) -> TrainingEngine:
         """The engine, made at the first need: the model's state goes to the tiers, with the
-        Trainer's optimizer (or the JSON's) and the run's config."""
+        Trainer's optimizer (or the JSON's) and the run's config; `total_steps`: the run's
+        max_steps where train() made it (the dashboard's ETA)."""
         if self._engine is not None:
             return self._engine
         config = engine_config(self.args, self._deepspeed, self.model)
@@ -133,7 +134,8 @@ class Trainer(transformers.Trainer):
         if optimizer is None and not has_optimizer(self._deepspeed):
             optimizer = self.create_optimizer()  # HF's AdamW: no decay on biases and norms
         self._parameter_count = _parameter_count(self.model)  # before its blocks leave it
-        engine, _, _, _ = initialize(model=self.model, optimizer=optimizer, config=config)
+        engine, _, _, _ = initialize(model=self.model, optimizer=optimizer, config=config,
+                                     total_steps=total_steps)
         self._engine = engine
         # Closed at Trainer.end(), when the Trainer is collected, or at the interpreter's
         # exit: a finalizer holds the engine, not the Trainer.
@@ -186,7 +188,7 @@ class Trainer(transformers.Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """transformers' set-up before the loop, with the engine in place of the wrapped
         model and its optimizer (as DeepSpeed's under the Trainer)."""
-        engine = self._training_engine()
+        engine = self._training_engine(max_steps if max_steps and max_steps > 0 else None)
         self._schedule(max_steps)
         if resume_from_checkpoint is not None:
             self._load_optimizer_and_scheduler(resume_from_checkpoint)

@@ -46,7 +46,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                dist_init_required: bool | None = None, collate_fn: Callable | None = None,
                config: Any = None, mesh_param: Any = None, config_params: Any = None, *,
                blocks_attr: str | None = None, tier_manager: str | None = None,
-               job: str | None = None) -> tuple[TrainingEngine, Any, Any, Any]:
+               job: str | None = None, total_steps: int | None = None
+               ) -> tuple[TrainingEngine, Any, Any, Any]:
     """(engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize.
 
     `config` (or `config_params`, or `args.deepspeed_config`): a DeepSpeed or tierstack
@@ -58,7 +59,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     `training_data`: a dataset, batched by the micro-batch size (shuffled, `collate_fn`).
     tierstack's own: `blocks_attr` (the ModuleList of blocks to offload; default the one
     with the most parameters), `tier_manager` (a running daemon's address), `job` (the
-    job's name on the node; default $TIERSTACK_JOB, else the script's name and pid).
+    job's name on the node; default $TIERSTACK_JOB, else the script's name and pid),
+    `total_steps` (the run's optimizer steps, for the dashboard's ETA; default the config
+    schedule's total_num_steps, where it has one).
     """
     del distributed_port, dist_init_required, mesh_param  # ranks join as torchrun's variables say
     if mpu is not None:
@@ -78,9 +81,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if ranks is not None:
         _join_ranks(ranks, device)
     # Each rank of a partitioned job keeps 1/N of every block (worker/store/sharded_store.py).
+    if total_steps is None:
+        total_steps = train.lr_schedule.params.get("total_num_steps")
     built = open_job(JobSpec(job, settings, model, blocks_attr, device, param_groups=groups,
                              partitioned=ranks is not None, tier_manager=tier_manager or "",
-                             tier_manager_setting="initialize(tier_manager=)"))
+                             tier_manager_setting="initialize(tier_manager=)",
+                             total_steps=int(total_steps) if total_steps else None))
     def schedule(optimizer: torch.optim.Optimizer):
         """The schedule over the engine's optimizer: the caller's, made by the caller's
         callable, or the config's `scheduler` section."""

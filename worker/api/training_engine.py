@@ -117,6 +117,10 @@ class TrainingEngine(torch.nn.Module):
         self._close_job = job.close_with(self)
         self._closed = False
         self._last_step_end: float | None = None  # monotonic seconds, for the plans' step times
+        # The window's losses as the script computed them (each its share of the step's loss)
+        # and tokens, for the node's dashboard.
+        self._window_losses: list[torch.Tensor] = []
+        self._window_tokens = 0
 
     # ---- what DeepSpeed's engine tells ------------------------------------------------------
 
@@ -206,6 +210,8 @@ class TrainingEngine(torch.nn.Module):
             kwargs = _without_cache(self.module, kwargs)
             if self.module.training and self.core.placement_pending:
                 self.core.place_with(lambda: _probe_loss(self.module(*args, **kwargs)))
+            if self.module.training:
+                self._window_tokens += _tokens(args, kwargs)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -223,6 +229,10 @@ class TrainingEngine(torch.nn.Module):
         scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
+        # The step's loss is the window's shares added up: a script's own mean over its
+        # micro-batches (DeepSpeed divides each by the accumulation steps, as above), or the
+        # Trainer's, whose losses come divided already (scale_wrt_gas False).
+        self._window_losses.append(scaled.detach())
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         self.core.backward(scaled, boundary=self.is_gradient_accumulation_boundary())
@@ -243,11 +253,15 @@ class TrainingEngine(torch.nn.Module):
 
     def _step_ended(self) -> None:
         """An optimizer step ended: its time (since the last one ended, the caller's loop
-        included, as a plan's step is) goes to the job's plans and the node's dashboard."""
+        included, as a plan's step is) goes to the job's plans, and it with its loss,
+        tokens and learning rate to the node's dashboard."""
         now = time.monotonic()
-        if self._last_step_end is not None:
-            self._job.step_done(now - self._last_step_end)
-        self._last_step_end = now
+        losses, self._window_losses = self._window_losses, []
+        tokens, self._window_tokens = self._window_tokens, 0
+        loss = float(torch.stack(losses).sum()) if losses else None
+        seconds = None if self._last_step_end is None else now - self._last_step_end
+        self._job.step_done(self.global_steps, seconds, loss, tokens, self.get_lr()[0])
+        self._last_step_end = time.monotonic()
 
     def _step_schedule(self, lr_kwargs: dict) -> None:
         """The LR schedule's step. A torch scheduler built on the caller's own optimizer
@@ -430,6 +444,17 @@ def _tensors(value: Any):
     elif isinstance(value, (tuple, list)):
         for v in value:
             yield from _tensors(v)
+
+
+def _tokens(args: tuple, kwargs: dict) -> int:
+    """Tokens in a forward's input: the first integer tensor's elements (token ids: input_ids
+    or the first argument), else the first tensor's rows."""
+    tensors = [a for a in (*args, kwargs.get("input_ids"), *kwargs.values())
+               if isinstance(a, torch.Tensor)]
+    for t in tensors:
+        if not t.is_floating_point() and not t.is_complex() and t.dim() > 0:
+            return t.numel()
+    return tensors[0].shape[0] if tensors and tensors[0].dim() > 0 else 0
 
 
 def _describe(value: Any) -> str:

@@ -256,8 +256,10 @@ def _train(env: RankEnv, spec: PartitionedSpec, job: Job) -> RankResult:
         save_checkpoint(engine, spec.checkpoint_dir, extra={"step": step, **_signature(spec)})
 
     def on_step(record) -> None:
-        job.step_done(record.seconds)
         done = start + record.index + 1
+        job.step_done(done, record.seconds, record.loss,
+                      spec.global_batch * spec.gpt.seq_len // env.world_size,
+                      engine.param_groups[0]["lr"])
         if spec.checkpoint_dir and spec.checkpoint_every and done % spec.checkpoint_every == 0 \
                 and done < spec.steps:
             save(done)

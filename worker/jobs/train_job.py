@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from tierstack.config import MiB, TierstackConfig, load_config
+from tierstack.config import AUTO_SIZE, MiB, TierstackConfig, load_config
 from tierstack.lr_schedules import build_schedule, schedule_for_cli
 from tierstack.errors import ConfigError
 from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
@@ -164,11 +164,17 @@ def _run(args: argparse.Namespace, config: TierstackConfig, device: torch.device
         try:
             micro = f" in {accumulation} micro-batches" if accumulation > 1 else ""
             budget = built.store.figures().device_capacity
+            services, tm = built.services, config.tier_manager
+            cpu_pool = args.cpu_pool_size if args.cpu_pool_size is not None else tm.cpu_pool.size
+            where = (f"CPU pool {_cap(cpu_pool)} -> NVMe {_cap(tm.nvme_pool.size)} at "
+                     f"{', '.join(services.nvme_directories)}" if services.started else
+                     f"tier manager at {services.tier_manager}")
+            plans = (f"plans from the scheduler at {services.scheduler}" if services.scheduler
+                     else "no scheduler")
             progress.say(f"tierstack train: {job.description} on {device}, batch {args.batch_size}"
                          f"{micro}, {'data ' + args.data if args.data else 'the standard library sources'}"
                          f" as {'tokens' if job.tokenizer else 'bytes'}; block state "
-                         f"{_mib(state_bytes)} vs device budget {_mib(budget)}; "
-                         f"{built.services.describe()}")
+                         f"{_mib(state_bytes)} vs device budget {_mib(budget)} and {where}; {plans}")
             return _train(args, job, built, data, config, progress, stop)
         finally:
             built.close()
@@ -179,6 +185,11 @@ def _run(args: argparse.Namespace, config: TierstackConfig, device: torch.device
 def _volume(nbytes: int) -> str:
     """Bytes moved: GB, or MB below one GB (a short run's traffic is not '0.00 GB')."""
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _cap(size: int | str) -> str:
+    """A pool cap as the config states it: bytes, or 'auto' (the machine's budget)."""
+    return "up to the machine's budget" if size == AUTO_SIZE else f"up to {_mib(size)}"
 
 
 def _mib(nbytes: int) -> str:
@@ -227,7 +238,8 @@ def _train(args, job: Job, built: BuiltJob, data: corpus.ByteBatches, config: Ti
     said = [0]  # the last plan version the progress named
 
     def report(step: StepRecord) -> None:
-        built.step_done(step.seconds)
+        built.step_done(start + step.index + 1, step.seconds, step.loss,
+                        args.batch_size * args.seq_len, engine.param_groups[0]["lr"])
         plan = built.plan
         if plan is not None and plan.version != said[0]:
             said[0] = plan.version

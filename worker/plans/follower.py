@@ -216,11 +216,13 @@ class PlanFollower:
         """Send the recorded trace; adopt the plan it returns and follow newer ones."""
         self._trace = self.trace(nodes, tier_overrides, optimizer_seconds)
         plan = self.client.report_trace(self._trace)
-        self._adopt(plan)
         if self.watcher is None:
             self.watcher = PlanWatcher(self.client, self.store.job, self._adopt, self._reconnected)
-            self.watcher.plan = plan
+            self.watcher.offer(plan)
+            self._adopt(plan)
             self.watcher.start()
+        elif self.watcher.offer(plan):  # not if the stream brought this version first
+            self._adopt(plan)
         return plan
 
     def _reconnected(self) -> None:

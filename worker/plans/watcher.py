@@ -46,6 +46,17 @@ class PlanWatcher:
         with self._lock:
             return self.plan.version if self.plan else 0
 
+    def offer(self, plan: Plan) -> bool:
+        """Take `plan` if it is newer than the current one (from the stream, or the answer
+        to a trace the worker reported); whether it was. Each version is taken once, so its
+        callback runs once, whichever way it came first."""
+        with self._new:
+            if self.plan is not None and plan.version <= self.plan.version:
+                return False
+            self.plan = plan
+            self._new.notify_all()
+            return True
+
     def restart_versions(self, plan: Plan) -> None:
         """Take `plan` as current although its version is lower (a restarted scheduler)."""
         with self._new:
@@ -72,11 +83,8 @@ class PlanWatcher:
             try:
                 self._call = self.client.watch_plans(self.job, self.version)
                 for plan in self._call:
-                    with self._new:
-                        if self.plan is not None and plan.version <= self.plan.version:
-                            continue
-                        self.plan = plan
-                        self._new.notify_all()
+                    if not self.offer(plan):
+                        continue
                     if self.on_plan is not None:
                         try:
                             self.on_plan(plan)

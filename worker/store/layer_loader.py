@@ -50,21 +50,23 @@ class LayerLoader:
     """Loads one store's layers onto its device (the residency core's `LayerSource`)."""
 
     def __init__(self, device: torch.device, session: TierSession, catalog: StateCatalog,
-                 key: Callable[[int, str], str], from_masters: bool,
+                 key: Callable[[int, str], str], from_masters: Callable[[], bool],
                  metrics: WorkerMetrics | None) -> None:
+        """`from_masters()`: whether the store's weights are made from masters now (a store
+        that attaches to a job takes the job's setting)."""
         self.device = device
         self.cuda = device.type == "cuda"
         self._session = session
         self._catalog = catalog
         self._key = key
-        self._from_masters = from_masters
+        self._made_from_masters = from_masters
         self._metrics = metrics
         self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._threads = ThreadPoolExecutor(2, thread_name_prefix="tierstack-load")
 
     def load_key(self, index: int) -> str:
         """The key a load of layer `index` reads: its parameters, or its masters."""
-        return self._key(index, "master" if self._from_masters else "params")
+        return self._key(index, "master" if self._made_from_masters() else "params")
 
     # ---- LayerSource -------------------------------------------------------------------------
 
@@ -79,10 +81,10 @@ class LayerLoader:
     def staging_nbytes(self, index: int) -> int:
         """Bytes of the fp32 masters a load of layer `index` stages on the device (0
         where its weights are stored)."""
-        return self._catalog.layout_of(index, "master").nbytes if self._from_masters else 0
+        return self._catalog.layout_of(index, "master").nbytes if self._made_from_masters() else 0
 
     def allocate(self, index: int, copy: DeviceCopy) -> None:
-        if not self.cuda and not self._from_masters:  # views of the CPU pool, made when pinned
+        if not self.cuda and not self._made_from_masters():  # views of the CPU pool, made when pinned
             return
         layout = self._catalog.layouts[index]  # the staging buffer is the loader's, for the copy
         copy.buffer = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
@@ -91,7 +93,7 @@ class LayerLoader:
     def fill(self, index: int, copy: DeviceCopy, allocated) -> None:
         self._session.hint(self.load_key(index))  # the daemon reads NVMe while the loader starts
         if not self.cuda:
-            view = self._round_on_cpu if self._from_masters else self._pin_view
+            view = self._round_on_cpu if self._made_from_masters() else self._pin_view
             copy.deferred = lambda: view(index, copy)
             return
         self._threads.submit(self._load, index, copy, allocated)
@@ -166,7 +168,7 @@ class LayerLoader:
                 src = arenas.view(res.arena, res.offset, nbytes)
                 with torch.cuda.stream(self._copy_stream):
                     self._copy_stream.wait_event(allocated)
-                    if self._from_masters:
+                    if self._made_from_masters():
                         # fp32 over PCIe into a staging buffer (reserved with the layer in
                         # the budget), rounded into the weights on the copy stream; freed
                         # for reuse once the stream has passed the rounding.

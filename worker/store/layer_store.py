@@ -103,8 +103,8 @@ class LayerStore(ClosedOnExit):
         self.layouts = self.catalog.layouts  # the same list, filled by register_layers / attach
         # Bytes moved and waits, reported to the node's tier manager (worker_metrics.py).
         self.metrics = WorkerMetrics() if metrics else None
-        self.loader = LayerLoader(self.device, self.session, self.catalog, self.key, from_masters,
-                                  self.metrics)
+        self.loader = LayerLoader(self.device, self.session, self.catalog, self.key,
+                                  lambda: self.from_masters, self.metrics)
         self.residency = DeviceResidency(self.device, device_budget, self.loader)
         self.depths = PrefetchDepths()
         # Where the daemon keeps each layer's state between uses: layer -> placement
@@ -219,14 +219,10 @@ class LayerStore(ClosedOnExit):
         self.session.client.set_access_order([self.loader.load_key(i) for i in layers])
 
     def attach(self) -> list[LayerLayout]:
-        """Load the layouts of a job another worker (or an earlier run) registered; the
-        store must have been made with the `from_masters` the job was registered with."""
+        """Load the layouts of a job another worker (or an earlier run) registered, and
+        whether its weights are made from masters (the job's setting is the store's now)."""
         meta = self.session.read_block(f"{self.job}/meta").view(torch.int64)
-        registered = len(meta) > 1 and bool(meta[1])  # a job registered before: one entry
-        if registered != self.from_masters:
-            raise InvalidArgumentError(
-                f"job {self.job} was registered with from_masters={registered}; attach to it "
-                f"with a LayerStore made with from_masters={registered}")
+        self.from_masters = len(meta) > 1 and bool(meta[1])  # a job registered before: one entry
         self.catalog.layouts[:] = [
             LayerLayout.from_json(bytes(self.session.read_block(self.key(i, "layout")).numpy()))
             for i in range(int(meta[0]))]

@@ -15,6 +15,7 @@ the job's tensors after a grace period, unless the job was opened with `keep`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,9 @@ from tierstack.worker.node.daemon_address import check_reachable
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+CLOSE_WAIT_SECONDS = 120.0
+"""How long close() waits for operations on the arenas (a write of a large block) to end."""
 
 
 class StaleArenas(Exception):
@@ -68,6 +72,12 @@ class TierSession:
         # the caller ~0.2 ms, and a future-style call far more (it starts a thread per call).
         self._hinter = ThreadPoolExecutor(1, thread_name_prefix="tierstack-hint")
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="tierstack-release")
+        # Operations reading or writing the mapped arenas right now: close() unmaps them
+        # only after the last one (a gradient write behind the backward, on its own thread,
+        # wrote into an unmapped arena and took the process down with SIGSEGV).
+        self._in_flight = 0
+        self._closing = False
+        self._quiet = threading.Condition()
         self.connect()
 
     @property
@@ -97,7 +107,8 @@ class TierSession:
         for attempt in range(attempts):
             arenas = self._arenas if attempt == 0 and self._arenas is not None else self.connect()
             try:
-                return op(arenas)
+                with self._mapped(what):
+                    return op(arenas)
             except StaleArenas:
                 if attempt + 1 == attempts:
                     raise TierManagerUnavailableError(
@@ -110,6 +121,20 @@ class TierSession:
                     raise
                 log.warning("%s interrupted by a tier-manager restart (%s); redoing it", what, e)
         raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _mapped(self, what: str):
+        """The arenas stay mapped for the body (close waits for it); refused once closing."""
+        with self._quiet:
+            if self._closing:
+                raise TierManagerUnavailableError(f"{what}: the store was closed; make a new one")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._quiet:
+                self._in_flight -= 1
+                self._quiet.notify_all()
 
     # ---- blocks ----------------------------------------------------------------------------
 
@@ -221,7 +246,12 @@ class TierSession:
         the channel (which ends the session: the daemon frees what it still holds)."""
         self._hinter.shutdown(wait=True)
         self._releaser.shutdown(wait=True)
-        if self._arenas is not None:
+        with self._quiet:
+            self._closing = True
+            if not self._quiet.wait_for(lambda: self._in_flight == 0, timeout=CLOSE_WAIT_SECONDS):
+                log.warning("closing the tier session with %d operations still on the arenas "
+                            "after %.0f s; they will fail", self._in_flight, CLOSE_WAIT_SECONDS)
+        if self._arenas is not None and self._in_flight == 0:
             self._arenas.close()
         if self.job:
             try:

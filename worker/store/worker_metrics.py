@@ -190,7 +190,7 @@ class WorkerReports:
         self._figures, self._loading = figures, loading
         # The training loop's last step and its plan's prediction, for the node's dashboard.
         self.step_seconds = self.predicted_step_seconds = 0.0
-        self._reporter = WorkerReporter(client, self._report)
+        self._reporter = WorkerReporter(client, self.report)
 
     def step(self, seconds: float, predicted_seconds: float = 0.0) -> None:
         """A training step's measured time and the scheduler plan's prediction of it (0:
@@ -203,12 +203,17 @@ class WorkerReports:
         the next report: the node's dashboard shows them per job."""
         self.metrics.training_step(step, loss, tokens, learning_rate, total_steps)
 
-    def _report(self) -> WorkerReport:
+    def report(self) -> WorkerReport:
+        """The report the next send carries: the counters and figures now."""
         f = self._figures()
         return self.metrics.report(self.worker_id, self.job, self.device, f.stall_seconds,
                                    f.device_used, f.device_capacity, self._loading(),
                                    f.prefetch_depth, f.plan_version, self.predicted_step_seconds,
                                    self.step_seconds)
+
+    def send(self) -> bool:
+        """Report now, not at the next interval; False when the daemon takes no reports."""
+        return self._reporter.send()
 
     def dashboard_url(self) -> str:
         """The node's dashboard and HTTP API URL, or '' when it serves none."""
