@@ -476,15 +476,99 @@ def test_a_terminal_gets_a_progress_bar_with_an_eta():
     assert "cpu->dev 4.00" in text and "stall 50%" in text
 
 
-def test_jobs_lists_a_nodes_jobs_and_deletes_one(daemon, capsys):
+def _left_behind(tmp_path: Path, job: str, pid: int) -> str:
+    """A run index entry (under $XDG_STATE_HOME, which the caller points at tmp_path/state)
+    for run `pid` with a directory holding 1 MiB: what a run killed before it cleaned up
+    leaves when `pid` is a process that is gone. Returns the directory."""
+    from tierstack.run_index import RunRecord, new_index_file, write_record
+
+    directory = tmp_path / "nvme" / f"{job}-{pid}"
+    directory.mkdir(parents=True)
+    (directory / "pool.0").write_bytes(b"x" * (1 << 20))
+    record = RunRecord(job, pid, socket.gethostname(), time.time() - 120, [str(directory)])
+    write_record(new_index_file(record), record)
+    return str(directory)
+
+
+def _gone_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # reaped: nothing has this pid now
+    return proc.pid
+
+
+def test_jobs_with_no_tier_manager_makes_no_call_and_lists_the_runs_left_behind(capsys, tmp_path,
+                                                                               monkeypatch):
+    """`tierstack jobs` with no daemon used to wait out the client's 10 s deadline and end in
+    DEADLINE_EXCEEDED. A unix socket that is not there, or that nothing listens on (a
+    killed daemon's), is now told without a gRPC client being made at all, so no call can
+    wait; the runs killed runs left are listed as `tierstack doctor` lists them, and
+    `jobs --clean` removes them, with no daemon either."""
+    from tierstack.rpc import RpcClient
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    dead = _left_behind(tmp_path, "dead-job", _gone_pid())
+    _left_behind(tmp_path, "live-job", os.getpid())
+
+    def no_client(*args, **kwargs):
+        raise AssertionError("a gRPC client was made: its first call would wait for a daemon")
+
+    monkeypatch.setattr(RpcClient, "__init__", no_client)
+    missing = tmp_path / "tm.sock"
+    stale = tmp_path / "stale.sock"
+    killed = socket.socket(socket.AF_UNIX)
+    killed.bind(str(stale))  # bound, never listening: what a SIGKILLed daemon leaves
+    try:
+        for address, why in ((f"unix:{missing}", f"{missing} does not exist"),
+                             (str(stale), f"nothing listens on {stale}")):
+            monkeypatch.setenv("TIERSTACK_TIER_MANAGER", address)
+            code, out, err = _main(capsys, "jobs")
+            assert code == 0 and err == "", err
+            first, left, *runs = out.splitlines()
+            assert first.startswith(f"no tier manager at {address} ({why}") and \
+                "start one with `tierstack tier-manager`" in first, first
+            assert "runs left behind: 1 run(s)" in left and "`tierstack jobs --clean`" in left, left
+            assert len(runs) == 1 and "job dead-job (pid" in runs[0] and "2 min ago" in runs[0] \
+                and dead in runs[0] and "0.00 GiB" in runs[0], runs
+
+            line = _one_line_error(capsys, "jobs", "--delete", "dead-job")
+            assert line.startswith(f"tierstack: no tier manager at {address} ({why}") and \
+                "start it (`tierstack tier-manager`)" in line, line
+    finally:
+        killed.close()
+    code, out, _ = _main(capsys, "jobs", "--clean")
+    assert code == 0 and f"job dead-job (pid " in out and f"removed {dead}" in out, out
+    assert not Path(dead).exists()
+    code, out, _ = _main(capsys, "jobs")
+    assert code == 0 and out.splitlines()[1] == "runs left behind: none", out
+
+
+def test_jobs_with_no_tier_manager_on_tcp_says_so_after_a_short_connect(capsys, tmp_path, monkeypatch):
+    """A TCP address gets JOBS_REACH_SECONDS to connect, not the 10 s of a call."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    code, out, _ = _main(capsys, "jobs", "--tier-manager", address)
+    assert code == 0 and out.startswith(
+        f"no tier manager at {address} (nothing answered within {cli.JOBS_REACH_SECONDS:g} s"), out
+    assert out.splitlines()[-1] == "runs left behind: none"
+
+
+def test_jobs_lists_a_nodes_jobs_and_deletes_one(daemon, capsys, tmp_path, monkeypatch):
     from tierstack.services.tier_manager.client import TierManagerClient
 
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    dead = _left_behind(tmp_path, "killed-run", _gone_pid())
     worker = TierManagerClient(daemon.address, reconnect_timeout=10)
     worker.open_job("pretrain", keep=True)
     worker.open_job("sweep-3", quota_bytes=64 << 20)
     assert cli.main(["jobs", "--tier-manager", daemon.address]) == 0
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in out[1:]}
     assert "kept" in rows["pretrain"] and "open" in rows["sweep-3"] and "quota 64 MiB" in rows["sweep-3"]
+    # The daemon's jobs, then what killed runs left on this machine's disks.
+    assert out[-2].startswith("runs left behind: 1 run(s)") and "job killed-run" in out[-1] \
+        and dead in out[-1], out
     assert cli.main(["jobs", "--tier-manager", daemon.address, "--delete", "pretrain", "--force"]) == 0
     assert "job pretrain: 0 tensors deleted" in capsys.readouterr().out
     worker.close()
