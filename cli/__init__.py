@@ -375,8 +375,23 @@ def _doc(module: str) -> str:
     return doc.split("\n\n")[0].replace("\n", " ")
 
 
+def whole_lines() -> None:
+    """Make each line leave this process's stdout and stderr in one write.
+
+    Under PYTHONUNBUFFERED (python -u, and many CI and container set-ups) print() writes
+    its text and then its newline, two writes; a log line another thread wrote between
+    them (the plan watcher's) landed inside the printed line when both streams share a pipe
+    (`tierstack train 2>&1 | cat`: "...; trace)INFO ...: plan v2 ...", then an empty line).
+    Line buffering without write-through still sends every line out as soon as it ends.
+    Streams that are not the interpreter's own (a test's capture) are left as they are."""
+    for stream, own in ((sys.stdout, sys.__stdout__), (sys.stderr, sys.__stderr__)):
+        if stream is own and stream is not None and getattr(stream, "write_through", False):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    whole_lines()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

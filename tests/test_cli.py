@@ -260,6 +260,28 @@ def test_a_tier_manager_that_is_not_there_fails_within_two_seconds(capsys, tmp_p
         dead.close()
 
 
+def test_a_printed_line_and_another_threads_log_line_never_share_a_line_of_a_pipe():
+    """`tierstack train 2>&1 | cat` under PYTHONUNBUFFERED glued a plan line the job printed
+    to the plan watcher's log line (print's text and newline were two writes). The CLI's
+    whole_lines() sends each line in one write: none of thousands is glued."""
+    script = ("import logging, sys, threading\n"
+              "from tierstack.cli import whole_lines\n"
+              "whole_lines()\n"
+              "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(name)s: %(message)s')\n"
+              "log = logging.getLogger('watcher')\n"
+              "thread = threading.Thread(target=lambda: [log.info('plan v%d', i) for i in range(5000)])\n"
+              "thread.start()\n"
+              "for i in range(5000):\n"
+              "    print(f'scheduler plan v{i}', flush=True)\n"
+              "thread.join()\n")
+    out = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=120,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"}).stdout
+    lines = out.splitlines()
+    glued = [l for l in lines if not re.fullmatch(r"scheduler plan v\d+|INFO watcher: plan v\d+", l)]
+    assert len(lines) == 10000 and glued == [], glued[:5]
+
+
 def test_every_flag_of_every_command_has_help_and_the_top_says_what_tierstack_is():
     parser = cli.build_parser()
     assert "GPU HBM, CPU DRAM and NVMe" in parser.description
