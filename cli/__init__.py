@@ -145,32 +145,94 @@ def _plan(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+JOBS_REACH_SECONDS = 1.0
+"""How long `tierstack jobs` gives a TCP tier manager to accept a connection (a unix socket
+is answered at once: it is there and accepts, or not) before saying none is there, instead
+of the client's 10 s wait for a daemon that restarts."""
+
+
 def _jobs(args: argparse.Namespace) -> int:
-    """List the jobs a tier manager holds state for, or delete one's tensors."""
+    """List the jobs a tier manager holds state for and what killed runs left on the disks,
+    or delete one job's tensors, or remove what killed runs left (--clean).
+
+    Exit 0 whenever the listing was made, also with no tier manager there: none running is
+    an answer (no job is served here), said in one line. A tier manager that accepts but
+    fails the call, or --delete with none there, is an error (2)."""
     if args.clean:
         return _clean_dead_runs()
-    from tierstack.services.tier_manager.client import TierManagerClient
+    from tierstack.addresses import TIER_MANAGER_ENV, default_tier_manager_address
 
-    client = TierManagerClient(args.tier_manager, reconnect_timeout=10)
-    try:
+    address = args.tier_manager or default_tier_manager_address()
+    absent = _why_no_tier_manager(address)
+    if absent:
         if args.delete:
-            deleted = client.delete_job(args.delete, force=args.force)
-            print(f"job {args.delete}: {deleted} tensors deleted")
-            return 0
-        jobs = client.jobs()
-    finally:
-        client.close()
-    print(f"{'job':24} {'tensors':>8} {'MiB':>10} {'workers':>7}  state")
-    for j in jobs:
-        state = ("kept" if j.keep else "not managed (kept)" if not j.managed
-                 else "open" if j.workers else f"deleted in {j.delete_in_seconds:.0f} s")
-        quota = f", quota {j.quota_bytes / 2**20:.0f} MiB" if j.quota_bytes else ""
-        print(f"{j.job:24} {j.tensors:8d} {j.bytes / 2**20:10.1f} {j.workers:7d}  {state}{quota}")
+            from tierstack.errors import TierManagerUnavailableError
+
+            raise TierManagerUnavailableError(
+                f"no tier manager at {address} ({absent}): job {args.delete}'s tensors are "
+                f"deleted by the daemon that holds them; start it (`tierstack tier-manager`) "
+                f"or name it with --tier-manager ADDRESS")
+        print(f"no tier manager at {address} ({absent}); start one with `tierstack "
+              f"tier-manager`, or name yours with --tier-manager ADDRESS or ${TIER_MANAGER_ENV}")
+    else:
+        from tierstack.services.tier_manager.client import TierManagerClient
+
+        client = TierManagerClient(address, reconnect_timeout=10)
+        try:
+            if args.delete:
+                deleted = client.delete_job(args.delete, force=args.force)
+                print(f"job {args.delete}: {deleted} tensors deleted")
+                return 0
+            jobs = client.jobs()
+        finally:
+            client.close()
+        print(f"{'job':24} {'tensors':>8} {'MiB':>10} {'workers':>7}  state")
+        for j in jobs:
+            state = ("kept" if j.keep else "not managed (kept)" if not j.managed
+                     else "open" if j.workers else f"deleted in {j.delete_in_seconds:.0f} s")
+            quota = f", quota {j.quota_bytes / 2**20:.0f} MiB" if j.quota_bytes else ""
+            print(f"{j.job:24} {j.tensors:8d} {j.bytes / 2**20:10.1f} {j.workers:7d}  {state}{quota}")
+    _list_dead_runs()
     return 0
 
 
+def _why_no_tier_manager(address: str) -> str:
+    """Why no tier manager could answer at `address` now, '' when one listens: asked before
+    any call, which would wait its 10 s for a daemon that restarts. A unix socket is
+    looked at without importing gRPC (a third of a second of this command)."""
+    from tierstack.addresses import grpc_target, unix_socket_path, unix_socket_unserved
+
+    socket_path = unix_socket_path(grpc_target(address))
+    if socket_path is not None:
+        return unix_socket_unserved(socket_path, JOBS_REACH_SECONDS)
+    from tierstack.services.tier_manager.client import TierManagerClient
+
+    client = TierManagerClient(address)
+    try:
+        return client.why_not_listening(JOBS_REACH_SECONDS)
+    finally:
+        client.close()
+
+
+def _list_dead_runs() -> None:
+    """What killed runs left on this machine's disks (the run index `tierstack doctor`
+    reads), and how to remove it."""
+    from tierstack.run_index import dead_runs
+
+    dead = dead_runs()
+    if not dead:
+        print("runs left behind: none")
+        return
+    print(f"runs left behind: {len(dead)} run(s) ended without cleaning up their NVMe state "
+          f"(`tierstack jobs --clean` removes it):")
+    now = time.time()
+    for _, record in dead:
+        print(f"  {record.describe(now)}")
+
+
 def _clean_dead_runs() -> int:
-    """Remove what runs that were killed left on the disks (tierstack/run_index.py)."""
+    """Remove what runs that were killed left on the disks (tierstack/run_index.py); needs
+    no tier manager."""
     from tierstack.run_index import dead_runs, remove_dead_run
 
     dead = dead_runs()
@@ -253,11 +315,16 @@ def build_parser() -> argparse.ArgumentParser:
     _exit_with_parent_flag(sched)
     sched.set_defaults(func=_scheduler)
 
-    jobs = sub.add_parser("jobs", help="list the jobs a tier manager keeps state for, or delete one's",
+    jobs = sub.add_parser("jobs", help="list the jobs a tier manager keeps state for and the runs "
+                                       "left behind, or delete one's",
                           description="A job's tensors go when its last worker does, unless it "
-                                      "asked to keep them; this lists every job on the node and "
-                                      "deletes one's tensors on request. --clean removes what "
-                                      "killed runs left on the disks.")
+                                      "asked to keep them; this lists every job on the node (or "
+                                      "says at once that no tier manager is there) and what "
+                                      "killed runs left on the disks, and deletes one job's "
+                                      "tensors on request. --clean removes what killed runs "
+                                      "left; it needs no tier manager. Exit status 0 when the "
+                                      "list was made, with or without a tier manager; 2 when "
+                                      "one is there but fails, or --delete finds none.")
     jobs.add_argument("--tier-manager", metavar="ADDRESS",
                       help="the tier manager (default: $TIERSTACK_TIER_MANAGER or the per-user socket)")
     what = jobs.add_mutually_exclusive_group()
@@ -308,8 +375,23 @@ def _doc(module: str) -> str:
     return doc.split("\n\n")[0].replace("\n", " ")
 
 
+def whole_lines() -> None:
+    """Make each line leave this process's stdout and stderr in one write.
+
+    Under PYTHONUNBUFFERED (python -u, and many CI and container set-ups) print() writes
+    its text and then its newline, two writes; a log line another thread wrote between
+    them (the plan watcher's) landed inside the printed line when both streams share a pipe
+    (`tierstack train 2>&1 | cat`: "...; trace)INFO ...: plan v2 ...", then an empty line).
+    Line buffering without write-through still sends every line out as soon as it ends.
+    Streams that are not the interpreter's own (a test's capture) are left as they are."""
+    for stream, own in ((sys.stdout, sys.__stdout__), (sys.stderr, sys.__stderr__)):
+        if stream is own and stream is not None and getattr(stream, "write_through", False):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    whole_lines()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -28,9 +28,10 @@ from tierstack.service_process import ServiceProcess
 _USER_DIR_BEFORE: set[str] | None = None
 
 
-# Tests that time what they run (a plan's predicted step, latencies' p99) or start Ray
-# clusters, whose daemons want the machine's cores: `make test` runs them alone, after the
-# rest has run on every core (pytest-xdist). The marker is `serial`.
+# Tests that time what they run (a plan's predicted step, latencies against the same test's
+# baseline, a long run's memory sampled every 100 ms) or start Ray clusters, whose daemons
+# want the machine's cores: `make test` runs them alone, after the rest has run on every
+# core (pytest-xdist). The marker is `serial`.
 SERIAL = ("tests/deploy/test_ray_up.py", "tests/deploy/test_ray_auth.py",
           "tests/deploy/test_two_clusters.py", "tests/worker/test_ray_workers.py",
           "tests/worker/test_plan_band.py", "tests/worker/test_plan_keeper.py",

@@ -38,7 +38,9 @@ def test_a_long_run_stays_inside_the_host_budget_and_the_daemon_stays_flat(tmp_p
     assert result["footprint_over_budget"] <= 1.0, result
     assert result["daemon_threads_last"] == result["daemon_threads_first"], result
     assert result["daemon_rss_growth_pct"] < 1.0, result
-    assert result["pool_start_seconds"] < 2.0, result
+    # 64 GiB caps start as fast as 4 MiB ones, measured against them in the same run rather
+    # than the clock (issue 51): work that grows with the cap would be thousands of times.
+    assert result["pool_start_vs_4mib"] < 20, result
 
 
 def _memory_cgroup_dir() -> Path | None:

@@ -10,6 +10,8 @@ several "nodes", of one cluster or of several, can share one host.
 from __future__ import annotations
 
 import os
+import socket
+import stat
 from pathlib import Path
 
 from tierstack.errors import InvalidArgumentError
@@ -58,6 +60,35 @@ def unix_socket_path(target: str) -> Path | None:
     if target.startswith("unix:"):
         return Path(target[len("unix:"):])
     return None
+
+
+def unix_socket_unserved(path: Path, within: float) -> str:
+    """Why no service takes connections on the unix socket `path` now, '' when one does.
+
+    Looked at on the filesystem and connected to once, nothing sent: a missing socket, and
+    one a killed daemon left (connections refused), are told at once, where a call would
+    wait out its deadline for a service to come. `within` bounds the connect (a listener
+    with a full backlog)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"{path} does not exist"
+    except OSError as e:
+        return f"cannot look at {path}: {e.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(within)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        return (f"nothing listens on {path}: a daemon that was killed leaves its socket, and "
+                f"the next one to start replaces it")
+    except OSError as e:  # a timeout, a permission
+        return f"cannot connect to {path}: {e.strerror or e}"
+    finally:
+        probe.close()
+    return ""
 
 
 def cluster_dir_name(ray_address: str) -> str:

@@ -51,7 +51,8 @@ from typing import Callable, Iterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tierstack.addresses import SECURITY_DIR_ENV, default_token_path, grpc_target, unix_socket_path
+from tierstack.addresses import (SECURITY_DIR_ENV, default_token_path, grpc_target, unix_socket_path,
+                                 unix_socket_unserved)
 from tierstack.config import SecurityConfig
 from tierstack.errors import (ERRORS_BY_STATUS, ConfigError, InvalidArgumentError, PoolExhaustedError,
                               RetryLaterError,
@@ -610,6 +611,27 @@ class RpcClient:
         """Before the first call over a unix socket: its directory is ours alone."""
         if not self._socket_checked:
             self._socket_checked = check_socket_dir(self._socket)
+
+    def why_not_listening(self, within: float) -> str:
+        """Why no service could take calls at the target now, '' when one listens there.
+
+        A call waits up to its timeout for a service that restarts; a command that only
+        asks (`tierstack jobs`) should not wait that long for one that was never started.
+        A unix socket is answered at once, no RPC sent (`unix_socket_unserved`); a TCP
+        target gets `within` seconds to connect."""
+        if self._socket is not None:
+            unserved = unix_socket_unserved(self._socket, within)
+            if not unserved:
+                self.check_endpoint()
+            return unserved
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=within)
+        except grpc.FutureTimeoutError:
+            tls = ("or it serves TLS and this client has no CA for it: set security.ca_file or "
+                   f"${SECURITY_DIR_ENV}" if not self.credentials.tls_client else
+                   "or its TLS certificate is not one this client's CA signed")
+            return f"nothing answered within {within:g} s, {tls}"
+        return ""
 
     def call(self, method: str, request, timeout: float | None = None):
         """Invoke an RPC; waits for a restarting service; raises project exceptions."""

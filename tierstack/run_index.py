@@ -61,6 +61,11 @@ class RunRecord:
             return True
         return True
 
+    def describe(self, now: float) -> str:
+        """One line for a person: job, pid, age, directories and the bytes they hold."""
+        return (f"job {self.job} (pid {self.pid}, {_age(now - self.started)} ago): "
+                f"{', '.join(self.directories)}, {self.nbytes() / (1 << 30):.2f} GiB")
+
     def nbytes(self) -> int:
         """Bytes its directories hold now (what a dead run leaves on the disk)."""
         total = 0
@@ -72,6 +77,13 @@ class RunRecord:
                     except OSError:
                         pass
         return total
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def runs_dir() -> Path:

@@ -64,10 +64,12 @@ def test_deepspeeds_child_at_two_ranks_launches_two_rank_commands(bench, monkeyp
 
 
 def test_a_failing_rank_stops_the_others_and_its_code_is_returned(bench):
+    # Bound by the sleeper's own minute, not the clock: a launcher that waited for it
+    # took at least that long, one that stopped it took two interpreters' starts.
     start = time.monotonic()
     code = bench.run_ranks([[sys.executable, "-c", "import time; time.sleep(60)"],
                             [sys.executable, "-c", "raise SystemExit(3)"]])
-    assert code == 3 and time.monotonic() - start < 30
+    assert code == 3 and time.monotonic() - start < 60
 
 
 def test_ranks_that_all_succeed_return_zero(bench):

@@ -51,10 +51,12 @@ def test_a_key_in_two_roles_is_refused_and_wedges_nothing(daemon):
     for bad, step in ((block("a", 1000, grads="a/params"), 1),
                       (block("a", 1000, exp_avg="a/params"), 2),
                       (block("a", 1000, exp_avg_sq="a/grads"), 1)):
-        start = time.monotonic()
+        # Bound by the answer, not the clock: a wedged daemon never answers, and the call
+        # ends at its deadline in TierManagerUnavailableError, not this refusal. The
+        # deadline is wide: the first step makes the daemon's AdamW (importing torch),
+        # 5.5 s once on 2 shared cores.
         with pytest.raises(InvalidArgumentError, match="names tensor .* twice"):
-            client.adamw_step([bad], AdamWHyper(**{**HYPER.__dict__, "step": step}), timeout=10)
-        assert time.monotonic() - start < 5
+            client.adamw_step([bad], AdamWHyper(**{**HYPER.__dict__, "step": step}), timeout=60)
     # Two blocks of one request sharing a tensor are refused the same way.
     with pytest.raises(InvalidArgumentError, match="twice"):
         client.adamw_step([block("a", 1000), block("b", 1000, grads="a/grads")], HYPER, timeout=10)
@@ -112,16 +114,16 @@ def test_streams_never_starve_unary_calls_and_a_disconnect_frees_its_thread(daem
             assert "streams are open" in e.details()
             refused += 1
     assert refused > 0 and len(streams) < 32
-    for _ in range(5):  # unary calls are answered at once meanwhile
-        start = time.monotonic()
+    # Unary calls are answered meanwhile; starved, they were not (the streams keep their
+    # threads for their hour): the client's 20 s deadline ended them in an error.
+    for _ in range(5):
         client.node()
         client.stats()
         (res,) = client.fetch(["d/x"]).tensors
         client.release("d/x", res.info.version)
-        assert time.monotonic() - start < 1.0
     for call, channel in zip(streams, channels):  # the watchers go away without cancelling
         channel.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # stuck slots never came back (an hour's interval)
     again = []
     while time.monotonic() < deadline and len(again) < len(streams):
         channel = grpc.insecure_channel(daemon.address)
@@ -132,7 +134,7 @@ def test_streams_never_starve_unary_calls_and_a_disconnect_frees_its_thread(daem
         except grpc.RpcError:
             channel.close()
             time.sleep(0.1)
-    assert len(again) == len(streams)  # every slot came back within seconds
+    assert len(again) == len(streams)  # every slot came back
     for call, channel in again:
         call.cancel()
         channel.close()

@@ -42,14 +42,20 @@ def test_each_rank_reports_its_phases_and_they_fit_in_its_step():
 
 def test_a_clock_adds_up_spans_per_name_and_nobody_pays_for_the_one_not_asked_for():
     clock = PhaseClock("cpu")
+    # Each span is at least its sleep and at most the time measured around it here (a
+    # loaded machine makes both longer alike): not a bound of the clock's own.
+    began = time.perf_counter()
     for _ in range(3):
         with clock.host("tier_wait"):
             time.sleep(0.01)
+    waited = time.perf_counter() - began
+    began = time.perf_counter()
     with clock.device("forward"):  # no CUDA: the call's own time
         time.sleep(0.02)
+    forward = time.perf_counter() - began
     totals = clock.totals()
     assert set(totals) == {"tier_wait", "forward"}
-    assert 0.03 <= totals["tier_wait"] < 0.3 and 0.02 <= totals["forward"] < 0.2
+    assert 0.03 <= totals["tier_wait"] <= waited and 0.02 <= totals["forward"] <= forward
     with NO_PHASES.host("forward"), NO_PHASES.device("backward"):
         pass
     assert NO_PHASES.totals() == {}
