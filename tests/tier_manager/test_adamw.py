@@ -709,3 +709,12 @@ def test_moments_made_in_a_reused_arena_start_from_zero(tier_config):
                 torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
         finally:
             stepper.close()
+
+
+def test_the_floating_point_dtypes_checked_by_name_are_torch_s():
+    """The daemon checks an AdamW request's dtypes by name, without torch (adamw_request.py),
+    before it makes its optimizer: the names it takes are those torch calls floating point."""
+    from tierstack.dtypes import ITEMSIZES, dtype_from_name
+    from tierstack.services.tier_manager.adamw_request import FLOATING
+
+    assert FLOATING == {n for n in ITEMSIZES if dtype_from_name(n).is_floating_point}
