@@ -64,7 +64,8 @@ from tierstack.services.tier_manager.types import ArenaInfo
 log = logging.getLogger(__name__)
 
 SHARED_ARENA_BYTES = 64 << 20
-"""Arenas that small buffers share are this big, or 1/64 of a pool under 4 GiB: a shared
+"""Arenas that small buffers share are this big, or 1/64 of a pool under 4 GiB (of its
+tmpfs, where that is smaller than its cap): a shared
 arena that holds a few small buffers holds its whole size, and 1 MiB of a 16 MiB pool so
 held (1/16) was room its layers needed, which sent one to NVMe at every use (126
 evictions where there were none). 64 MiB populate in ~15 ms."""
@@ -133,7 +134,12 @@ class CpuPool:
         # On a huge-page filesystem arenas are whole huge pages.
         self.granule = max(config.alignment, self.page_size)
         self.capacity = capacity // self.granule * self.granule
-        self.shared_arena = min(SHARED_ARENA_BYTES, self.capacity // 64) // self.granule * self.granule
+        # Shared arenas are sized from the room the pool can have: its cap, or its whole
+        # filesystem where that is smaller (a 4 GiB cap over an 8 MiB tmpfs would make
+        # 64 MiB shared arenas that no small buffer could ever get).
+        room = filesystem_room(self.shm_dir)
+        self._most = min(self.capacity, room[1]) if room is not None else self.capacity
+        self.shared_arena = min(SHARED_ARENA_BYTES, self._most // 64) // self.granule * self.granule
         self.shared_limit = self.shared_arena // SHARED_PER_ARENA // self.granule * self.granule
         self._lock = threading.Lock()
         self._arenas: dict[int, _Arena] = {}
@@ -162,9 +168,10 @@ class CpuPool:
     @property
     def max_arenas(self) -> int:
         """The most arenas the pool can ever hold at once (each costs a worker's mapping)."""
-        dedicated = self.capacity // (self.shared_limit + self.granule) if self.shared_limit else \
-            self.capacity // self.granule
-        return dedicated + (self.capacity // self.shared_arena if self.shared_limit else 0)
+        most = self._most  # bytes of arenas it can ever hold: its cap, or its filesystem's size
+        dedicated = most // (self.shared_limit + self.granule) if self.shared_limit else \
+            most // self.granule
+        return dedicated + (most // self.shared_arena if self.shared_limit else 0)
 
     @property
     def used_bytes(self) -> int:

@@ -287,6 +287,15 @@ def test_a_pool_larger_than_its_tmpfs_evicts_at_the_tmpfs_s_room_as_at_its_cap(s
             pool.allocate(2 * MiB)
 
 
+def test_small_buffers_share_arenas_sized_from_the_tmpfs_when_it_is_smaller_than_the_cap(small_tmpfs):
+    """A 4 GiB cap would share 64 MiB arenas, larger than the whole 8 MiB tmpfs: they are
+    sized from the tmpfs instead (1/64 of it), so small buffers fit."""
+    with CpuPool(CpuPoolConfig(size=4 << 30, shm_dir=str(small_tmpfs))) as pool:
+        assert pool.shared_arena == 8 * MiB // 64
+        small = [pool.allocate(5_000) for _ in range(3)]
+        assert len({b.arena for b in small}) == 1 and pool.arena_bytes == pool.shared_arena
+
+
 def test_a_tmpfs_someone_else_fills_is_room_the_pool_does_not_count_on(small_tmpfs):
     """Room is what the filesystem can give now: a file another process wrote there
     leaves less, and a request past that is refused at once (no arena half made)."""

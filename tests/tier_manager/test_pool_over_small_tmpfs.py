@@ -30,7 +30,7 @@ from tierstack.worker.arenas import ArenaMap
 
 TMPFS = 8 * MiB
 CAP = 32 * MiB
-TENSOR = MiB  # each buffer an arena of its own (a 32 MiB pool shares only those <= 128 KiB)
+TENSOR = MiB  # each buffer an arena of its own (only those <= 32 KiB share one here)
 
 
 @pytest.fixture
