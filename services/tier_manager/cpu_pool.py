@@ -233,7 +233,7 @@ class CpuPool:
                     return buffer
                 # Room under the cap and in the filesystem: return idle-most empty arenas
                 # first (a returned arena's file is deleted before the new one is made).
-                room = self._filesystem_free()
+                room, why = self._filesystem_free(), ""
                 while (short := self._short(arena_size, room, returned)) and \
                         self._remove_oldest_empty(returned):
                     pass
@@ -250,11 +250,11 @@ class CpuPool:
                         self._reserved -= arena_size
                     if not isinstance(e, _FilesystemFull):
                         raise
-                    short, room = "filesystem", f"0 ({e.strerror})"  # filled since it was read
+                    short, room, why = "filesystem", 0, e.strerror  # filled since it was read
                 else:
                     break
             if self.on_full is None or not self.on_full(size):
-                raise CpuPoolFullError(self._full(nbytes, short, room))
+                raise CpuPoolFullError(self._full(nbytes, short, room, why))
         with self._lock:
             self._arenas[arena_id] = arena
             if arena.shared is not None:
@@ -272,13 +272,14 @@ class CpuPool:
             return "filesystem"
         return ""
 
-    def _full(self, nbytes: int, short: str, room: int | str | None) -> str:
+    def _full(self, nbytes: int, short: str, room: int | None, why: str) -> str:
         """The refusal of an allocation nothing could make room for, naming the fix."""
         if short == "filesystem":
             hint = ("reserve more huge pages (sysctl vm.nr_hugepages)" if self.page_size > 4096
                     else f"grow the tmpfs (mount -o remount,size=... {self.shm_dir})")
+            free = f"{room} bytes free" + (f", {why}" if why else "")
             return (f"CPU pool full: {nbytes} bytes requested and the filesystem of its "
-                    f"directory {self.shm_dir} is full ({room} bytes free; the pool holds "
+                    f"directory {self.shm_dir} is full ({free}; the pool holds "
                     f"{self.arena_bytes} bytes of arenas, {self.used_bytes} in use, under a cap "
                     f"of {self.capacity}) and nothing evictable: lower cpu_pool.size to what "
                     f"the filesystem holds or {hint}; or release tensors")
