@@ -89,6 +89,21 @@ def filesystem(path: str | os.PathLike) -> tuple[str, str]:
     return best
 
 
+def filesystem_room(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(bytes it can still give, bytes in all) of the filesystem holding `path`, as statvfs
+    states them to an unprivileged writer; None where it states no size (a tmpfs or a
+    hugetlbfs mounted without a size limit reports no blocks at all)."""
+    st = os.statvfs(_existing(Path(path)))
+    if st.f_blocks == 0:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in the unit a reader of a small tmpfs and of a large one can both use."""
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
+
+
 def block_device(path: str | os.PathLike) -> str:
     """The block device (whole disk, e.g. nvme0n1, vda) holding `path`, or ''."""
     dev = os.stat(_existing(Path(path))).st_dev
@@ -386,20 +401,33 @@ def memory_check(config: TierstackConfig, pool: int) -> list[Check]:
     if isinstance(host, int) and host > can:  # a pool above the machine: "pool sizes" says so
         checks[0].status = FAIL
         checks[0].fix = f"lower budgets.host to at most {can / GiB:.1f} GiB (or 'auto')"
-    shm = config.tier_manager.cpu_pool.shm_dir
-    try:
-        shm_free = shutil.disk_usage(_existing(Path(shm))).free
-    except OSError:
-        shm_free = 0
-    shm_check = Check(f"CPU pool directory {shm}", OK,
-                      f"{filesystem(shm)[0]}, {shm_free / GiB:.1f} GiB free for a pool of up to "
-                      f"{pool / GiB:.2f} GiB")
-    if shm_free < pool:  # the pool grows on demand: it fails when it grows past the tmpfs
-        shm_check.status = WARN
-        shm_check.fix = (f"grow the tmpfs (mount -o remount,size=... {shm}) or lower "
-                         f"tier_manager.cpu_pool.size")
-    checks.append(shm_check)
+    checks.append(cpu_pool_room_check(config.tier_manager.cpu_pool.shm_dir, pool))
     return checks
+
+
+def cpu_pool_room_check(shm_dir: str | os.PathLike, pool: int) -> Check:
+    """The CPU pool's cap (`pool` bytes) against what the filesystem of its arenas can
+    still give. The pool's room is the smaller of the two: it creates arenas as buffers
+    need them, so past the filesystem's room it evicts to NVMe sooner than its cap says,
+    and refuses (RESOURCE_EXHAUSTED) where nothing can go. The daemon logs this at start."""
+    name = f"CPU pool directory {shm_dir}"
+    try:
+        fstype = filesystem(shm_dir)[0]
+        room = filesystem_room(shm_dir)
+    except OSError as e:
+        return Check(name, FAIL, f"cannot read it ({e.strerror})",
+                     "point tier_manager.cpu_pool.shm_dir at a tmpfs such as /dev/shm")
+    if room is None:
+        return Check(name, OK, f"{fstype} with no size limit, for a pool of up to {_size(pool)}")
+    free, total = room
+    found = f"{fstype}, {_size(free)} free of {_size(total)}, for a pool of up to {_size(pool)}"
+    if free >= pool:
+        return Check(name, OK, found)
+    return Check(name, WARN, found + f": the pool can hold only {_size(free)} there (past it, "
+                                     f"tensors go to NVMe sooner, or allocations are refused "
+                                     f"where nothing can go)",
+                 f"grow the tmpfs (mount -o remount,size=... {shm_dir}) or lower "
+                 f"tier_manager.cpu_pool.size to at most {free} bytes")
 
 
 # ---- the GPU --------------------------------------------------------------------------------

@@ -38,13 +38,13 @@ thread) exists once; the gRPC handler threads that serve AdamWStep only wait. St
 held one block ahead on a reader thread (which starts the block's first reads) and
 finished blocks are committed on a writer thread; a streamed tensor's bytes move on the
 two lanes of its ring. Everything a block's update needs is checked before any byte changes, so a bad
-request changes nothing.
+request changes nothing (adamw_request.py: the server runs the same checks before the
+call takes a slot or this stepper is even made).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -59,6 +59,8 @@ from tierstack.dtypes import dtype_from_name
 from tierstack.errors import (CpuPoolFullError, FailedPreconditionError, InvalidArgumentError,
                               KeyNotFoundError, NvmePoolFullError)
 from tierstack.errors import RetryLaterError
+from tierstack.services.tier_manager.adamw_request import (STATE_ITEMSIZE, check_request,
+                                                           check_sizes, check_stored)
 from tierstack.services.tier_manager.adamw_kernel import TILE_ELEMENTS, NativeAdamW, Piece, TorchAdamW
 from tierstack.services.tier_manager.adamw_stream import SlotPool, StreamedTensor
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
@@ -67,7 +69,6 @@ from tierstack.services.tier_manager.extent_header import ExtentMeta
 from tierstack.services.tier_manager.extents import align_up
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent
 from tierstack.services.tier_manager.registry import TierRegistry, tensor_view
-from tierstack.services.tier_manager.requests import validate_key, validate_placement
 from tierstack.services.tier_manager.spill import NVME_ROOM_WAIT_SECONDS
 from tierstack.services.tier_manager.updates import Claim
 from tierstack.services.tier_manager.types import (AdamWBlock, AdamWHyper, AdamWResult,
@@ -77,7 +78,7 @@ from tierstack.tiers import NVME, Placement
 log = logging.getLogger(__name__)
 
 _FLOAT = torch.float32
-_STATE_ITEMSIZE = 4
+_STATE_ITEMSIZE = STATE_ITEMSIZE
 TILE_ALIGN = 1024
 """Tiles cut a segment only at multiples of this many elements from its start (see the
 module docstring: the kernels' vector and scalar paths see the same elements; a multiple
@@ -97,8 +98,6 @@ RING_TILES = 2
 """Tiles of bytes a stream's ring holds, besides the two disk blocks at a window's ends:
 the tile being updated and the next one being read, while the one before is written out
 (its room is reused as soon as it is written)."""
-MAX_STEP = (1 << 63) - 1
-"""The largest step count: the kernels count steps in a signed 64-bit integer."""
 
 
 class _Resident:
@@ -208,11 +207,9 @@ class AdamWStepper:
         another client holds one, RetryLaterError before anything changed. Once a block
         has its new versions no error is a retryable one (sent again, the step would
         update that block twice)."""
-        _check_hyper(hyper)
+        check_request(blocks, hyper)  # the server checked these too, before its slot
         for block in blocks:
-            _check_block(block)
-            _check_groups(block, hyper)
-        _check_distinct(blocks)
+            check_stored(block, hyper, self.registry.info)
         claim = self.registry.updates.claim(_changed_keys(blocks, hyper))
         try:
             return self._run(blocks, hyper, durable, claim)
@@ -281,23 +278,9 @@ class AdamWStepper:
         # A small block's windows hold what it has, not a full tile of scratch.
         state_elements = align_up(max(1, block.state_nbytes // _STATE_ITEMSIZE), TILE_ALIGN)
         held = _Held(block, claim, tile_elements=min(self.tile_elements, state_elements))
-        infos = {"grads": registry.info(block.grads)}
-        if block.params:  # none where the worker rounds the masters on their way to it
-            infos["params"] = registry.info(block.params)
-        if block.master:
-            infos["master"] = registry.info(block.master)
-        if hyper.step > 1:
-            for name in ("exp_avg", "exp_avg_sq"):
-                try:
-                    infos[name] = registry.info(getattr(block, name))
-                except KeyNotFoundError:
-                    raise KeyNotFoundError(
-                        f"AdamW state {getattr(block, name)!r} is missing at step {hyper.step}: the "
-                        f"moments are created on step 1; resume from a checkpoint that has them") from None
-        sizes = {name: info.nbytes for name, info in infos.items()}
-        sizes.setdefault("exp_avg", block.state_nbytes)
-        sizes.setdefault("exp_avg_sq", block.state_nbytes)
-        _check_sizes(block, sizes)  # before anything is created or changed
+        # Again, now that the step holds them: a tensor replaced since the request was
+        # checked is refused before anything is created or changed.
+        infos = check_stored(block, hyper, registry.info)
         missing = sum(i.nbytes for i in infos.values() if not i.in_cpu)
         if hyper.step == 1:
             missing += 2 * block.state_nbytes
@@ -334,10 +317,9 @@ class AdamWStepper:
                 meta = ExtentMeta(key, "float32", (block.state_nbytes // _STATE_ITEMSIZE,))
                 held.sources[name] = self._stream(meta, block.state_nbytes, None, (), held.span,
                                                   writable=True)
-            _check_sizes(block, {name: _nbytes(s) for name, s in held.sources.items()})
+            check_sizes(block, {name: _nbytes(s) for name, s in held.sources.items()})
             if any(isinstance(s, StreamedTensor) for s in held.sources.values()):
-                _check_order(block)
-                self.streamed_blocks += 1
+                self.streamed_blocks += 1  # its layout is one a stream takes (check_order)
             held.kernel, held.tiles = self._plan(held)
             for name, source in held.sources.items():  # the first tile's reads start now
                 if isinstance(source, StreamedTensor) and held.tiles:
@@ -656,68 +638,6 @@ def _nbytes(source: _Resident | StreamedTensor) -> int:
     return source.data.numel() if isinstance(source, _Resident) else source.nbytes
 
 
-# ---- checks ------------------------------------------------------------------------------
-
-
-def _check_hyper(hyper: AdamWHyper) -> None:
-    if not 1 <= hyper.step <= MAX_STEP:
-        raise InvalidArgumentError(f"AdamW step must be >= 1 (1 is the first) and at most "
-                                   f"{MAX_STEP} (2^63 - 1), got {hyper.step}")
-    # lr 0 is legal: a warm-up schedule starts there (the moments still move).
-    rates = [(hyper.lr, hyper.weight_decay), *hyper.groups]
-    if not (all(math.isfinite(lr) and lr >= 0 and math.isfinite(wd) and wd >= 0 for lr, wd in rates)
-            and hyper.eps > 0 and 0 <= hyper.beta1 < 1 and 0 <= hyper.beta2 < 1
-            and math.isfinite(hyper.grad_scale) and hyper.grad_scale > 0):
-        raise InvalidArgumentError(
-            f"AdamW hyperparameters out of range: lr and weight_decay (of every group) must be "
-            f"finite and >= 0, eps > 0, betas in [0, 1), grad_scale finite and > 0; got {hyper}")
-
-
-def _check_groups(block: AdamWBlock, hyper: AdamWHyper) -> None:
-    """Every segment's param group is one the request gives hyperparameters for."""
-    count = len(hyper.groups) or 1
-    wrong = sorted({s.group for s in block.segments if s.group >= count})
-    if wrong:
-        raise InvalidArgumentError(
-            f"block {_name(block)!r}: segments name param groups {wrong} but the request gives "
-            f"{len(hyper.groups)} groups' lr and weight decay (give one per group, or none "
-            f"and group 0 everywhere)")
-
-
-def _check_block(block: AdamWBlock) -> None:
-    validate_placement(block.state_placement)
-    for dtype in (block.param_dtype, block.grad_dtype):
-        if not dtype_from_name(dtype).is_floating_point:
-            raise InvalidArgumentError(f"block {_name(block)!r}: {dtype} is not a floating-point dtype")
-    if not block.master and block.param_dtype != "float32":
-        raise InvalidArgumentError(
-            f"block {_name(block)!r}: {block.param_dtype} parameters need float32 master "
-            f"weights (name a master key)")
-    if not block.params and not block.master:
-        raise InvalidArgumentError(
-            f"block {_name(block)!r}: name its parameters, or its master weights (a block "
-            f"whose worker rounds the masters on their way to the device stores no parameters)")
-    for key in (block.grads, block.exp_avg, block.exp_avg_sq):
-        if not key:
-            raise InvalidArgumentError(f"block {_name(block)!r}: every state key must be named")
-        validate_key(key)
-    for key in (block.params, block.master):
-        if key:
-            validate_key(key)
-    if block.state_nbytes % _STATE_ITEMSIZE:
-        raise InvalidArgumentError(
-            f"block {_name(block)!r}: state_nbytes {block.state_nbytes} is not a whole number "
-            f"of float32 elements")
-
-
-_ROLES = ("params", "grads", "master", "exp_avg", "exp_avg_sq")
-
-
-def _name(block: AdamWBlock) -> str:
-    """The block's name in messages: its parameters' key, or its masters' without them."""
-    return block.params or block.master
-
-
 def _read_next(block: AdamWBlock) -> str:
     """The tensor the next forward reads right after the update: the parameters, or the
     masters where the worker makes its parameters from them."""
@@ -728,56 +648,3 @@ def _changed_keys(blocks: list[AdamWBlock], hyper: AdamWHyper) -> list[str]:
     """The tensors a step changes in place (step 1 creates its moments afresh)."""
     roles = ("params", "master") + (("exp_avg", "exp_avg_sq") if hyper.step > 1 else ())
     return [key for block in blocks for role in roles if (key := getattr(block, role))]
-
-
-def _check_distinct(blocks: list[AdamWBlock]) -> None:
-    """No tensor plays two roles in one request. A step holds what it changes exclusively
-    and pins the gradients: a key named twice (params == grads, or a moment == the
-    parameters) would wait for its own hold forever and wedge every later step."""
-    seen: dict[str, str] = {}
-    for i, block in enumerate(blocks):
-        for role in _ROLES:
-            key = getattr(block, role)
-            if not key:
-                continue
-            if key in seen:
-                raise InvalidArgumentError(
-                    f"AdamW request names tensor {key!r} twice ({seen[key]} and block {i}'s "
-                    f"{role}); each block's params, grads, master and moments must be "
-                    f"distinct tensors, and no two blocks may share one")
-            seen[key] = f"block {i}'s {role}"
-
-
-def _check_sizes(block: AdamWBlock, sizes: dict[str, int]) -> None:
-    """Every segment lies inside every buffer it names (`sizes`, bytes), aligned for its dtype."""
-    p_size = dtype_from_name(block.param_dtype).itemsize
-    g_size = dtype_from_name(block.grad_dtype).itemsize
-    for name in ("master", "exp_avg", "exp_avg_sq"):
-        if name in sizes and sizes[name] != block.state_nbytes:
-            raise InvalidArgumentError(
-                f"AdamW state {name} of {_name(block)!r} holds {sizes[name]} bytes but the "
-                f"request says {block.state_nbytes}")
-    for s in block.segments:
-        spans = [("params", s.param_offset, s.numel * p_size, p_size)] if "params" in sizes else []
-        spans += [("grads", s.grad_offset, s.numel * g_size, g_size),
-                 ("exp_avg", s.state_offset, s.numel * _STATE_ITEMSIZE, _STATE_ITEMSIZE)]
-        for name, offset, nbytes, align in spans:
-            if offset % align or offset + nbytes > sizes[name]:
-                raise InvalidArgumentError(
-                    f"AdamW segment of {s.numel} elements at byte {offset} does not fit "
-                    f"{name} of block {_name(block)!r} ({sizes[name]} bytes, {align}-byte "
-                    f"elements): the request's layout does not match the stored tensors")
-
-
-def _check_order(block: AdamWBlock) -> None:
-    """Streaming reads each tensor front to back once: the segments must lie in the same
-    order, without overlap, in the parameters, the gradients and the state."""
-    ordered = sorted(block.segments, key=lambda s: s.state_offset)
-    for which in ("param", "grad", "state"):
-        offsets = [getattr(s, f"{which}_offset") for s in ordered]
-        if offsets != sorted(offsets) or len(set(offsets)) != len(offsets):
-            raise InvalidArgumentError(
-                f"block {_name(block)!r}: its segments are not in the same order in the "
-                f"parameters, gradients and state, which a step streamed from NVMe needs "
-                f"(lay the state out in parameter order), or give the CPU pool room for the "
-                f"block's state")

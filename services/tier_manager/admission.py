@@ -6,11 +6,18 @@ of NVMe, evictions, a job's deletion) hold theirs meanwhile (streams have slots 
 own: StreamSlots in rpc.py); unbounded, a few
 busy clients would take every thread, and the daemon would stop answering even GetNode
 and the Release that ends somebody's wait. So a long call takes a slot first: at most
-`limit` at once, and at most `per_client` for one client session (calls naming no
-session share one count). A call that finds none is answered at once UNAVAILABLE with a
-retry hint (RetryLaterError), which the client face sends again. Quick calls (GetNode,
-Describe, Release, GetStats, ListJobs, ...) take no slot: the threads above `limit` are
-always theirs.
+`limit` at once, and at most `per_client` for one client session. A call that finds none
+is answered at once UNAVAILABLE with a retry hint (RetryLaterError), which the client face
+sends again; a slot freeing ends it. Quick calls (GetNode, Describe, Release, GetStats,
+ListJobs, ...) take no slot: the threads above `limit` are always theirs.
+
+A client is its session (sessions.py), not its connection: over a unix socket gRPC tells
+a server nothing that sets one connection apart from another (every peer is "unix:"),
+and a session is what the daemon already watches to free a client's holds. Calls that
+name no session therefore share one count of `per_client`; their refusal says how to get
+slots of their own. TierManagerClient opens its session before its first long call, so
+only raw gRPC clients (and clients on another host, which cannot reach the session
+directory) share.
 """
 
 from __future__ import annotations
@@ -26,6 +33,12 @@ QUICK_RESERVE = 8
 """Server threads kept from long calls for quick ones."""
 BUSY_RETRY_SECONDS = 0.01
 """The retry hint of a long call refused because every slot is taken."""
+SESSIONLESS = (
+    ", which share one count: open a client session to get slots of your own "
+    "(TierManagerClient opens one itself; a raw gRPC client creates "
+    "tierstack-client-<32 hex digits>.lock in the session_dir GetNode answers, holds an "
+    "flock on it, and names the digits in the metadata x-tierstack-session)")
+"""What a refused call without a session is told: how its client gets its own slots."""
 
 
 class CallSlots:
@@ -50,9 +63,10 @@ class CallSlots:
         with self._lock:
             mine = self._by_client[session]
             if self._in_use >= self.limit or mine >= self.per_client:
+                who = "this client" if session else f"calls that name no client session{SESSIONLESS}"
                 raise RetryLaterError(
                     f"the tier manager is busy: {self._in_use} of its {self.limit} threads for "
-                    f"long calls are in use ({mine} by this client, at most {self.per_client} "
+                    f"long calls are in use ({mine} by {who}, at most {self.per_client} "
                     f"each); {method} was not started: send it again", BUSY_RETRY_SECONDS)
             self._by_client[session] += 1
             self._in_use += 1

@@ -7,9 +7,12 @@ restarted (a new instance id), which the worker uses to remap arenas and redo
 interrupted work.
 
 Before its first call that makes the daemon hold something for it (a buffer lease, a
-fetch pin, an open job), a client starts a session: a lock file in the daemon's session
-directory, flocked until `close` (or the process's death), whose id every call names.
-The daemon lets go of whatever a gone client held as soon as the lock is free.
+fetch pin, an open job) or that takes one of its slots for long calls (a commit, an
+optimizer step, an eviction or deletion), a client starts a session: a lock file in the
+daemon's session directory, flocked until `close` (or the process's death), whose id
+every call names. The daemon lets go of whatever a gone client held as soon as the lock
+is free, and counts a client's long calls by its session (calls naming none share one
+count: admission.py).
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ class TierManagerClient(RpcClient):
                durable: bool, placement: str = AUTO) -> TensorInfo:
         """Make a filled buffer the new version of `key` (written through to NVMe first
         with `durable`); `placement` is one of tierstack.tiers.PLACEMENTS."""
+        self.start_session()
         return wire.tensor_info_from(self.call("Commit", pb.CommitRequest(
             key=key, lease_id=lease_id, dtype=dtype, shape=list(shape), durable=durable,
             placement=wire.placement_pb(placement))))
@@ -159,9 +163,11 @@ class TierManagerClient(RpcClient):
         self.call("Release", pb.ReleaseRequest(key=key, version=version))
 
     def evict(self, keys: list[str]) -> list[TensorInfo]:
+        self.start_session()
         return [wire.tensor_info_from(t) for t in self.call("Evict", pb.EvictRequest(keys=keys)).tensors]
 
     def delete(self, keys: list[str]) -> None:
+        self.start_session()
         self.call("Delete", pb.DeleteRequest(keys=keys))
 
     def describe(self, key: str) -> TensorInfo:
@@ -173,6 +179,7 @@ class TierManagerClient(RpcClient):
     def adamw_step(self, blocks: list[AdamWBlock], hyper: AdamWHyper, durable: bool = False,
                    timeout: float | None = None) -> AdamWResult:
         """Run one AdamW step over state the daemon holds (not retried: it changes state)."""
+        self.start_session()
         return wire.adamw_result_from(self.call(
             "AdamWStep", wire.adamw_request_pb(blocks, hyper, durable), timeout=timeout))
 
@@ -196,6 +203,7 @@ class TierManagerClient(RpcClient):
 
     def delete_job(self, job: str, force: bool = False) -> int:
         """Delete a job's tensors now; returns how many went."""
+        self.start_session()
         return self.call("DeleteJob", pb.DeleteJobRequest(job=job, force=force)).deleted
 
     def watch_stats(self, interval: float = 1.0) -> Iterator[NodeStats]:

@@ -7,6 +7,15 @@ descriptor (shared_mapping.py). Nothing is reserved at start: start-up time does
 cap. The invariant the pool keeps: the bytes of all its arenas, used or empty, never
 exceed `capacity`.
 
+Room that exists. The pool's room is the smaller of its cap and what its filesystem can
+still give (statvfs of the directory: a tmpfs smaller than the cap, or shared with other
+users). An arena the filesystem has no room for is treated as one past the cap: empty
+arenas go back first, then the pool's owner evicts (`on_full`), and where nothing can go
+the allocation is refused at once (CpuPoolFullError, RESOURCE_EXHAUSTED) naming the fix:
+lower cpu_pool.size or grow the tmpfs. A filesystem that fills between the check and the
+arena's creation (another process writing there) is met the same way. The start logs a
+warning where the cap exceeds the filesystem's room (doctor.cpu_pool_room_check).
+
 Two kinds of arena, so that neither file descriptors nor mappings grow with the number
 of tensors (issue 35: one file per buffer failed every allocation after ~1,000 tensors
 under `ulimit -n 1024`, and 65,530 mappings is vm.max_map_count's default):
@@ -43,7 +52,8 @@ from pathlib import Path
 from typing import Callable
 
 from tierstack.config import CpuPoolConfig
-from tierstack.doctor import map_count_check, open_files_check
+from tierstack.doctor import (OK, cpu_pool_room_check, filesystem_room, map_count_check,
+                              open_files_check)
 from tierstack.errors import CpuPoolFullError, InvalidArgumentError, StorageIOError
 from tierstack.services.tier_manager.arena_files import (arena_path, huge_page_size, lock_path,
                                                          reclaim_stale_arenas, take_lock_file)
@@ -54,7 +64,8 @@ from tierstack.services.tier_manager.types import ArenaInfo
 log = logging.getLogger(__name__)
 
 SHARED_ARENA_BYTES = 64 << 20
-"""Arenas that small buffers share are this big, or 1/64 of a pool under 4 GiB: a shared
+"""Arenas that small buffers share are this big, or 1/64 of a pool under 4 GiB (of its
+tmpfs, where that is smaller than its cap): a shared
 arena that holds a few small buffers holds its whole size, and 1 MiB of a 16 MiB pool so
 held (1/16) was room its layers needed, which sent one to NVMe at every use (126
 evictions where there were none). 64 MiB populate in ~15 ms."""
@@ -79,6 +90,15 @@ class CpuBuffer:
 # Called with the number of bytes wanted when the pool is full; returns True if it
 # freed something (the pool then retries), False if nothing more can be freed.
 EvictCallback = Callable[[int], bool]
+
+
+class _FilesystemFull(Exception):
+    """An arena's pages could not all be written: its filesystem (or the huge pages
+    behind it) ran out while the arena was made. Handled as a full pool in `allocate`."""
+
+    def __init__(self, strerror: str) -> None:
+        super().__init__(strerror)
+        self.strerror = strerror
 
 
 @dataclass(eq=False)
@@ -114,7 +134,12 @@ class CpuPool:
         # On a huge-page filesystem arenas are whole huge pages.
         self.granule = max(config.alignment, self.page_size)
         self.capacity = capacity // self.granule * self.granule
-        self.shared_arena = min(SHARED_ARENA_BYTES, self.capacity // 64) // self.granule * self.granule
+        # Shared arenas are sized from the room the pool can have: its cap, or its whole
+        # filesystem where that is smaller (a 4 GiB cap over an 8 MiB tmpfs would make
+        # 64 MiB shared arenas that no small buffer could ever get).
+        room = filesystem_room(self.shm_dir)
+        self._most = min(self.capacity, room[1]) if room is not None else self.capacity
+        self.shared_arena = min(SHARED_ARENA_BYTES, self._most // 64) // self.granule * self.granule
         self.shared_limit = self.shared_arena // SHARED_PER_ARENA // self.granule * self.granule
         self._lock = threading.Lock()
         self._arenas: dict[int, _Arena] = {}
@@ -128,6 +153,9 @@ class CpuPool:
         self._lock_fd = take_lock_file(self.shm_dir, self.instance_id)
         log.info("CPU pool %s: up to %d bytes of arenas in %s, created as needed",
                  self.instance_id, self.capacity, self.shm_dir)
+        room = cpu_pool_room_check(self.shm_dir, self.capacity)
+        if room.status != OK:  # said up front, not at the first allocation past it
+            log.warning("%s: %s; %s", room.name, room.found, room.fix)
 
     # ---- what it holds ----------------------------------------------------------------
 
@@ -140,9 +168,10 @@ class CpuPool:
     @property
     def max_arenas(self) -> int:
         """The most arenas the pool can ever hold at once (each costs a worker's mapping)."""
-        dedicated = self.capacity // (self.shared_limit + self.granule) if self.shared_limit else \
-            self.capacity // self.granule
-        return dedicated + (self.capacity // self.shared_arena if self.shared_limit else 0)
+        most = self._most  # bytes of arenas it can ever hold: its cap, or its filesystem's size
+        dedicated = most // (self.shared_limit + self.granule) if self.shared_limit else \
+            most // self.granule
+        return dedicated + (most // self.shared_arena if self.shared_limit else 0)
 
     @property
     def used_bytes(self) -> int:
@@ -155,20 +184,45 @@ class CpuPool:
 
     @property
     def free_bytes(self) -> int:
-        return self.capacity - self.used_bytes
+        """Bytes the pool could still hand out without evicting: room under its cap, and
+        no more than its filesystem can still give plus what its own arenas hold unused."""
+        free = self.capacity - self._used
+        room = self._filesystem_free()
+        if room is not None:
+            free = min(free, room + self._reserved - self._used)
+        return max(0, free)
+
+    def _filesystem_free(self) -> int | None:
+        """What the arenas' filesystem can still give now; None where it states no size."""
+        room = filesystem_room(self.shm_dir)
+        return room[0] if room is not None else None
 
     # ---- allocation ---------------------------------------------------------------------
 
-    def allocate(self, nbytes: int) -> CpuBuffer:
-        """A buffer of at least `nbytes`; asks `on_full` to evict when the cap leaves no
-        room for it."""
-        if nbytes <= 0:
-            raise InvalidArgumentError(f"cannot allocate a buffer of {nbytes} bytes")
+    def check_size(self, nbytes: int) -> None:
+        """CpuPoolFullError for a buffer no room can ever hold: one whose arena is larger
+        than the pool's cap, or than the whole filesystem of its directory."""
         size = align_up(nbytes, self.granule)
         if size > self.capacity:
             raise CpuPoolFullError(
                 f"a buffer of {nbytes} bytes is larger than the whole CPU pool ({self.capacity} "
                 f"bytes); raise cpu_pool.size (or the host budget)")
+        room = filesystem_room(self.shm_dir)
+        arena_size = self.shared_arena if 0 < size <= self.shared_limit else size
+        if room is not None and arena_size > room[1]:
+            raise CpuPoolFullError(
+                f"a buffer of {nbytes} bytes needs an arena of {arena_size} bytes, larger than "
+                f"the whole filesystem of the CPU pool's directory {self.shm_dir} ({room[1]} "
+                f"bytes); grow the tmpfs (mount -o remount,size=... {self.shm_dir}), or lower "
+                f"cpu_pool.size to what it holds (arenas of small buffers are 1/64 of it)")
+
+    def allocate(self, nbytes: int) -> CpuBuffer:
+        """A buffer of at least `nbytes`; asks `on_full` to evict when the cap, or the
+        filesystem, leaves no room for it."""
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"cannot allocate a buffer of {nbytes} bytes")
+        self.check_size(nbytes)
+        size = align_up(nbytes, self.granule)
         shared = size <= self.shared_limit
         arena_size = self.shared_arena if shared else size
         while True:
@@ -177,34 +231,61 @@ class CpuPool:
                 buffer = self._in_shared(nbytes, size) if shared else self._in_empty(nbytes, size)
                 if buffer is not None:
                     return buffer
-                # Room under the cap: return idle-most empty arenas first.
-                while self._reserved + arena_size > self.capacity and self._remove_oldest_empty(returned):
+                # Room under the cap and in the filesystem: return idle-most empty arenas
+                # first (a returned arena's file is deleted before the new one is made).
+                room, why = self._filesystem_free(), ""
+                while (short := self._short(arena_size, room, returned)) and \
+                        self._remove_oldest_empty(returned):
                     pass
-                fits = self._reserved + arena_size <= self.capacity
-                if fits:
+                if not short:
                     self._reserved += arena_size
                     arena_id = self._next_id
                     self._next_id += 1
             self._unmap(returned)
-            if fits:
-                break
+            if not short:
+                try:
+                    arena = self._create_arena(arena_id, arena_size, shared)
+                except BaseException as e:
+                    with self._lock:
+                        self._reserved -= arena_size
+                    if not isinstance(e, _FilesystemFull):
+                        raise
+                    short, room, why = "filesystem", 0, e.strerror  # filled since it was read
+                else:
+                    break
             if self.on_full is None or not self.on_full(size):
-                raise CpuPoolFullError(
-                    f"CPU pool full: {nbytes} bytes requested, {self.used_bytes} of "
-                    f"{self.capacity} in use and nothing evictable; raise cpu_pool.size (or "
-                    f"the host budget) or release tensors")
-        try:
-            arena = self._create_arena(arena_id, arena_size, shared)
-        except BaseException:
-            with self._lock:
-                self._reserved -= arena_size
-            raise
+                raise CpuPoolFullError(self._full(nbytes, short, room, why))
         with self._lock:
             self._arenas[arena_id] = arena
             if arena.shared is not None:
                 self._shared.append(arena)
             self.created += 1
             return self._take(arena, nbytes, size, zeroed=True)
+
+    def _short(self, arena_size: int, room: int | None, returned: list[_Arena]) -> str:
+        """What a new arena of `arena_size` bytes lacks room in: "cap", "filesystem", or ""
+        when it fits (`room`: the filesystem's free bytes, to which the arenas being
+        returned add theirs); lock held."""
+        if self._reserved + arena_size > self.capacity:
+            return "cap"
+        if room is not None and arena_size > room + sum(a.info.size for a in returned):
+            return "filesystem"
+        return ""
+
+    def _full(self, nbytes: int, short: str, room: int | None, why: str) -> str:
+        """The refusal of an allocation nothing could make room for, naming the fix."""
+        if short == "filesystem":
+            hint = ("reserve more huge pages (sysctl vm.nr_hugepages)" if self.page_size > 4096
+                    else f"grow the tmpfs (mount -o remount,size=... {self.shm_dir})")
+            free = f"{room} bytes free" + (f", {why}" if why else "")
+            return (f"CPU pool full: {nbytes} bytes requested and the filesystem of its "
+                    f"directory {self.shm_dir} is full ({free}; the pool holds "
+                    f"{self.arena_bytes} bytes of arenas, {self.used_bytes} in use, under a cap "
+                    f"of {self.capacity}) and nothing evictable: lower cpu_pool.size to what "
+                    f"the filesystem holds or {hint}; or release tensors")
+        return (f"CPU pool full: {nbytes} bytes requested, {self.used_bytes} of "
+                f"{self.capacity} in use and nothing evictable; raise cpu_pool.size (or "
+                f"the host budget) or release tensors")
 
     def free(self, buffer: CpuBuffer) -> None:
         """Give a buffer back; an arena left empty is kept for reuse (see `trim`)."""
@@ -324,12 +405,11 @@ class CpuPool:
                 # tmpfs too small fails here, not at a page fault later.
                 mapping = SharedMapping(fd, size)
             except PopulateError as e:
-                hint = ("reserve more huge pages (sysctl vm.nr_hugepages)" if self.page_size > 4096
-                        else f"free space in {self.shm_dir}")
-                raise CpuPoolFullError(
-                    f"cannot reserve {size} bytes for a CPU pool arena in {self.shm_dir}: it "
-                    f"is full ({e.strerror}); lower cpu_pool.size or {hint}") from None
+                raise _FilesystemFull(e.strerror) from None
             except OSError as e:
+                if e.errno == errno.ENOMEM and self.page_size > 4096:
+                    # hugetlbfs reserves an arena's huge pages when it is mapped
+                    raise _FilesystemFull(e.strerror) from None
                 raise StorageIOError(
                     f"cannot map a CPU pool arena of {size} bytes ({e.strerror}): "
                     f"{map_count_check(0).found}; raise it (sysctl -w vm.max_map_count=...) or "

@@ -22,13 +22,14 @@ import time
 from typing import TYPE_CHECKING
 
 from tierstack.config import TierManagerConfig
-from tierstack.dtypes import check_dtype_name, dtype_from_name, dtype_name, nbytes_of
+from tierstack.dtypes import dtype_from_name, dtype_name, nbytes_of
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
 from tierstack.services.tier_manager.extent_header import ExtentMeta
 from tierstack.services.tier_manager.manifest import ManifestEntry
 from tierstack.services.tier_manager.nvme_pool import NvmeExtent
-from tierstack.services.tier_manager.requests import validate_key, validate_placement, validate_shape
+from tierstack.services.tier_manager.requests import (validate_buffer_size, validate_key,
+                                                      validate_placement, validate_tensor)
 from tierstack.services.tier_manager.tensor_bytes import copy_bytes, tensor_bytes, tensor_from_buffer
 from tierstack.services.tier_manager.tiers import NodeTiers, open_tiers
 from tierstack.services.tier_manager.types import NodeStats, TensorInfo
@@ -100,16 +101,8 @@ class TierRegistry:
         With `durable`, the bytes are first written to NVMe and recorded in the manifest,
         so the tensor survives a crash. On an error the buffer still belongs to the caller.
         """
-        validate_key(key)
-        validate_placement(placement)
-        validate_shape(shape)
-        check_dtype_name(dtype)
-        nbytes = nbytes_of(dtype, tuple(shape))
-        held = buffer.nbytes if buffer is not None else 0
-        if held != nbytes:
-            raise InvalidArgumentError(
-                f"tensor {key!r}: {dtype}{list(shape)} needs {nbytes} bytes but the buffer "
-                f"holds {held}; allocate a buffer of exactly the tensor's size")
+        nbytes = validate_tensor(key, dtype, shape, placement)
+        validate_buffer_size(key, dtype, shape, nbytes, buffer.nbytes if buffer is not None else 0)
         self._check_quota(key, nbytes)  # before any byte is written
         if not durable:
             return self.install(key, dtype, tuple(shape), nbytes, cpu=buffer, placement=placement)

@@ -3,6 +3,9 @@ anything changes (each failure is INVALID_ARGUMENT, saying what to give instead)
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
+from tierstack.dtypes import check_dtype_name, nbytes_of
 from tierstack.errors import InvalidArgumentError
 from tierstack.services.tier_manager.extent_header import MAX_DIMS
 from tierstack.tiers import PLACEMENTS, Placement
@@ -29,6 +32,17 @@ def validate_key(key: object) -> str:
     return key
 
 
+def validate_keys(keys: Iterable[object], exists: Callable[[str], object] | None = None) -> list[str]:
+    """Every key of a request, checked before any is acted on (a bad key last in a list
+    must not leave the first ones evicted or deleted); `exists` raises NOT_FOUND for a key
+    that is not stored."""
+    keys = [validate_key(k) for k in keys]
+    if exists is not None:
+        for key in keys:
+            exists(key)
+    return keys
+
+
 def validate_placement(placement: object) -> Placement:
     if placement not in PLACEMENTS:
         raise InvalidArgumentError(f"unknown placement {placement!r}; use one of {PLACEMENTS}")
@@ -38,3 +52,20 @@ def validate_placement(placement: object) -> Placement:
 def validate_shape(shape: tuple[int, ...]) -> None:
     if len(shape) > MAX_DIMS:
         raise InvalidArgumentError(f"a tensor of {len(shape)} dimensions; at most {MAX_DIMS}")
+
+
+def validate_tensor(key: str, dtype: str, shape: tuple[int, ...], placement: object) -> int:
+    """A tensor a client commits: its key, dtype, shape and placement; returns its bytes."""
+    validate_key(key)
+    validate_placement(placement)
+    validate_shape(shape)
+    check_dtype_name(dtype)
+    return nbytes_of(dtype, tuple(shape))
+
+
+def validate_buffer_size(key: str, dtype: str, shape: tuple[int, ...], nbytes: int, held: int) -> None:
+    """A committed buffer holds exactly the tensor's bytes."""
+    if held != nbytes:
+        raise InvalidArgumentError(
+            f"tensor {key!r}: {dtype}{list(shape)} needs {nbytes} bytes but the buffer "
+            f"holds {held}; allocate a buffer of exactly the tensor's size")

@@ -6,6 +6,12 @@ place, with their message unchanged (it already says what to do). No handler wai
 another client: what another client holds (a pin, a step, a job being deleted) is
 answered at once with a retry hint, and calls that may take long on the daemon's own
 work take one of a bounded number of slots first (admission.py).
+
+Validate first, then wait-or-refuse: every call checks its request (keys, sizes, dtypes,
+layout, hyperparameters, and that the tensors it names exist) before it looks at pins,
+slots or room, so an invalid request is INVALID_ARGUMENT (NOT_FOUND for a missing key)
+whatever the daemon is doing, and a retry hint is only ever given to a request that a
+retry can serve. For the long calls the check is `long_call`'s first argument.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import StreamSlots, checked_interval, rpc_method, rpc_stream
 from tierstack.services.tier_manager import wire
+from tierstack.services.tier_manager.adamw_request import check_request, check_stored
 from tierstack.services.tier_manager.admission import CallSlots
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer
 from tierstack.services.tier_manager.heap import trim_heap
-from tierstack.services.tier_manager.jobs import JobTable
+from tierstack.services.tier_manager.jobs import JobTable, validate_job
 from tierstack.services.tier_manager.registry import TierRegistry
-from tierstack.services.tier_manager.requests import validate_key
+from tierstack.services.tier_manager.requests import (validate_buffer_size, validate_key,
+                                                      validate_keys, validate_tensor)
 from tierstack.services.tier_manager.sessions import (ClientHolds, SessionWatcher,
                                                       reclaim_stale_sessions, session_of)
 from tierstack.services.tier_manager.types import (BufferLease, FetchResult, NodeInfo, NodeStats,
@@ -52,16 +60,22 @@ class _ClientGone(TierstackError):
         super().__init__("the client went away; its pins were released")
 
 
-def long_call(method):
-    """An RPC that may take long on the daemon's own work: it runs in a slot (admission.py)
-    or is refused at once with a retry hint."""
+def long_call(check):
+    """An RPC that may take long on the daemon's own work. `check(self, request)` comes
+    first and raises for a request no retry can serve; then the call runs in a slot
+    (admission.py) or is refused at once with a retry hint. The method is handed what
+    `check` returned (the request, or what it was turned into)."""
 
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        with self.slots.enter(session_of(context), method.__name__):
-            return method(self, request, context)
+    def decorate(method):
+        @functools.wraps(method)
+        def wrapper(self, request, context):
+            checked = check(self, request)
+            with self.slots.enter(session_of(context), method.__name__):
+                return method(self, checked, context)
 
-    return wrapper
+        return wrapper
+
+    return decorate
 
 
 class TierManagerServicer(pb_grpc.TierManagerServicer):
@@ -107,10 +121,14 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     # ---- writes -----------------------------------------------------------------------
 
+    def _check_allocate(self, request) -> int:
+        self.pool.check_size(request.nbytes)  # larger than the pool, or than its filesystem
+        return request.nbytes
+
     @rpc_method
-    @long_call
-    def AllocateBuffer(self, request, context):
-        buffer = self.registry.allocate_buffer(request.nbytes)
+    @long_call(_check_allocate)
+    def AllocateBuffer(self, nbytes, context):
+        buffer = self.registry.allocate_buffer(nbytes)
         lease_id = self.holds.lease(buffer, self.sessions.admit(session_of(context)))
         pool = self.pool
         if buffer is None:
@@ -124,8 +142,16 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         self.registry.free_buffer(buffer)
         return pb.CancelBufferResponse()
 
+    def _check_commit(self, request):
+        nbytes = validate_tensor(request.key, request.dtype, tuple(request.shape),
+                                 wire.placement_from(request.placement))
+        buffer = self.holds.peek_lease(request.lease_id)
+        validate_buffer_size(request.key, request.dtype, tuple(request.shape), nbytes,
+                             buffer.nbytes if buffer is not None else 0)
+        return request
+
     @rpc_method
-    @long_call
+    @long_call(_check_commit)
     def Commit(self, request, context):
         buffer, session = self.holds.take_lease(request.lease_id)
         try:
@@ -142,12 +168,15 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     # ---- reads ------------------------------------------------------------------------
 
+    def _check_keys(self, request) -> list[str]:
+        return validate_keys(request.keys, self.registry.info)
+
     @rpc_method
-    @long_call
-    def Fetch(self, request, context):
+    @long_call(_check_keys)
+    def Fetch(self, keys, context):
         out, fetched = [], []
         try:
-            for key in request.keys:
+            for key in keys:
                 info, buffer = self.registry.leases.fetch(key)
                 fetched.append((key, info.version))
                 out.append(Resident(info, buffer.arena if buffer else 0,
@@ -171,9 +200,8 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     @rpc_method
     def Prefetch(self, request, context):
-        for key in request.keys:
-            self.registry.info(key)  # unknown keys fail now, not silently later
-        for key in request.keys:
+        keys = validate_keys(request.keys, self.registry.info)  # unknown keys fail now, not later
+        for key in keys:
             self._prefetcher.submit(self._prefetch_one, key)
         return pb.PrefetchResponse(queued=len(request.keys))
 
@@ -186,15 +214,15 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
         return pb.ReleaseResponse()
 
     @rpc_method
-    @long_call
-    def Evict(self, request, context):
+    @long_call(_check_keys)
+    def Evict(self, keys, context):
         return pb.EvictResponse(tensors=[wire.tensor_info_pb(self.registry.spill.evict(k))
-                                         for k in request.keys])
+                                         for k in keys])
 
     @rpc_method
-    @long_call
-    def Delete(self, request, context):
-        for key in request.keys:
+    @long_call(_check_keys)
+    def Delete(self, keys, context):
+        for key in dict.fromkeys(keys):  # a key named twice is deleted once
             self.registry.delete(key)
         return pb.DeleteResponse()
 
@@ -209,10 +237,19 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
 
     # ---- optimizer ----------------------------------------------------------------------
 
-    @rpc_method
-    @long_call
-    def AdamWStep(self, request, context):
+    def _check_adamw(self, request):
         blocks, hyper, durable = wire.adamw_request_from(request)
+        check_request(blocks, hyper)
+        for block in blocks:
+            check_stored(block, hyper, self.registry.info)
+        return blocks, hyper, durable
+
+    @rpc_method
+    @long_call(_check_adamw)
+    def AdamWStep(self, checked, context):
+        blocks, hyper, durable = checked
+        # Made only now, for a request that passed its checks and got a slot: its first
+        # making imports torch (1-3 s), which a refused request never waits for.
         return wire.adamw_result_pb(self._stepper().step(blocks, hyper, durable))
 
     def make_stepper(self) -> None:
@@ -262,8 +299,12 @@ class TierManagerServicer(pb_grpc.TierManagerServicer):
     def ListJobs(self, request, context):
         return pb.ListJobsResponse(jobs=[wire.job_info_pb(j) for j in self.jobs.list()])
 
+    def _check_job(self, request):
+        validate_job(request.job)
+        return request
+
     @rpc_method
-    @long_call
+    @long_call(_check_job)
     def DeleteJob(self, request, context):
         return pb.DeleteJobResponse(deleted=self.jobs.delete(request.job, request.force))
 

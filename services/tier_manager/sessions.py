@@ -170,17 +170,28 @@ class ClientHolds(Generic[B]):
     def take_lease(self, lease_id: int) -> tuple[B, str]:
         """The buffer (and session) of a lease, which ends here."""
         with self._lock:
-            if lease_id in self._expired:
-                raise InvalidArgumentError(
-                    f"buffer lease {lease_id} expired: it was not committed within "
-                    f"{self.lease_timeout:.0f} s (or its client's session ended) and its buffer "
-                    f"was freed; allocate a new one")
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
-                raise InvalidArgumentError(
-                    f"buffer lease {lease_id} is unknown: it was committed or cancelled "
-                    f"already, or granted by a previous daemon instance; allocate a new buffer")
+            lease = self._find(lease_id)
+            del self._leases[lease_id]
             return lease.buffer, lease.session
+
+    def peek_lease(self, lease_id: int) -> B:
+        """The buffer of a lease, which goes on (a commit's checks, before it takes it)."""
+        with self._lock:
+            return self._find(lease_id).buffer
+
+    def _find(self, lease_id: int) -> _Lease[B]:
+        """A live lease, or INVALID_ARGUMENT saying why there is none (lock held)."""
+        if lease_id in self._expired:
+            raise InvalidArgumentError(
+                f"buffer lease {lease_id} expired: it was not committed within "
+                f"{self.lease_timeout:.0f} s (or its client's session ended) and its buffer "
+                f"was freed; allocate a new one")
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise InvalidArgumentError(
+                f"buffer lease {lease_id} is unknown: it was committed or cancelled "
+                f"already, or granted by a previous daemon instance; allocate a new buffer")
+        return lease
 
     def restore_lease(self, lease_id: int, buffer: B, session: str) -> None:
         """Give a lease back after a failed commit (the client may fix it and commit again)."""

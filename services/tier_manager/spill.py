@@ -9,11 +9,14 @@
   out, off the callers' paths.
 - NVMe full. `drop_nvme_copies` frees the NVMe copies of CPU-resident tensors that only
   an eviction wrote; they are written again if evicted again.
-- Room. `allocate` is the one way to a CPU-pool buffer. When the pool is full while room
-  is on its way (an update in place holds blocks it lets go of when it ends, a send-out
-  is writing), a daemon thread waits for it up to CPU_ROOM_WAIT_SECONDS; an RPC handler
-  never waits on another client's work: it answers RetryLaterError at once. Room held by
-  clients' pins does not come by itself: CpuPoolFullError at once.
+- Room. `allocate` is the one way to a CPU-pool buffer. The pool's room is the smaller of
+  its cap and what its filesystem can still give (cpu_pool.py); either way, when it is
+  full the pool evicts through `make_room`. When nothing more can go while room is on its
+  way (an update in place holds blocks it lets go of when it ends, a send-out is
+  writing), a daemon thread waits for it up to CPU_ROOM_WAIT_SECONDS; an RPC handler
+  never waits on another client's work: it answers RetryLaterError at once. With no room
+  on its way, or too little, no retry can help (clients' pins do not go by themselves, a
+  full tmpfs does not grow): CpuPoolFullError at once.
 
 The policy is not thread-safe: it is called under the records' lock, like every move.
 """
@@ -24,7 +27,8 @@ import logging
 import threading
 import time
 
-from tierstack.errors import CpuPoolFullError, InvalidArgumentError, KeyNotFoundError
+from tierstack.errors import (CpuPoolFullError, FailedPreconditionError, InvalidArgumentError,
+                              KeyNotFoundError)
 from tierstack.errors import RetryLaterError
 from tierstack.services.tier_manager.cpu_pool import CpuBuffer, CpuPool
 from tierstack.services.tier_manager.durable import DurableCopies
@@ -87,7 +91,8 @@ class Spill:
                 with self.records.lock:
                     coming = self._room_coming()
                     need = align_up(nbytes, self.cpu_pool.granule)
-                    if need > self.cpu_pool.free_bytes + coming:
+                    # free_bytes: under the cap and in the filesystem, whichever is less
+                    if not coming or need > self.cpu_pool.free_bytes + coming:
                         raise  # not even the room on its way would do: only clients can help
                     if not wait:
                         raise RetryLaterError(
@@ -112,8 +117,9 @@ class Spill:
         return buffer
 
     def has_room(self, nbytes: int) -> bool:
-        """Whether the CPU pool could take `nbytes` now without evicting anything."""
-        return self.cpu_pool.used_bytes + nbytes <= self.cpu_pool.capacity
+        """Whether the CPU pool could take `nbytes` now without evicting anything (under
+        its cap and in its filesystem)."""
+        return nbytes <= self.cpu_pool.free_bytes
 
     def _room_coming(self) -> int:
         """Bytes of CPU copies that updates and send-outs under way will let go of (lock held)."""
@@ -130,12 +136,14 @@ class Spill:
             record = self.records.get(key)
             if record.cpu is None:
                 return record.info()
-            if record.pins:
-                raise InvalidArgumentError(
-                    f"tensor {key!r} is fetched by {record.pins} reader(s); release it first")
+            # A load or an update pins its record too: that passes by itself, a reader's
+            # pin only by the reader's Release (a well-formed request, refused for now).
             if not record.at_rest:
                 raise RetryLaterError(f"tensor {key!r} is {record.phase.value} now; evict it "
                                       f"again once that ends")
+            if record.pins:
+                raise FailedPreconditionError(
+                    f"tensor {key!r} is fetched by {record.pins} reader(s); release it first")
             record.start_leaving()
             self.policy.untrack(key)
         self._leave(record)
@@ -244,7 +252,7 @@ class Spill:
                 key = self._leaving.pop()
             try:
                 self.evict(key)
-            except (KeyNotFoundError, InvalidArgumentError, RetryLaterError):
+            except (KeyNotFoundError, FailedPreconditionError, RetryLaterError):
                 pass  # deleted meanwhile, or in use again: its next release queues it
             except Exception as e:  # noqa: BLE001 - e.g. NVMe full: the CPU copy stays, whole
                 if not self._send_out_failed:

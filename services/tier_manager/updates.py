@@ -163,9 +163,11 @@ class Updates:
     def _hold(self, record: TensorRecord) -> None:
         """Make `record` CLAIMED with the updater's one pin, or RetryLaterError."""
         key = record.key
-        if record.phase in (Phase.CLAIMED, Phase.UPDATING, Phase.LOADING) or record.pins:
-            why = (f"fetched by {record.pins} reader(s), which must release it first" if record.pins
-                   else f"{record.phase.value} by another call")
+        busy = record.phase in (Phase.CLAIMED, Phase.UPDATING, Phase.LOADING)
+        if busy or record.pins:
+            # A claimed or updated record holds its updater's pin: name the step, not a reader.
+            why = (f"{record.phase.value} by another call" if busy
+                   else f"fetched by {record.pins} reader(s), which must release it first")
             raise RetryLaterError(
                 f"tensor {key!r} is {why}: an optimizer step changes it in place. Nothing was "
                 f"changed; send the step again", PIN_RETRY_SECONDS)

@@ -4,6 +4,8 @@ a status that names the mistake, and the daemon goes on serving everyone else.""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,6 +14,7 @@ import torch
 from tierstack.errors import InvalidArgumentError
 from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
+from tierstack.rpc import RETRY_PUSHBACK
 from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
 from tierstack.worker.store.arenas import ArenaMap
@@ -60,7 +63,9 @@ def test_a_key_in_two_roles_is_refused_and_wedges_nothing(daemon):
     # Two blocks of one request sharing a tensor are refused the same way.
     with pytest.raises(InvalidArgumentError, match="twice"):
         client.adamw_step([block("a", 1000), block("b", 1000, grads="a/grads")], HYPER, timeout=10)
-    result = client.adamw_step([block("b", 1000)], HYPER, timeout=10)  # others are served
+    # Others are served. This first valid step makes the daemon's AdamW (importing torch:
+    # seconds on a loaded 2-core machine), which the refused ones above no longer wait for.
+    result = client.adamw_step([block("b", 1000)], HYPER, timeout=60)
     assert {i.key for i in result.updated} >= {"b/params", "b/exp_avg", "b/exp_avg_sq"}
     client.close()
     assert daemon.stop(timeout=20) == 0  # SIGTERM ends it (a wedged daemon needed SIGKILL)
@@ -80,7 +85,7 @@ def test_a_gradient_that_is_not_whole_elements_is_invalid_argument(daemon):
                           HYPER, timeout=10)  # an odd offset into bfloat16 elements
     updated = client.adamw_step([AdamWBlock("c/params", "c/grads", "", "c/exp_avg", "c/exp_avg_sq",
                                             "float32", "bfloat16", 28, (AdamWSegment(6, 0, 0, 0),))],
-                                HYPER, timeout=10).updated
+                                HYPER, timeout=60).updated  # the first valid step: torch is imported
     assert "c/params" in {i.key for i in updated}
     client.close()
 
@@ -188,5 +193,120 @@ def test_a_step_count_beyond_int64_is_invalid_argument(daemon):
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
                 assert "at most 9223372036854775807" in err.value.details()
         assert client.describe("big/params").version == version
+    finally:
+        client.close()
+
+
+# ---- validate first, then wait-or-refuse (issue 53) ---------------------------------------------
+
+
+def _raw(daemon, method: str, request) -> grpc.RpcError | object:
+    """One call, sent once (no client-side retries): its answer, or the error it ended with."""
+    with grpc.insecure_channel(daemon.address) as channel:
+        try:
+            return getattr(pb_grpc.TierManagerStub(channel), method)(request, timeout=60)
+        except grpc.RpcError as e:
+            return e
+
+
+def _step(daemon, blocks, hyper=HYPER):
+    from tierstack.services.tier_manager import wire
+
+    return _raw(daemon, "AdamWStep", wire.adamw_request_pb(blocks, hyper, False))
+
+
+def _invalid_steps() -> dict:
+    """AdamW requests wrong in themselves, each with its hyperparameters."""
+    good = block("q", 1000)
+    seg = AdamWSegment
+    return {
+        "a segment past the end": ([replace(good, segments=(seg(1001, 0, 0, 0),))], HYPER),
+        "segments over each other": ([replace(good, segments=(seg(500, 0, 0, 0), seg(500, 1000, 1000, 1000)))], HYPER),
+        "segments in another order in the state": (
+            [replace(good, segments=(seg(500, 0, 0, 2000), seg(500, 2000, 2000, 0)))], HYPER),
+        "an odd offset into the gradients": ([replace(good, segments=(seg(999, 0, 2, 0),))], HYPER),
+        "an integer gradient dtype": ([replace(good, grad_dtype="int32")], HYPER),
+        "an unknown parameter dtype": ([replace(good, param_dtype="complex7")], HYPER),
+        "bf16 parameters without masters": ([replace(good, param_dtype="bfloat16")], HYPER),
+        "state bytes that are no whole floats": ([replace(good, state_nbytes=4001)], HYPER),
+        "a key in two roles": ([replace(good, exp_avg="q/params")], HYPER),
+        "an empty gradients key": ([replace(good, grads="")], HYPER),
+        "a NUL in a key": ([replace(good, exp_avg_sq="q/\x00")], HYPER),
+        "a param group without rates": ([replace(good, segments=(seg(1000, 0, 0, 0, group=3),))], HYPER),
+        "step 0": ([good], replace(HYPER, step=0)),
+        "lr NaN": ([good], replace(HYPER, lr=float("nan"))),
+        "beta2 of 1": ([good], replace(HYPER, beta2=1.0)),
+        "eps infinite": ([good], replace(HYPER, eps=float("inf"))),
+        "moments missing at step 2": ([good], replace(HYPER, step=2)),
+        "gradients not stored": ([replace(good, grads="q/none")], HYPER),
+        "a master not stored": ([replace(good, master="q/none", param_dtype="bfloat16")], HYPER),
+    }
+
+
+def test_an_invalid_step_gets_the_same_answer_whether_or_not_its_tensors_are_held(daemon):
+    """The issue's case: a segment past the end of a tensor another client had fetched was
+    answered UNAVAILABLE 'Nothing was changed; send the step again', and INVALID_ARGUMENT
+    only after the Release: the pin was looked at before the request. Now every request is
+    checked first: each of these gets the same answer with the parameters fetched as
+    without, on its first call, and never a retry hint."""
+    client = TierManagerClient(daemon.address, reconnect_timeout=20)
+    try:
+        put(client, "q/params", torch.randn(1000))
+        put(client, "q/grads", torch.randn(1000))
+        version = client.describe("q/params").version
+        (held,) = client.fetch(["q/params"]).tensors
+        busy = _step(daemon, [block("q", 1000)])  # the pin is what a valid step meets
+        assert busy.code() == grpc.StatusCode.UNAVAILABLE and "fetched by 1 reader(s)" in busy.details()
+        pinned = {name: _step(daemon, *request) for name, request in _invalid_steps().items()}
+        client.release("q/params", held.info.version)
+        free = {name: _step(daemon, *request) for name, request in _invalid_steps().items()}
+        for name, answer in pinned.items():
+            assert isinstance(answer, grpc.RpcError), f"{name}: served"
+            assert answer.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), \
+                (name, answer.code(), answer.details())
+            assert RETRY_PUSHBACK not in dict(answer.trailing_metadata() or ())
+            assert (answer.code(), answer.details()) == (free[name].code(), free[name].details()), name
+        assert client.describe("q/params").version == version  # nothing changed, ever
+        assert not isinstance(_step(daemon, [block("q", 1000)]), grpc.RpcError)  # the valid one runs
+    finally:
+        client.close()
+
+
+def test_a_refused_first_step_does_not_wait_for_the_optimizer_to_be_made(daemon):
+    """The daemon makes its AdamW (importing torch: 1-3 s) at its first step. It used to do
+    that before looking at the request, so a refused first step took seconds; now only a
+    step that passed its checks makes it (seen in the daemon's own memory map)."""
+    client = TierManagerClient(daemon.address, reconnect_timeout=20)
+    maps = Path(f"/proc/{daemon.proc.pid}/maps")
+    try:
+        put(client, "r/params", torch.randn(1000))
+        put(client, "r/grads", torch.randn(1000))
+        for blocks, hyper in _invalid_steps().values():
+            assert isinstance(_step(daemon, blocks, hyper), grpc.RpcError)
+        assert "libtorch" not in maps.read_text() and "AdamW kernel" not in daemon.log_text()
+        client.adamw_step([block("r", 1000)], HYPER, timeout=60)
+        assert "libtorch" in maps.read_text()  # made now, and seen where it is
+    finally:
+        client.close()
+
+
+def test_a_bad_key_anywhere_in_a_list_changes_nothing(daemon):
+    """Delete ['k', ''] used to delete 'k' and then refuse the empty key; Evict and Fetch
+    likewise acted on the keys before a bad one. Every key is checked before any is
+    touched: a malformed one is INVALID_ARGUMENT, a missing one NOT_FOUND, and 'k' stays."""
+    client = TierManagerClient(daemon.address, reconnect_timeout=20)
+    try:
+        put(client, "k", torch.randn(1000))
+        version = client.describe("k").version
+        for method, bad in (("Delete", ""), ("Delete", "missing"), ("Evict", "k\x00"),
+                            ("Evict", "k" * 1100), ("Fetch", ""), ("Fetch", "missing")):
+            answer = _raw(daemon, method, getattr(pb, f"{method}Request")(keys=["k", bad]))
+            expected = grpc.StatusCode.NOT_FOUND if bad == "missing" else grpc.StatusCode.INVALID_ARGUMENT
+            assert isinstance(answer, grpc.RpcError) and answer.code() == expected, (method, bad, answer)
+            info = client.describe("k")
+            assert info.version == version and info.in_cpu, (method, bad)
+        assert client.stats().pinned == 0
+        client.delete(["k", "k"])  # a key named twice is deleted once
+        assert client.stats().tensors == 0
     finally:
         client.close()

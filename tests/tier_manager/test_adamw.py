@@ -125,10 +125,15 @@ def test_a_bad_layout_is_refused_and_changes_nothing(tier_config):
         block = _one_block(reg)
         before = reg.get(block.params).clone()
         version = reg.info(block.params).version
+        last = block.segments[-1]
         bad = AdamWBlock(**{**block.__dict__, "segments": block.segments[:-1] + (
-            AdamWSegment(10**6, 0, 0, 0),)})
+            AdamWSegment(10**6, last.param_offset, last.grad_offset, last.state_offset),)})
         with pytest.raises(InvalidArgumentError, match="does not fit"):
             stepper.step([bad], AdamWHyper(1, 1e-3, 0.9, 0.999, 1e-8, 0.0))
+        overlapping = AdamWBlock(**{**block.__dict__, "segments": block.segments[:-1] + (
+            AdamWSegment(last.numel, 0, 0, 0),)})  # over the first one's bytes
+        with pytest.raises(InvalidArgumentError, match="overlap or are not in the same order"):
+            stepper.step([overlapping], AdamWHyper(1, 1e-3, 0.9, 0.999, 1e-8, 0.0))
         assert torch.equal(reg.get(block.params), before)
         assert reg.info(block.params).version == version
         assert reg.stats().pinned == 0
@@ -704,3 +709,12 @@ def test_moments_made_in_a_reused_arena_start_from_zero(tier_config):
                 torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
         finally:
             stepper.close()
+
+
+def test_the_floating_point_dtypes_checked_by_name_are_torch_s():
+    """The daemon checks an AdamW request's dtypes by name, without torch (adamw_request.py),
+    before it makes its optimizer: the names it takes are those torch calls floating point."""
+    from tierstack.dtypes import ITEMSIZES, dtype_from_name
+    from tierstack.services.tier_manager.adamw_request import FLOATING
+
+    assert FLOATING == {n for n in ITEMSIZES if dtype_from_name(n).is_floating_point}

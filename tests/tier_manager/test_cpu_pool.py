@@ -256,24 +256,94 @@ def test_an_arena_s_pages_are_all_there_at_creation(shm_dir, monkeypatch, madvis
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    mount = tmp_path / "small-shm"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("mounting a small tmpfs needs root")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_tmpfs(mounted):
+    """A real 8 MiB tmpfs, unmounted after the test (conftest's `mounted` skips, saying
+    why, where this user cannot mount one: root is needed)."""
+    return mounted("tmpfs", "size=8m")
 
 
-def test_an_arena_the_tmpfs_cannot_hold_is_refused_in_one_line_and_loses_nothing(small_tmpfs):
+def test_an_arena_larger_than_the_whole_tmpfs_is_refused_in_one_line_and_loses_nothing(small_tmpfs):
     with CpuPool(CpuPoolConfig(size=256 * MiB, shm_dir=str(small_tmpfs))) as pool:
         kept = pool.allocate(4 * MiB)
         pool.view(kept)[:3] = b"abc"
-        with pytest.raises(CpuPoolFullError, match=f"{small_tmpfs}: it is full.*lower cpu_pool.size"):
-            pool.allocate(130 * MiB)  # two populate slices and more: past the 8 MiB tmpfs
+        with pytest.raises(CpuPoolFullError, match=f"larger than the whole filesystem.*{small_tmpfs} "
+                                                   r"\(8388608 bytes\); grow the tmpfs"):
+            pool.allocate(130 * MiB)  # past the 8 MiB tmpfs: no room could ever hold it
         assert bytes(pool.view(kept)[:3]) == b"abc" and len(_arenas(small_tmpfs)) == 1
-        after = pool.allocate(2 * MiB)  # the failed arena's room is back
+        after = pool.allocate(2 * MiB)
         assert pool.used_bytes == 6 * MiB and after.zeroed
+
+
+def test_a_pool_larger_than_its_tmpfs_evicts_at_the_tmpfs_s_room_as_at_its_cap(small_tmpfs):
+    """The pool's room is the smaller of its cap (64 MiB) and what the tmpfs (8 MiB) can
+    still give: past the tmpfs it asks its owner to evict, as it does at its cap (it used
+    to try the arena and fail with 'No space left on device' whatever could have gone)."""
+    held = []
+
+    def evict(nbytes: int) -> bool:
+        if not held:
+            return False
+        pool.free(held.pop(0))
+        return True
+
+    config = CpuPoolConfig(size=64 * MiB, shm_dir=str(small_tmpfs), keep_empty_seconds=3600)
+    with CpuPool(config, on_full=evict) as pool:
+        assert pool.free_bytes == 8 * MiB  # the tmpfs's room, not the cap's 64 MiB
+        held.extend(pool.allocate(2 * MiB) for _ in range(4))  # the tmpfs is full now
+        assert pool.free_bytes == 0
+        for i in range(6):  # each evicts the oldest; its empty arena is returned for the new
+            held.append(pool.allocate(2 * MiB))
+        assert len(held) == 4 and shm_bytes_used(small_tmpfs) <= 8 * MiB
+        held.clear()  # nothing evictable from here on
+        with pytest.raises(CpuPoolFullError, match=r"is full \(.*nothing evictable: lower "
+                                                   r"cpu_pool.size to what the filesystem holds or "
+                                                   r"grow the tmpfs"):
+            pool.allocate(2 * MiB)
+
+
+def test_small_buffers_share_arenas_sized_from_the_tmpfs_when_it_is_smaller_than_the_cap(small_tmpfs):
+    """A 4 GiB cap would share 64 MiB arenas, larger than the whole 8 MiB tmpfs: they are
+    sized from the tmpfs instead (1/64 of it), so small buffers fit."""
+    with CpuPool(CpuPoolConfig(size=4 << 30, shm_dir=str(small_tmpfs))) as pool:
+        assert pool.shared_arena == 8 * MiB // 64
+        small = [pool.allocate(5_000) for _ in range(3)]
+        assert len({b.arena for b in small}) == 1 and pool.arena_bytes == pool.shared_arena
+
+
+def test_a_tmpfs_someone_else_fills_is_room_the_pool_does_not_count_on(small_tmpfs):
+    """Room is what the filesystem can give now: a file another process wrote there
+    leaves less, and a request past that is refused at once (no arena half made)."""
+    filler = small_tmpfs / "someone-else"
+    filler.write_bytes(b"\1" * (5 * MiB))
+    with CpuPool(CpuPoolConfig(size=64 * MiB, shm_dir=str(small_tmpfs))) as pool:
+        assert pool.free_bytes <= 3 * MiB
+        kept = pool.allocate(2 * MiB)
+        with pytest.raises(CpuPoolFullError, match="is full"):
+            pool.allocate(2 * MiB)
+        assert len(_arenas(small_tmpfs)) == 1 and pool.arena_bytes == 2 * MiB  # none half made
+        assert kept.arena == pool.arenas[0].index
+        filler.unlink()
+        pool.allocate(2 * MiB)  # room again
+
+
+def test_huge_pages_that_run_out_mid_arena_are_a_full_pool_not_an_error(hugetlbfs):
+    """A hugetlbfs mounted without a size states no room (statvfs: 0 blocks), so the pool
+    finds out as it writes an arena's pages: that is met as a full pool, evicting first
+    and refusing with the fix when nothing can go."""
+    held, evicted = [], []
+
+    def evict(nbytes: int) -> bool:
+        if not held:
+            return False
+        evicted.append(held.pop(0))
+        pool.free(evicted[-1])
+        return True
+
+    config = CpuPoolConfig(size=256 * MiB, shm_dir=str(hugetlbfs), keep_empty_seconds=0)
+    with CpuPool(config, on_full=evict) as pool:
+        held.append(pool.allocate(24 * MiB))  # 12 of the 16 huge pages reserved
+        held.append(pool.allocate(16 * MiB))  # 8 more than are left: the first goes
+        assert len(evicted) == 1 and len(held) == 1
+        held.clear()
+        with pytest.raises(CpuPoolFullError, match="reserve more huge pages"):
+            pool.allocate(24 * MiB)

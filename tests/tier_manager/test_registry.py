@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import shm_bytes_used
-from tierstack.errors import DataCorruptionError, InvalidArgumentError, KeyNotFoundError, NvmePoolFullError
+from tierstack.errors import (DataCorruptionError, FailedPreconditionError, InvalidArgumentError,
+                              KeyNotFoundError, NvmePoolFullError)
 from tierstack.services.tier_manager.eviction import JobPlan
 from tierstack.services.tier_manager.nvme_pool import DATA_FILE, LOCK_FILE
 from tierstack.services.tier_manager.registry import TierRegistry, tensor_view
@@ -97,8 +98,8 @@ def test_fetched_tensors_are_never_evicted(tier_config):
             reg.put("too-much", torch.zeros(512 * 1024), tier="cpu")
         for i in range(7):
             assert reg.info(f"pinned{i}").in_cpu
-        with pytest.raises(InvalidArgumentError, match="release it first"):
-            reg.evict("pinned0")
+        with pytest.raises(FailedPreconditionError, match="release it first"):
+            reg.evict("pinned0")  # a well-formed request the state refuses for now
 
 
 def test_restarted_registry_finds_every_committed_tensor(tier_config):

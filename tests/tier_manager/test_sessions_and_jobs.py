@@ -163,3 +163,33 @@ def test_reopening_a_job_while_its_ended_state_is_deleted_loses_no_acknowledged_
         worker.close()
         deleter.close()
         daemon.kill()
+
+
+def test_every_client_has_slots_of_its_own_for_long_calls(daemon):
+    """Long calls are counted per client session, and calls naming none share one count
+    (admission.py). Eight plain clients that only stepped were eight sessionless callers
+    sharing 6 slots ('busy ... send it again'); TierManagerClient now opens its session
+    before its first long call, even one that is refused, so each is a client of its own."""
+    from pathlib import Path
+
+    from tierstack.services.tier_manager.types import AdamWBlock, AdamWHyper, AdamWSegment
+
+    probe = TierManagerClient(daemon.address, reconnect_timeout=20)
+    session_dir = Path(probe.node().session_dir)
+    probe.close()
+    before = set(session_dir.glob("tierstack-client-*.lock"))
+    clients = [TierManagerClient(daemon.address, reconnect_timeout=20) for _ in range(8)]
+    step = AdamWBlock("none/params", "none/grads", "", "none/m", "none/v", "float32", "float32",
+                      4, (AdamWSegment(1, 0, 0, 0),))
+    try:
+        for i, client in enumerate(clients):
+            with pytest.raises(KeyNotFoundError):
+                if i % 2:
+                    client.adamw_step([step], AdamWHyper(1, 1e-3, 0.9, 0.999, 1e-8, 0.0))
+                else:
+                    client.delete(["none/x"])
+        assert len(set(session_dir.glob("tierstack-client-*.lock")) - before) == 8
+    finally:
+        for client in clients:
+            client.close()
+    assert set(session_dir.glob("tierstack-client-*.lock")) <= before  # closed: gone
