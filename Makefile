@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test docs docs-reference docs-layout bench-io bench-ensure-layer bench-train bench-scheduler bench-partitioned proto clean system-packages
+.PHONY: run test docs docs-reference docs-layout bench-io bench-ensure-layer bench-train bench-scheduler bench-partitioned bench-construct proto clean system-packages
 
 $(STAMP): pyproject.toml setup.py services/tier_manager/native/blockio.c \
           services/tier_manager/native/adamw.c
@@ -68,6 +68,9 @@ bench-scheduler: $(STAMP)
 
 bench-partitioned: $(STAMP)
 	$(PY) bench/partitioned.py
+
+bench-construct: $(STAMP)
+	$(PY) bench/construct.py
 
 # The documentation site (docs/, mkdocs.yml) into site/; a broken link fails the build.
 docs: $(STAMP)

@@ -11,4 +11,8 @@ def __getattr__(name: str):
         from tierstack.worker.api import initialize as module
 
         return getattr(module, name)
+    if name == "zero":
+        from tierstack.worker.api import zero
+
+        return zero
     raise AttributeError(f"module 'tierstack' has no attribute {name!r}")

@@ -49,7 +49,7 @@ from tierstack.worker.node.services import NodeServices, SchedulerUse, open_node
 from tierstack.worker.plans.follower import PlanFollower
 from tierstack.worker.plans.keeper import PlanKeeper
 from tierstack.worker.store.block_store import BlockStore
-from tierstack.worker.store.layer_store import LayerStore, layer_tensors
+from tierstack.worker.store.layer_store import LayerStore
 from tierstack.worker.store.layout import LayerLayout
 from tierstack.worker.store.sharded_store import ShardedLayerStore
 
@@ -192,8 +192,7 @@ def _open(spec: JobSpec, stack: contextlib.ExitStack) -> Job:
         nvme_paths=spec.nvme_paths, nvme_setting=spec.nvme_setting,
         cpu_pool_size=spec.cpu_pool_size)
     blocks = spec.model.get_submodule(spec.blocks_attr)
-    # Meta tensors count: nothing needs to exist to be measured.
-    largest = max((LayerLayout.of(layer_tensors(b)).nbytes for b in blocks), default=1)
+    largest = max((_layout_bytes(b) for b in blocks), default=1)
     device_budget = spec.device_budget or train.device_budget or spec.device_budget_layers * largest
     node = _node(services.tier_manager)
     from_masters = decide_weights_from_masters(spec.model, spec.blocks_attr, train,
@@ -222,6 +221,14 @@ def _open(spec: JobSpec, stack: contextlib.ExitStack) -> Job:
     log.info("job %s on %s: %s; device budget %.1f MiB, budgets %s", spec.name, spec.device,
              services.describe(), device_budget / (1 << 20), budgets.describe())
     return job
+
+
+def _layout_bytes(block: torch.nn.Module) -> int:
+    """Bytes of a block's stored layout, measured from its tensors' shapes and dtypes: meta
+    tensors and zero.Init's parked parameters count, nothing needs to exist."""
+    shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
+              for name, t in block.state_dict(keep_vars=True).items()}
+    return LayerLayout.of(shapes).nbytes
 
 
 def _node(address: str):

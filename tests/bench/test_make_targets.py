@@ -23,6 +23,8 @@ TINY = {  # script -> arguments that make it a few seconds' run on the CPU
     "bench/scheduler.py": ["--quick", "--device", "cpu", "--layers", "4", "--layer-mib", "2"],
     "bench/partitioned.py": ["--ranks", "1", "--modes", "cpu", "--steps", "2", "--repeats", "1",
                              "--layers", "2", "--dim", "64", "--heads", "2"],
+    "bench/construct.py": ["--dim", "64", "--layers", "2", "4", "--vocab", "100",
+                           "--host-bytes", "200000", "--nvme-dir", "{tmp}/spill"],
 }
 
 

@@ -83,7 +83,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     # Each rank of a partitioned job keeps 1/N of every block (worker/store/sharded_store.py).
     if total_steps is None:
         total_steps = train.lr_schedule.params.get("total_num_steps")
-    built = open_job(JobSpec(job, settings, model, blocks_attr, device, param_groups=groups,
+    # A model built under zero.Init has its blocks' bytes in a spill, taken block by block.
+    from tierstack.worker.api.zero import built_under_init, materialize_spilled
+    from tierstack.worker.engine.offload_engine import materialize
+
+    made = materialize_spilled if built_under_init(model) else materialize
+    built = open_job(JobSpec(job, settings, model, blocks_attr, device, initialize=made,
+                             param_groups=groups,
                              partitioned=ranks is not None, tier_manager=tier_manager or "",
                              tier_manager_setting="initialize(tier_manager=)",
                              total_steps=int(total_steps) if total_steps else None))

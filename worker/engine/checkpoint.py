@@ -71,7 +71,7 @@ def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | 
     torch.save({
         "blocks": len(engine.blocks.blocks),
         "steps": optimizer.steps,
-        "persistent": engine.model.state_dict(),
+        "persistent": engine.views.persistent_state_dict(),
         "persistent_optimizer": engine.persistent_optimizer.state_dict(),
         "persistent_masters": [m.detach().cpu() for m in engine.persistent_masters],
         # The groups' hyperparameters now (a schedule moved their lr) and fp16's loss scale.
@@ -165,7 +165,7 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
         kinds = (MOMENTS if meta["steps"] else ()) + (("master",) if optimizer.masters else ())
         for kind in kinds:
             store.write_back(i, {k: v for k, v in saved.items() if k.endswith(f".{kind}")}, kind=kind)
-    engine.model.load_state_dict(meta["persistent"])
+    engine.views.load_persistent_state_dict(meta["persistent"])
     engine.persistent_optimizer.load_state_dict(meta["persistent_optimizer"])
     with torch.no_grad():
         for m, saved_master in zip(engine.persistent_masters, meta["persistent_masters"]):
@@ -185,7 +185,7 @@ def _model_parts(engine: OffloadEngine):
     engine.wait_for_optimizer()
     seen: set[int] = set()
     persistent = {}
-    for name, tensor in engine.model.state_dict().items():
+    for name, tensor in engine.views.persistent_state_dict().items():
         if tensor.data_ptr() in seen:  # tied weights (e.g. GPT-2's head): stored once
             continue
         seen.add(tensor.data_ptr())
@@ -194,7 +194,8 @@ def _model_parts(engine: OffloadEngine):
     for i in range(len(engine.blocks.blocks)):
         block = engine.store.read_layer(i)
         yield (f"model-block-{i:05d}.safetensors",
-               {f"{engine.blocks_attr}.{i}.{n}": t.contiguous() for n, t in block.items()})
+               {f"{engine.blocks_attr}.{engine.blocks.positions[i]}.{n}": t.contiguous()
+                for n, t in block.items()})
 
 
 def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:

@@ -56,6 +56,8 @@ from tierstack.tiers import AUTO, BLOCK_TIERS, CPU, GPU, HOST_TIERS, NVME, Block
 from tierstack.worker.engine.chunked_loss import language_model_loss, output_head
 from tierstack.worker.store.grad_norm import squared_norm
 from tierstack.worker.store.block_store import BlockStore
+from tierstack.worker.engine.block_views import is_parked
+from tierstack.worker.engine.model_views import ModelViews
 from tierstack.worker.engine.offloaded_blocks import OffloadedBlocks
 from tierstack.worker.engine.param_groups import group_by_name, param_groups_of
 from tierstack.worker.engine.placement import (MiB, BlockPlacement, DeviceFootprint, SavedBytes,
@@ -389,7 +391,7 @@ class OffloadEngine:
         for layer, position in enumerate(positions):
             store.place(layer, self.tiers[position], self.state_tiers[position])
         # Blocks whose masters are put off until the placement (see prepare).
-        self._deferred_masters: set[int] = set()
+        self.deferred_masters: set[int] = set()
         defer = self.budgets.hbm > 0 and bool(positions)
 
         def prepare(i: int, block: torch.nn.Module) -> None:
@@ -401,14 +403,16 @@ class OffloadEngine:
                 # Weights already in the training dtype: their masters are those values
                 # widened, made once the placement knows where the block lives (on the
                 # device for a resident block) rather than held in host memory ahead of it.
-                self._deferred_masters.add(i)
+                self.deferred_masters.add(i)
             else:  # fp32 masters come from the fp32 weights
                 store.write_back(i, {f"{n}.master": p.detach().float() for n, p in trainable},
                                  kind="master")
             block.to(dtype)
 
         prefetch_depth = max(1, train.params.buffer_count - 1)
-        self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions, prepare)
+        self.blocks = OffloadedBlocks(block_list, store, prefetch_depth, positions, prepare,
+                                      write_weights=lambda i, w: self.views.write_block_weights(i, w),
+                                      prefix=f"{self.blocks_attr}.")
         self._apply_activation_policy()
         if train.activations.partition:
             self._partition_activations()
@@ -422,15 +426,18 @@ class OffloadEngine:
         persistent_fp32 = None
         if dtype != torch.float32:
             persistent_fp32 = [p.detach().float().clone() for p in model.parameters()
-                               if p.requires_grad]  # offloaded blocks are proxies by now
+                               if p.requires_grad and not is_parked(p)]  # not the offloaded blocks'
             model.to(dtype)
         model.to(store.device)
-        named_persistent = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named_persistent = [(n, p) for n, p in model.named_parameters()
+                            if p.requires_grad and not is_parked(p)]
         self.persistent = [p for _, p in named_persistent]
         persistent_names = [n for n, _ in named_persistent]
         # fp32 masters of the persistent parameters (the parameters themselves in fp32).
         self.persistent_masters = (self.persistent if persistent_fp32 is None else
                                    [m.to(store.device).requires_grad_() for m in persistent_fp32])
+        self.views = ModelViews(self)
+        self.views.own_persistent(self.persistent)
         hyper = dict(lr=optimizer.lr, betas=tuple(optimizer.betas), eps=optimizer.eps,
                      weight_decay=optimizer.weight_decay)
         self.persistent_optimizer = torch.optim.AdamW(
@@ -560,7 +567,7 @@ class OffloadEngine:
             self.store.write_back(index, {f"{n}.master": params[n].float()
                                           for n, _, _ in self.blocks.trainable(index)}, kind="master")
 
-        indices = sorted(self._deferred_masters)
+        indices = sorted(self.deferred_masters)
         if len(indices) > 1 and self.store.writes_from_any_thread:
             # A 1.3B LLaMA's 5.4 GB of masters took ~4.5 s of its first step one block at a
             # time (read, widen, allocate, pack: each mostly outside the GIL). A few blocks
@@ -571,7 +578,7 @@ class OffloadEngine:
         else:
             for index in indices:
                 store(index)
-        self._deferred_masters.clear()
+        self.deferred_masters.clear()
 
     def step(self, loss_scale: float = 1.0) -> bool:
         """The optimizer step after a backward: persistent parameters, then every block,
@@ -820,14 +827,15 @@ class OffloadEngine:
         block = self.blocks.make_resident(index, tensors, recompute)
         named = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
         masters = [p for _, p in named]
-        if index in self._deferred_masters:  # never stored: the weights widened, here
-            self._deferred_masters.discard(index)
+        if index in self.deferred_masters:  # never stored: the weights widened, here
+            self.deferred_masters.discard(index)
             masters = [p.detach().float().requires_grad_() for _, p in named]
         elif self.block_optimizer.masters:
             stored = store.read_layer(index, "master")
             masters = [stored[f"{n}.master"].to(device).requires_grad_() for n, _ in named]
         steps = self.block_optimizer.steps
         self.persistent.extend(p for _, p in named)
+        self.views.own_persistent([p for _, p in named])
         if self.persistent_masters is not self.persistent:
             self.persistent_masters.extend(masters)
         prefix = f"{self.blocks_attr}.{self.blocks.positions[index]}."
@@ -869,3 +877,4 @@ def _check_buffer_size(block_list: torch.nn.Module, blocks_attr: str, positions:
                     f"elements, more than train.params.buffer_size ({buffer_size:,}; DeepSpeed: "
                     f"zero_optimization.offload_param.buffer_size); raise it to at least "
                     f"{tensor.numel()}, or keep the block on the device with train.tier_overrides")
+

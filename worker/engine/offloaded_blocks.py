@@ -1,10 +1,13 @@
 """Offloaded blocks: a ModuleList whose parameters live in the tiers, not on the device.
 
 `OffloadedBlocks` registers each block's tensors with the node's tier manager (one
-contiguous block per layer, through `LayerStore`), keeps only empty placeholders in the
-blocks, and puts a thin proxy in each slot of the model's ModuleList, so the model's own
-forward (a plain GPT's loop, Hugging Face's decoder loop with its masks and rotary
-embeddings passed as keyword arguments) runs unchanged. Forward runs block i with its tensors brought in by `ensure_layer(i)`
+contiguous block per layer, through the store), keeps only placeholders in the blocks
+(worker/engine/block_views.py: each parameter keeps its shape and name, its bytes are in
+the tiers), and gives each block a forward of its own, so the model's own forward (a plain
+GPT's loop, Hugging Face's decoder loop with its masks and rotary embeddings passed as
+keyword arguments) runs unchanged. The blocks stay where they were in the model: its
+parameters, attribute access and `state_dict()` (every value read from the tiers, one
+block at a time) see the whole model. Forward runs block i with its tensors brought in by `ensure_layer(i)`
 (prefetching the next ones) and drops them right after; nothing but the block's input
 is saved (on the device, or with the tier manager: the block's activation policy, see
 activation_stash.py). Backward recomputes block i from that input with its tensors brought in again
@@ -42,6 +45,7 @@ from tierstack.dtypes import dtype_from_name
 from tierstack.errors import InvalidArgumentError
 from tierstack.tiers import AUTO
 from tierstack.worker.engine.activation_stash import ActivationStash
+from tierstack.worker.engine.block_views import is_parked, park, unpark
 from tierstack.worker.store.grad_norm import squared_norm
 from tierstack.worker.engine.gradient_writes import GradientWrites
 from tierstack.worker.store.block_store import BlockStore
@@ -53,7 +57,7 @@ def _set_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
     if leaf in owner._parameters:
-        owner._parameters[leaf].data = value
+        unpark(owner._parameters[leaf], value)
     else:
         owner._buffers[leaf] = value
 
@@ -154,22 +158,17 @@ def _needs_grad(value) -> bool:
     return False
 
 
-class _BlockProxy(torch.nn.Module):
-    """Stands in a ModuleList slot for offloaded block `index`."""
+class _OffloadedForward:
+    """An offloaded block's forward (an instance attribute of the block): the block's own
+    forward when the engine runs it with its tensors in place, else the offloaded path."""
 
-    def __init__(self, engine: "OffloadedBlocks", index: int) -> None:
-        super().__init__()
-        self._engine = (engine,)  # a tuple: not registered as a submodule (no cycle)
-        self.index = index
+    def __init__(self, engine: "OffloadedBlocks", index: int, original: Callable) -> None:
+        self.engine, self.index, self.original = engine, index, original
 
-    def train(self, mode: bool = True) -> "_BlockProxy":
-        """model.train() / model.eval() reach the block itself (its dropout), which is not a
-        submodule of the model any more."""
-        super().train(mode)
-        self._engine[0].blocks[self.index].train(mode)
-        return self
-
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        engine = self.engine
+        if engine._inside == self.index:  # the engine's own call, the block's tensors in place
+            return self.original(x, *args, **kwargs)
         if _needs_grad((args, kwargs)):
             raise InvalidArgumentError(
                 f"block {self.index} was given an extra input that needs gradients; offloaded "
@@ -179,7 +178,6 @@ class _BlockProxy(torch.nn.Module):
             raise InvalidArgumentError(
                 f"block {self.index} was given a key/value cache while training: the backward "
                 f"recompute would extend it a second time; call the model with use_cache=False")
-        engine = self._engine[0]
         training = torch.is_grad_enabled()
         if engine.keep_activations[self.index] and training:
             return _KeptBlock.apply(engine, self.index, x, (args, kwargs), engine._anchor)
@@ -189,14 +187,22 @@ class _BlockProxy(torch.nn.Module):
 class OffloadedBlocks(torch.nn.Module):
     """A sequence of blocks whose parameters live with the node's tier manager."""
 
+    gathers_on_use = False
+    """A value op on a parked parameter is refused, naming GatheredParameters (block_views)."""
+
     def __init__(self, module_list: torch.nn.ModuleList, store: BlockStore,
                  prefetch_depth: int = 2, positions: list[int] | None = None,
-                 prepare: Callable[[int, torch.nn.Module], None] | None = None) -> None:
+                 prepare: Callable[[int, torch.nn.Module], None] | None = None,
+                 write_weights: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+                 prefix: str = "") -> None:
         """Offload the blocks of `module_list` at `positions` (default: all of them);
         block i here (layer i of the store) is `module_list[positions[i]]`.
 
         `prepare(i, block)` runs on each block just before it is stored (to create its
         tensors from the meta device, cast it): only one block is materialised at a time.
+        `write_weights(i, tensors)` stores block i's weights changed by the user (inside
+        GatheredParameters), masters too (default: the weights alone). `prefix`: the
+        ModuleList's dotted name in the model (for the names errors give).
         """
         super().__init__()
         self.positions = list(range(len(module_list))) if positions is None else list(positions)
@@ -248,12 +254,22 @@ class OffloadedBlocks(torch.nn.Module):
         self._probe_keeps: bool | None = None  # decided at the probe's first input
         self.resident: set[int] = set()  # blocks brought to the device for good
         self._kept_live: set[int] = set()  # kept blocks whose backward has not run yet
-        self._module_list = module_list
+        self._inside: int | None = None  # the block the engine runs now, its tensors in place
+        self._gathered: set[int] = set()  # blocks a GatheredParameters holds in
+        # Writes a block's weights (and their fp32 masters) back to the tiers: the engine's.
+        self._write_weights = write_weights
+        self._prefix = prefix
+        self._views = True  # state_dict() gives the blocks' values (off for the engine's own)
+
+        # Each block's tensors' shapes and dtypes as stored: what its placeholders report.
+        self._shapes: list[dict[str, tuple[torch.Size, torch.dtype]]] = [{} for _ in self.blocks]
 
         def registered(i: int) -> None:
+            block = self.blocks[i]
+            self._shapes[i] = {n: (t.shape, t.dtype) for n, t in block.state_dict().items()}
             self._dematerialize(i)
-            self.blocks[i].to(store.device)  # placeholders only: nothing of size moves
-            module_list[self.positions[i]] = _BlockProxy(self, i)
+            block.forward = _OffloadedForward(self, i, type(block).forward.__get__(block))
+            block._register_state_dict_hook(functools.partial(_block_values, self, i))
 
         store.register_layers(self.blocks, prepare=None if prepare is None else
                               (lambda i: prepare(i, self.blocks[i])), done=registered)
@@ -274,14 +290,29 @@ class OffloadedBlocks(torch.nn.Module):
             _set_tensor(self.blocks[index], name, tensor)
 
     def _dematerialize(self, index: int) -> None:
+        """Block `index`'s tensors back to placeholders (its bytes stay in the tiers)."""
+        if index in self._gathered:
+            return  # a GatheredParameters holds it in until its end
         block = self.blocks[index]
         for name in self._names[index]:
             owner_name, _, leaf = name.rpartition(".")
             owner = block.get_submodule(owner_name) if owner_name else block
-            current = owner._parameters.get(leaf)
-            if current is None:
-                current = owner._buffers[leaf]
-            _set_tensor(block, name, torch.empty(0, dtype=current.dtype, device=self.store.device))
+            shape, dtype = self._shapes[index][name]
+            empty = torch.empty(0, dtype=dtype, device=self.store.device)
+            if leaf in owner._parameters:
+                park(owner._parameters[leaf], f"{self._prefix}{self.positions[index]}.{name}",
+                     shape, self, empty)
+            else:
+                owner._buffers[leaf] = empty
+
+    @contextlib.contextmanager
+    def _running(self, index: int):
+        """Calls of block `index` in the body run its own forward (the engine's call)."""
+        self._inside = index
+        try:
+            yield
+        finally:
+            self._inside = None
 
     @contextlib.contextmanager
     def _using(self, index: int, step: int):
@@ -305,7 +336,7 @@ class OffloadedBlocks(torch.nn.Module):
 
     def _forward_block(self, index: int, x: torch.Tensor, extra: tuple) -> torch.Tensor:
         args, kwargs = extra
-        with self._using(index, 1) as block:
+        with self._using(index, 1) as block, self._running(index):
             return block(x, *args, **kwargs)
 
     def _forward_kept(self, index: int, x: torch.Tensor, extra: tuple):
@@ -315,7 +346,7 @@ class OffloadedBlocks(torch.nn.Module):
         self._kept_live.add(index)
         self.store.prefetch_ahead(index, 1, ready=self.ready_for_use)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), self._running(index):
                 x_in = x.detach().requires_grad_(x.requires_grad)
                 out = self.blocks[index](x_in, *args, **kwargs)
             recorder = self.store.recording()
@@ -407,7 +438,7 @@ class OffloadedBlocks(torch.nn.Module):
     def _backward_block(self, index: int, x: torch.Tensor, extra: tuple,
                         grad_out: torch.Tensor, replay: "_ReplayState") -> torch.Tensor | None:
         args, kwargs = extra
-        with self._using(index, -1) as block:
+        with self._using(index, -1) as block, self._running(index):
             with torch.enable_grad(), replay.replaying():
                 x_in = x.detach().requires_grad_(x.requires_grad)
                 if self.measure_activations:
@@ -468,13 +499,55 @@ class OffloadedBlocks(torch.nn.Module):
         block = self.blocks[index]
         for name in self._names[index]:
             _set_tensor(block, name, device_tensors[name])
-        if recompute:
-            # An instance attribute: the module's names (state dict, export) stay its own.
-            block.forward = functools.partial(_checkpointed, type(block).forward.__get__(block))
-        self._module_list[self.positions[index]] = block
+        # An instance attribute either way: the module's names (state dict, export) stay its own.
+        original = type(block).forward.__get__(block)
+        block.forward = functools.partial(_checkpointed, original) if recompute else original
         self.resident.add(index)
         self.keep_activations[index] = not recompute
         return block
+
+    # ---- views: what a user's code reads and changes of an offloaded block ---------------
+
+    @contextlib.contextmanager
+    def engine_state_dict(self):
+        """model.state_dict() in the body leaves the offloaded blocks' placeholders as they
+        are (the engine's checkpoint saves the blocks from the tiers itself)."""
+        self._views, before = False, self._views
+        try:
+            yield
+        finally:
+            self._views = before
+
+    def gather(self, params: list[torch.nn.Parameter]) -> None:
+        """Bring the blocks of `params` in (every parameter of each), for the user's code
+        (GatheredParameters): on this device, their stored values, once updated."""
+        for index in sorted({self._index_of(p) for p in params}):
+            if index in self._gathered or index in self.resident:
+                continue
+            for name, tensor in self.parameters_of(index).items():
+                _set_tensor(self.blocks[index], name, tensor.to(self.store.device))
+            self._gathered.add(index)
+
+    def release(self, params: list[torch.nn.Parameter], modified: bool) -> None:
+        """Park the blocks of `params` again; with `modified`, store their weights as they
+        are now (and their masters: the engine's `write_weights`)."""
+        for index in sorted({self._index_of(p) for p in params}):
+            if index not in self._gathered:
+                continue
+            if modified:
+                weights = {name: t.detach() for name, t in self.blocks[index].state_dict().items()}
+                if self._write_weights is not None:
+                    self._write_weights(index, weights)
+                else:
+                    self.store.write_back(index, weights)
+            self._gathered.discard(index)
+            self._dematerialize(index)
+
+    def _index_of(self, param: torch.nn.Parameter) -> int:
+        for index, block in enumerate(self.blocks):
+            if any(p is param for p in block.parameters()):
+                return index
+        raise InvalidArgumentError("the parameter is not one of this engine's offloaded blocks'")
 
     def trainable(self, index: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """Block `index`'s parameters that get gradients: (name, shape, dtype), in the order
@@ -498,6 +571,20 @@ class OffloadedBlocks(torch.nn.Module):
         return self.store.read_layer(index)
 
 
+def _block_values(blocks: OffloadedBlocks, index: int, module: torch.nn.Module, state_dict: dict,
+                  prefix: str, local_metadata: dict) -> None:
+    """A state_dict hook of offloaded block `index`: its entries get their real values,
+    read from the tiers (CPU copies; one block in memory at a time while the dict is
+    made), unless the block is in use, gathered or resident (its tensors are real then)."""
+    if not blocks._views or index in blocks.resident or index in blocks._gathered \
+            or blocks._inside == index:
+        return
+    values = blocks.parameters_of(index)
+    for name in blocks._names[index]:
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = values[name]
+
+
 def _checkpointed(forward: Callable, *args, **kwargs):
     """A resident block's forward with only its input kept for backward (recomputed there)."""
     if not torch.is_grad_enabled():
@@ -508,7 +595,16 @@ def _checkpointed(forward: Callable, *args, **kwargs):
 def _check_supported(index: int, block: torch.nn.Module) -> None:
     """Refuse blocks whose offloaded copy would silently train differently."""
     seen: dict[int, str] = {}
+    parked: dict[int, str] = {}
     for name, tensor in block.state_dict(keep_vars=True).items():
+        if is_parked(tensor):  # built under zero.Init: its bytes wait elsewhere, its object is it
+            if id(tensor) in parked:
+                raise InvalidArgumentError(
+                    f"block {index}: {name!r} is the same parameter as {parked[id(tensor)]!r}; "
+                    f"weights tied inside a block are not supported yet (tie across blocks or "
+                    f"keep the tied module out of the offloaded list)")
+            parked[id(tensor)] = name
+            continue
         if tensor.is_meta:  # created later, one block at a time: nothing is shared yet
             continue
         if tensor.numel() and tensor.data_ptr() in seen:

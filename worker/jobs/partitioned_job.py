@@ -27,6 +27,7 @@ from tierstack.config import (ActivationConfig, BudgetsConfig, MiB, OptimizerCon
                               ParamOffloadConfig, TierManagerConfig, TierstackConfig, TrainConfig,
                               config_dict, load_config)
 from tierstack.errors import InvalidArgumentError
+from tierstack.worker.engine.block_views import is_parked
 from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from tierstack.worker.engine.offload_engine import OffloadEngine, materialize
 from tierstack.worker.engine.training_loop import run_steps
@@ -292,7 +293,8 @@ def _train(env: RankEnv, spec: PartitionedSpec, job: Job) -> RankResult:
     state = None
     if spec.collect_state:
         state = {"blocks": [store.read_layer(i) for i in range(store.layer_count())],
-                 "persistent": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
+                 "persistent": {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                                if not is_parked(p)}}
     node = os.uname().nodename
     return RankResult(env.rank, env.world_size, node, str(device), steps, state)
 
