@@ -24,7 +24,8 @@ model, the way it runs over DeepSpeed's engine:
   training goes on bit for bit;
 - Trainer.end() (or the Trainer's collection, or the interpreter's exit) closes the engine
   and stops the tier manager it started. Until then the trained weights live in the tiers:
-  read them with save_model, not from the model object.
+  read them with save_model or the model's state_dict() (its values come from the tiers);
+  the offloaded blocks' parameter objects hold no values outside zero.GatheredParameters.
 
 The user's guide: docs/guides/hf-trainer.md.
 """
