@@ -122,7 +122,7 @@ class CpuPool:
                                            "capacity= or give cpu_pool.size in bytes")
             capacity = config.size
         self.config = config
-        self.on_full = on_full
+        self._on_full = on_full
         self.instance_id = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.shm_dir = Path(config.shm_dir)
         if not self.shm_dir.is_dir():
@@ -160,6 +160,11 @@ class CpuPool:
     # ---- what it holds ----------------------------------------------------------------
 
     @property
+
+    def evict_with(self, on_full: EvictCallback) -> None:
+        """Who evicts when the pool is full (the registry's spill part, made after the pool)."""
+        self._on_full = on_full
+
     def arenas(self) -> list[ArenaInfo]:
         """The live arenas (used or empty), by id."""
         with self._lock:
@@ -253,7 +258,7 @@ class CpuPool:
                     short, room, why = "filesystem", 0, e.strerror  # filled since it was read
                 else:
                     break
-            if self.on_full is None or not self.on_full(size):
+            if self._on_full is None or not self._on_full(size):
                 raise CpuPoolFullError(self._full(nbytes, short, room, why))
         with self._lock:
             self._arenas[arena_id] = arena

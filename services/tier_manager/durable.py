@@ -53,7 +53,7 @@ class DurableCopies:
 
     def __init__(self, config: TierManagerConfig, capacity: int, rebuild: bool = False,
                  make_room: MakeRoom | None = None) -> None:
-        self.make_room: MakeRoom = make_room or (lambda nbytes: False)  # set by spill.py
+        self._make_room: MakeRoom = make_room or (lambda nbytes: False)
         self.rebuild = rebuild
         self.pool = NvmePool(config.nvme_pool, capacity)
         try:
@@ -89,6 +89,11 @@ class DurableCopies:
         self._commit_lock = threading.Lock()  # one manifest writer at a time: rows stay in order
         self._committer: threading.Thread | None = None
         self._stopping = False
+
+
+    def make_room_with(self, make_room: MakeRoom) -> None:
+        """Who drops NVMe copies it can rebuild when the pool is full (the spill part)."""
+        self._make_room = make_room
 
     def recover(self) -> list[ManifestEntry]:
         """The committed copies of an earlier instance, their extents marked used: from the
@@ -152,7 +157,7 @@ class DurableCopies:
                     return self.pool.allocate(nbytes, meta)
                 except NvmePoolFullError:
                     pass
-            if not self.make_room(nbytes):
+            if not self._make_room(nbytes):
                 raise
             return self.pool.allocate(nbytes, meta)
 

@@ -68,8 +68,8 @@ class Spill:
         self._leaving: set[str] = set()  # keys placed "nvme" waiting to be sent out
         self._send_out_failed = False
         self._closed = False
-        cpu_pool.on_full = self.make_room
-        durable.make_room = self.drop_nvme_copies
+        cpu_pool.evict_with(self.make_room)
+        durable.make_room_with(self.drop_nvme_copies)
         self._sender = threading.Thread(target=self._send_out_loop, daemon=True,
                                         name="tierstack-nvme-placed")
         self._sender.start()

@@ -93,6 +93,10 @@ class TrainProgress:
             self._task = self._progress.add_task("train", total=total, completed=first, status="")
             self._progress.start()
 
+    def resumed_at(self, step: int) -> None:
+        """The run goes on from a checkpoint after `step`: progress counts from there."""
+        self.first = self.done = step
+
     def say(self, text: str) -> None:
         """A message of its own (the plan adopted, the dashboard's URL): above the bar on
         a terminal, a plain line otherwise."""

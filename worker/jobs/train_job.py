@@ -224,7 +224,7 @@ def _train(args, job: Job, built: BuiltJob, data: corpus.ByteBatches, config: Ti
     if args.resume:
         start = _resume(args, engine, data, signature, schedule)
         built.starting_at(start)
-        progress.done = progress.first = start
+        progress.resumed_at(start)
         progress.say(f"resumed from {args.checkpoint_dir} after step {start}")
     url = store.reports.dashboard_url() if store.reports is not None else ""
     if url:
