@@ -157,14 +157,13 @@ class CpuPool:
         if room.status != OK:  # said up front, not at the first allocation past it
             log.warning("%s: %s; %s", room.name, room.found, room.fix)
 
-    # ---- what it holds ----------------------------------------------------------------
-
-    @property
-
     def evict_with(self, on_full: EvictCallback) -> None:
         """Who evicts when the pool is full (the registry's spill part, made after the pool)."""
         self._on_full = on_full
 
+    # ---- what it holds ----------------------------------------------------------------
+
+    @property
     def arenas(self) -> list[ArenaInfo]:
         """The live arenas (used or empty), by id."""
         with self._lock:

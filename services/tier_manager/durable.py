@@ -90,7 +90,6 @@ class DurableCopies:
         self._committer: threading.Thread | None = None
         self._stopping = False
 
-
     def make_room_with(self, make_room: MakeRoom) -> None:
         """Who drops NVMe copies it can rebuild when the pool is full (the spill part)."""
         self._make_room = make_room
