@@ -416,7 +416,7 @@ class _Phases:
 
 def _time_phases(engine, store) -> _Phases:
     phases = _Phases(engine, store)
-    engine._logits = phases.wrap("forward", engine._logits)
+    engine._loss = phases.wrap("forward", engine._loss)  # the forward and its loss
     engine.step = phases.wrap("optimizer_call", engine.step)
     phases.seconds["update_waits"] = 0.0  # a block's use waiting for its last update
     engine.blocks.before_use = phases.wrap("update_waits", engine.blocks.before_use)

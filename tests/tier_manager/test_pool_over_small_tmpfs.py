@@ -26,7 +26,7 @@ from tierstack.proto import tier_manager_pb2 as pb
 from tierstack.proto import tier_manager_pb2_grpc as pb_grpc
 from tierstack.rpc import RETRY_PUSHBACK
 from tierstack.services.tier_manager.client import TierManagerClient
-from tierstack.worker.arenas import ArenaMap
+from tierstack.worker.store.arenas import ArenaMap
 
 TMPFS = 8 * MiB
 CAP = 32 * MiB

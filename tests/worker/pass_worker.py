@@ -3,7 +3,9 @@
 Layer i of a job is a deterministic function of (seed, i), so any process can check every
 byte it gets from `ensure_layer` against what was registered.
 Run: python -m tests.worker.pass_worker ADDRESS JOB SEED LAYERS PASSES MODE [BUDGET]
-MODE: register (upload, then run passes) or attach (use layers another worker uploaded).
+MODE: register (upload, then run passes) or attach (use layers another worker uploaded);
+register-hold also keeps the job open after its summary until a line comes on stdin (a
+job whose last holder closes is deleted: an attaching worker must come while it is held).
 Prints one JSON line per pass, then a final JSON summary.
 """
 
@@ -62,7 +64,7 @@ def main() -> None:
     budget = int(sys.argv[7]) if len(sys.argv) > 7 else 8 << 20
     with LayerStore(job, device="cpu", device_budget=budget, address=address,
                     reconnect_timeout=60) as store:
-        if mode == "register":
+        if mode in ("register", "register-hold"):
             store.register_layers([make_layer(seed, i) for i in range(layers)])
         else:
             store.attach()
@@ -70,6 +72,8 @@ def main() -> None:
         checked = run_passes(store, seed, layers, passes)
         print(json.dumps({"done": True, "bytes_checked": checked, "peak": store.figures().device_peak,
                           "budget": store.figures().device_capacity}), flush=True)
+        if mode == "register-hold":
+            sys.stdin.readline()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def spawn_worker(daemon, job, seed, layers, passes, mode, budget=8 << 20):
     return subprocess.Popen(
         [sys.executable, "-m", "tests.worker.pass_worker", daemon.address, job, str(seed),
          str(layers), str(passes), mode, str(budget)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finish(proc, timeout=240) -> list[dict]:
@@ -44,15 +44,20 @@ def test_hundred_layers_larger_than_the_cpu_pool_verify_bit_exact(daemon):
 
 def test_two_worker_processes_at_once(daemon):
     # Worker A registers and reads job "a"; worker B registers "b"; worker C attaches to
-    # A's layers once they exist (a second data-parallel replica reading the same job).
-    a = spawn_worker(daemon, "a", 2, 40, 2, "register")
+    # A's layers once they exist (a second data-parallel replica reading the same job),
+    # while A holds the job open (its last holder gone, a job is deleted after its grace).
+    a = spawn_worker(daemon, "a", 2, 40, 2, "register-hold")
     b = spawn_worker(daemon, "b", 3, 40, 2, "register")
     first = json.loads(a.stdout.readline())  # A finished registering and one pass
     assert first["bad"] == []
     c = spawn_worker(daemon, "a", 2, 40, 2, "attach")
-    for proc in (a, b, c):
+    for proc in (c, b):
         lines = finish(proc)
         assert lines[-1]["done"] and lines[-1]["peak"] <= lines[-1]["budget"]
+    out, err = a.communicate("\n", timeout=240)  # C is done: A may let go of the job
+    assert a.returncode == 0, err[-3000:]
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert lines[-1]["done"] and lines[-1]["peak"] <= lines[-1]["budget"]
 
 
 def test_daemon_killed_and_restarted_mid_run_loses_nothing(daemon):

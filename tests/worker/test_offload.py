@@ -7,6 +7,7 @@ import torch
 
 from tierstack.worker.jobs.gpt import GPT, GPTConfig
 from tierstack.worker.store.layer_store import LayerStore
+from tierstack.worker.engine.block_views import is_parked
 from tierstack.worker.engine.offloaded_blocks import OffloadedBlocks
 
 
@@ -41,8 +42,11 @@ def test_offloaded_forward_and_backward_match_plain_pytorch(daemon):
     store = LayerStore("gpt", device="cpu", device_budget=4 * layer_bytes, address=daemon.address)
     try:
         blocks = OffloadedBlocks(model.blocks, store, prefetch_depth=2)
-        assert list(model.blocks.parameters()) == []  # the slots hold proxies now
-        assert all(p.numel() == 0 for b in blocks.blocks for p in b.parameters())
+        # The blocks stay in the model, parked: every parameter there with its shape, none
+        # with its bytes (they are in the tiers).
+        assert all(is_parked(p) for p in model.blocks.parameters())
+        assert [p.shape for p in model.blocks.parameters()] == [
+            p.shape for p in reference.blocks.parameters()]
         loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
         assert torch.equal(loss, ref_loss)
         loss.backward()
@@ -76,7 +80,7 @@ def test_twenty_steps_with_state_on_nvme_match_plain_adamw(daemon):
                        durable=False)
     try:
         blocks = OffloadedBlocks(model.blocks, store)
-        persistent = list(model.parameters())  # the blocks' slots hold proxies now
+        persistent = [p for p in model.parameters() if not is_parked(p)]  # not the blocks' own
         opt = torch.optim.AdamW(persistent, fused=True, **hyper)
         tiered = TieredAdamW(blocks, OptimizerConfig(lr=1e-3, betas=[0.9, 0.95], eps=1e-8,
                                                      weight_decay=0.1))
@@ -388,7 +392,7 @@ def test_a_budget_of_two_layers_is_enough_whatever_the_prefetch_depth(daemon):
     layer = LayerLayout.of(layer_tensors(model.blocks[0])).nbytes
     store = LayerStore("tight", device="cpu", device_budget=2 * layer, address=daemon.address)
     try:
-        OffloadedBlocks(model.blocks, store, prefetch_depth=3)  # puts its proxies in model.blocks
+        OffloadedBlocks(model.blocks, store, prefetch_depth=3)  # parks the blocks' parameters
         idx = torch.randint(0, 256, (2, 32))
         torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
         assert store.figures().device_peak <= 2 * layer and store.resident_layers() == []

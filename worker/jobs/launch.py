@@ -31,7 +31,6 @@ from pathlib import Path
 from tierstack.addresses import JOB_ENV, SCHEDULER_ENV, TIER_MANAGER_ENV
 from tierstack.config import load_config
 from tierstack.errors import ConfigError
-from tierstack.worker.job import SchedulerUse, open_services
 
 CONFIG_ENV = "TIERSTACK_CONFIG"
 """The config file `tierstack launch --config` was given, for the script to read."""
@@ -75,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
 def _services(args: argparse.Namespace, config, job: str, stack: contextlib.ExitStack) -> dict:
     """The environment that points the script at the node's services (worker/job.py's
     choice, as the script's own initialize would make it), started if needed."""
+    # Here, not at the top: the CLI imports this module to build its parser, and the job's
+    # modules import torch (every `tierstack` command, a daemon's start too, would pay it).
+    from tierstack.worker.job import SchedulerUse, open_services
+
     services = open_services(
         stack, config, job, tier_manager=args.tier_manager or "", tier_manager_setting="--tier-manager",
         scheduler=SchedulerUse.OFF if args.no_scheduler else SchedulerUse.AUTO,
