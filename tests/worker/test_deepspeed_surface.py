@@ -48,18 +48,34 @@ def _config(tmp_path: Path, **sections) -> Path:
     return path
 
 
-def _run_script(tmp_path: Path, address: str, config: Path, *args: str) -> tuple[dict, str]:
-    """The script in a process of its own, as `python train.py --deepspeed_config ...` runs it:
-    (its REPORT, everything it printed)."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "--deepspeed", "--deepspeed_config",
+def _run_script(tmp_path: Path, address: str, config: Path, *args: str, ranks: int = 1
+                ) -> tuple[list[dict], str]:
+    """The script as `python train.py --deepspeed_config ...` runs it (several ranks: as
+    torchrun runs it): (each rank's REPORT by rank, everything the ranks printed)."""
+    launcher = [sys.executable]
+    env = {**os.environ, "TIERSTACK_TIER_MANAGER": address}
+    if ranks > 1:
+        from tierstack.worker.node.distributed import free_port
+
+        # Each rank's streams to a file of its own: on one shared pipe, two unbuffered ranks'
+        # lines can interleave (PYTHONUNBUFFERED writes a line's text and newline apart).
+        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                     "--master-port", str(free_port()), "--redirects", "3",
+                     "--log-dir", str(tmp_path / "ranks")]
+        # One job name for the ranks (tierstack launch sets it too); torchrun's agent keeps
+        # its logs in TMPDIR: a short one of the test's own.
+        env.update(TIERSTACK_JOB=f"surface-{os.getpid()}", TMPDIR=str(tmp_path))
+    out = subprocess.run([*launcher, str(SCRIPT), "--deepspeed", "--deepspeed_config",
                           str(config), "--steps", str(STEPS), *args],
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                         env={**os.environ, "TIERSTACK_TIER_MANAGER": address})
-    printed = out.stdout + out.stderr
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env)
+    streams = [out.stdout] + [p.read_text() for p in sorted((tmp_path / "ranks").rglob("std*.log"))]
+    printed = "".join(streams) + out.stderr
     assert out.returncode == 0, printed[-4000:]
-    (report,) = [json.loads(line[len("REPORT "):]) for line in out.stdout.splitlines()
-                 if line.startswith("REPORT ")]
-    return report, printed
+    reports = sorted((json.loads(line[len("REPORT "):]) for text in streams
+                      for line in text.splitlines() if line.startswith("REPORT ")),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == list(range(ranks)), printed[-4000:]
+    return reports, printed
 
 
 def _plain_pytorch_losses() -> list[float]:
@@ -98,7 +114,7 @@ def test_a_deepspeed_script_runs_with_only_its_import_changed_and_reports_as_dee
         tensorboard={"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "run"},
         wandb={"enabled": True, "project": "p", "group": None},
         flops_profiler={"enabled": True, "profile_step": 1}, comms_logger={"enabled": True})
-    report, printed = _run_script(tmp_path, shared_daemon.address, config)
+    (report,), printed = _run_script(tmp_path, shared_daemon.address, config)
 
     # The names' answers, as DeepSpeed's CPU accelerator and one-rank comm give them.
     assert report["version"] == version("tierstack") == tierstack.__version__
@@ -174,12 +190,39 @@ def test_fused_adam_and_checkpoint_in_cpu_train_the_same_and_print_nothing_unask
     """FusedAdam is the same AdamW; checkpointing.configure(checkpoint_in_cpu=True) sends the
     offloaded blocks' inputs to the CPU pool, which changes no number; a config without
     steps_per_print or monitors prints no step line and writes no file."""
-    report, printed = _run_script(tmp_path, shared_daemon.address, _config(tmp_path),
-                                  "--optimizer", "fused_adam", "--checkpoint-in-cpu")
+    (report,), printed = _run_script(tmp_path, shared_daemon.address, _config(tmp_path),
+                                     "--optimizer", "fused_adam", "--checkpoint-in-cpu")
     torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(_plain_pytorch_losses()),
                                rtol=1e-5, atol=0)
     assert "step=" not in printed and "time (ms)" not in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds_config.json"]
+
+
+def test_under_torchrun_comm_is_the_jobs_process_group_and_rank_0_alone_reports(
+        shared_daemon, tmp_path):
+    """Two ranks (torchrun, each with its own rows): deepspeed.comm's calls are the process
+    group's (the all-reduced loss is the ranks' mean, a gather holds both ranks); the step
+    lines, timers and monitor files come from rank 0 only, counting both ranks' samples, and
+    wall_clock_breakdown times the gradients' collectives."""
+    config = _config(tmp_path, steps_per_print=4, wall_clock_breakdown=True,
+                     csv_monitor={"enabled": True, "output_path": "csv", "job_name": "run"})
+    reports, printed = _run_script(tmp_path, shared_daemon.address, config, ranks=2)
+    for report in reports:
+        assert report["world_size"] == 2 and report["dist_initialized"] is True
+        assert report["gathered"] == [0.0, 1.0] and report["broadcast"] == 7.0
+        assert report["config"]["train_batch_size"] == 2 * model_file.ROWS * ACCUMULATION
+    zero, one = reports
+    assert zero["losses"] != one["losses"]  # their own rows
+    assert zero["reduced"] == one["reduced"] == pytest.approx(
+        [(a + b) / 2 for a, b in zip(zero["losses"], one["losses"])], rel=1e-6)
+    assert printed.count("[Rank 0] step=4, skipped=0") == 1 and "[Rank 1]" not in printed
+    assert printed.count("global_step=4, RunningAvgSamplesPerSec=") == 1
+    window = re.findall(r"\[Rank 0\] time \(ms\) \| fwd: [\d.]+ \| bwd: [\d.]+ \| bwd_inner: "
+                        r"[\d.]+ \| bwd_allreduce: ([\d.]+) \| step: [\d.]+", printed)
+    assert len(window) == STEPS and all(float(ms) > 0 for ms in window)
+    rows = _csv(tmp_path / "csv" / "run" / "Train_Samples_train_loss.csv")
+    assert [int(r[0]) for r in rows[1:]] == [16 * (s + 1) for s in range(STEPS)]
+    assert [float(r[1]) for r in rows[1:]] == pytest.approx(_step_means(zero["losses"]), rel=1e-6)
 
 
 def _csv(path: Path) -> list[list[str]]:

@@ -4,7 +4,7 @@ deepspeed.comm for ranks and reductions, activation checkpointing inside the mod
 DeepSpeed optimizer passed to initialize, the config read through DeepSpeedConfig and
 argparse, its own loop, and a report. tests/worker/test_deepspeed_surface.py runs it.
 
-It prints one line `REPORT {json}` at the end: what it computed and what it read."""
+Each rank prints one line `REPORT {json}` at the end: what it computed and what it read."""
 
 import argparse
 import json
@@ -46,7 +46,8 @@ def main() -> None:
 
     losses, reduced = [], []
     accelerator.reset_peak_memory_stats()
-    for ids in batches(1, args.steps * engine.gradient_accumulation_steps(), device):
+    # Each rank trains its own rows (one rank: seed 1).
+    for ids in batches(1 + dist.get_rank(), args.steps * engine.gradient_accumulation_steps(), device):
         loss = loss_of(engine(ids), ids)
         engine.backward(loss)
         engine.step()
@@ -55,35 +56,35 @@ def main() -> None:
         dist.all_reduce(mean, op=dist.ReduceOp.SUM)
         reduced.append((mean / dist.get_world_size()).item())
     accelerator.synchronize()
-    gathered = [torch.zeros(1)]
+    gathered = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, torch.tensor([float(dist.get_rank())]))
-    flag = torch.tensor([7.0])
+    flag = torch.tensor([7.0 + dist.get_rank()])
     dist.broadcast(flag, src=0)
     dist.barrier()
     engine.monitor.write_events([("Train/Eval/loss", losses[-1], engine.global_samples)])
 
-    if dist.get_rank() == 0:
-        print("REPORT " + json.dumps({
-            "version": deepspeed.__version__,
-            "device": accelerator.device_name(), "device_name": accelerator.current_device_name(),
-            "device_count": accelerator.device_count(), "available": accelerator.is_available(),
-            "backend": accelerator.communication_backend_name(),
-            "memory_allocated": accelerator.memory_allocated(),
-            "max_memory_allocated": accelerator.max_memory_allocated(),
-            "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-            "local_rank": dist.get_local_rank(), "dist_initialized": dist.is_initialized(),
-            "gathered": [t.item() for t in gathered], "broadcast": flag.item(),
-            "checkpointing_configured": deepspeed.checkpointing.is_configured(),
-            "config": {"train_batch_size": ds_config.train_batch_size,
-                       "micro": ds_config.train_micro_batch_size_per_gpu,
-                       "accumulation": ds_config.gradient_accumulation_steps,
-                       "stage": ds_config.zero_optimization_stage,
-                       "fp16": ds_config.fp16_enabled, "bf16": ds_config.bfloat16_enabled,
-                       "steps_per_print": ds_config.steps_per_print},
-            "losses": losses, "reduced": reduced, "lr": engine.get_lr(), "mom": engine.get_mom(),
-            "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "optimizer": type(optimizer).__name__,
-        }), flush=True)
+    # Every rank reports: the test reads rank 0's figures and each rank's losses.
+    print("REPORT " + json.dumps({
+        "version": deepspeed.__version__,
+        "device": accelerator.device_name(), "device_name": accelerator.current_device_name(),
+        "device_count": accelerator.device_count(), "available": accelerator.is_available(),
+        "backend": accelerator.communication_backend_name(),
+        "memory_allocated": accelerator.memory_allocated(),
+        "max_memory_allocated": accelerator.max_memory_allocated(),
+        "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+        "local_rank": dist.get_local_rank(), "dist_initialized": dist.is_initialized(),
+        "gathered": [t.item() for t in gathered], "broadcast": flag.item(),
+        "checkpointing_configured": deepspeed.checkpointing.is_configured(),
+        "config": {"train_batch_size": ds_config.train_batch_size,
+                   "micro": ds_config.train_micro_batch_size_per_gpu,
+                   "accumulation": ds_config.gradient_accumulation_steps,
+                   "stage": ds_config.zero_optimization_stage,
+                   "fp16": ds_config.fp16_enabled, "bf16": ds_config.bfloat16_enabled,
+                   "steps_per_print": ds_config.steps_per_print},
+        "losses": losses, "reduced": reduced, "lr": engine.get_lr(), "mom": engine.get_mom(),
+        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+        "optimizer": type(optimizer).__name__,
+    }), flush=True)
 
 
 if __name__ == "__main__":
