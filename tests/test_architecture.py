@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 FACES_CONTRACT = "A service's face imports none of its daemon code"
 SHARED_CONTRACT = "The shared modules of tierstack/ import no room"
+DEEPSPEED_CONTRACT = "The DeepSpeed-named modules of tierstack/ import only the worker's doors"
 SERVICES = ("tier_manager", "scheduler")
 
 
@@ -82,9 +83,19 @@ def test_every_module_of_a_service_is_named_face_or_internal(service):
     assert set(outside["forbidden_modules"]) == internals
 
 
-def test_every_shared_module_is_kept_out_of_the_rooms():
+def test_every_module_of_tierstack_is_shared_or_reaches_only_the_workers_doors():
+    """Each module and subpackage of tierstack/ is in one contract: shared (it imports no
+    room) or DeepSpeed-named (it may import the worker's doors, tierstack.worker.api)."""
     shared = set(_contract(SHARED_CONTRACT)["source_modules"])
-    assert shared == _modules(ROOT / "tierstack", "tierstack")
+    doors = set(_contract(DEEPSPEED_CONTRACT)["source_modules"])
+    packages = {f"tierstack.{p.parent.name}" for p in (ROOT / "tierstack").glob("*/__init__.py")}
+    assert not shared & doors
+    assert shared | doors == _modules(ROOT / "tierstack", "tierstack") | packages
+    # The worker's rooms other than the doors are all forbidden to the DeepSpeed-named ones.
+    forbidden = set(_contract(DEEPSPEED_CONTRACT)["forbidden_modules"])
+    rooms = {f"tierstack.worker.{p.stem}" for p in (ROOT / "worker").glob("*.py") if p.stem != "__init__"}
+    rooms |= {f"tierstack.worker.{p.parent.name}" for p in (ROOT / "worker").glob("*/__init__.py")}
+    assert forbidden >= rooms - {"tierstack.worker.api"}
 
 
 def test_every_module_imports():

@@ -29,6 +29,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import typing
 import urllib.error
 import urllib.request
@@ -1188,6 +1190,109 @@ def hbm_budget_places_blocks(runs, e):
     with runs.engine(e.with_value()) as engine:
         runs.train(engine, 1)
         assert engine.core.budgets.hbm == 64 * MiB and engine.core.placement is not None
+
+
+# ---- train.monitor: what the engine prints and records of its steps ----------------------
+
+
+@effect("train.monitor.steps_per_print", 1, ENGINE)
+def prints_a_step_line_every_step(runs, e, capsys):
+    for config, steps in ((e.with_value(), [0, 1, 2]), (e.with_default(), [])):
+        capsys.readouterr()
+        runs.losses(config, steps=2)
+        printed = capsys.readouterr().out
+        assert [int(n) for n in re.findall(r"\[Rank 0\] step=(\d+), skipped=0", printed)] == steps
+        assert printed.count("RunningAvgSamplesPerSec=") == len(steps[1:])
+
+
+@effect("train.monitor.wall_clock_breakdown", True, ENGINE)
+def prints_the_phase_timers(runs, e, capsys):
+    for config, lines in ((e.with_value(), 2), (e.with_default(), 0)):
+        capsys.readouterr()
+        runs.losses(config, steps=2)
+        printed = capsys.readouterr().out
+        assert len(re.findall(r"time \(ms\) \| fwd_microstep: [\d.]+ \| bwd_microstep: [\d.]+",
+                              printed)) == lines
+        assert len(re.findall(r"time \(ms\) \| fwd: [\d.]+ \| bwd: [\d.]+", printed)) == lines
+
+
+def _monitor_files(runs, e, tmp_path, monkeypatch, section: str, pattern: str) -> None:
+    """With the value the files of `section` are where it says (or there at all), with the
+    default where the default puts them (or nowhere): under the working directory."""
+    monkeypatch.chdir(tmp_path)
+    for config, place in ((e.with_value(), "value"), (e.with_default(), "default")):
+        directory = tmp_path / place
+        directory.mkdir()
+        monkeypatch.chdir(directory)
+        runs.losses(config, steps=2)
+        found = sorted(str(p.relative_to(directory)).replace(os.sep, "/")
+                       for p in directory.rglob(pattern))
+        monitor = load_config(config).train.monitor
+        settings = getattr(monitor, section)
+        if settings.enabled:
+            where = f"{Path(settings.output_path) / settings.job_name}/"
+            assert found and all(f.startswith(where) for f in found), (place, found)
+        else:
+            assert not found, (place, found)
+
+
+def _files_where_the_section_says(section: str, pattern: str):
+    def check(runs, e, tmp_path, monkeypatch):
+        _monitor_files(runs, e, tmp_path, monkeypatch, section, pattern)
+    return check
+
+
+_CSV_ON = {"train": {"monitor": {"csv_monitor": {"enabled": True}}}}
+_TB_ON = {"train": {"monitor": {"tensorboard": {"enabled": True}}}}
+for _section, _pattern, _on in (("csv_monitor", "*.csv", _CSV_ON), ("tensorboard", "events.out.*", _TB_ON)):
+    for _key, _value, _base in (("enabled", True, None), ("output_path", "monitor-out", _on),
+                                ("job_name", "my-run", _on)):
+        effect(f"train.monitor.{_section}.{_key}", _value, ENGINE, base=_base)(
+            _files_where_the_section_says(_section, _pattern))
+
+
+class FakeWandb(types.ModuleType):
+    """The wandb package's two calls the monitor makes, recorded."""
+
+    def __init__(self) -> None:
+        super().__init__("wandb")
+        self.inits: list[dict] = []
+        self.logged: list[tuple[dict, int]] = []
+
+    def init(self, **kwargs) -> None:
+        self.inits.append(kwargs)
+
+    def log(self, data: dict, step: int | None = None, commit=None) -> None:
+        self.logged.append((data, step))
+
+
+_WANDB_ON = {"train": {"monitor": {"wandb": {"enabled": True}}}}
+
+
+@effect("train.monitor.wandb.enabled", True, ENGINE)
+def logs_the_figures_to_wandb(runs, e, monkeypatch):
+    for config, logged in ((e.with_value(), True), (e.with_default(), False)):
+        wandb = FakeWandb()
+        monkeypatch.setitem(sys.modules, "wandb", wandb)
+        losses = runs.losses(config, steps=2)
+        assert bool(wandb.inits) == logged
+        if logged:  # each step's loss and learning rate at the samples trained
+            loss_events = [(step, d["Train/Samples/train_loss"]) for d, step in wandb.logged
+                           if "Train/Samples/train_loss" in d]
+            assert [s for s, _ in loss_events] == [8, 16]
+            assert [v for _, v in loss_events] == pytest.approx(losses, rel=1e-6)
+
+
+for _key, _value in (("group", "ablation"), ("team", "my-team"), ("project", "my-project")):
+    @effect(f"train.monitor.wandb.{_key}", _value, ENGINE, base=_WANDB_ON)
+    def names_the_wandb_run(runs, e, monkeypatch):
+        argument = {"group": "group", "team": "entity", "project": "project"}[e.key.split(".")[-1]]
+        default = {"group": None, "entity": None, "project": "deepspeed"}[argument]
+        for config, expected in ((e.with_value(), e.value), (e.with_default(), default)):
+            wandb = FakeWandb()
+            monkeypatch.setitem(sys.modules, "wandb", wandb)
+            runs.losses(config, steps=1)
+            assert wandb.inits[0][argument] == expected
 
 
 # ---- last: checks that stop a NODE service (a later check would start it again) ------

@@ -224,8 +224,27 @@ def test_features_left_off_are_accepted():
                              flops_profiler={"enabled": False, "profile_step": 1},
                              tensorboard={"enabled": False}))
     assert config.train.precision == "fp32"
-    with pytest.raises(ConfigError, match=r"^flops_profiler: use bench/train.py"):
-        load_config(_ds(flops_profiler={"enabled": True}))
+
+
+def test_the_monitor_keys_are_train_monitor_and_their_errors_name_the_users_key():
+    config = load_config(_ds(steps_per_print=25, wall_clock_breakdown=True,
+                             tensorboard={"enabled": True, "output_path": "logs/", "job_name": "j"},
+                             csv_monitor={"enabled": True},
+                             wandb={"enabled": False, "group": None, "team": None, "project": "p"}))
+    monitor = config.train.monitor
+    assert (monitor.steps_per_print, monitor.wall_clock_breakdown) == (25, True)
+    assert (monitor.tensorboard.enabled, monitor.tensorboard.output_path, monitor.tensorboard.job_name) \
+        == (True, "logs/", "j")
+    assert monitor.csv_monitor.enabled and monitor.csv_monitor.job_name == "DeepSpeedJobName"
+    assert (monitor.wandb.group, monitor.wandb.team, monitor.wandb.project) == ("", "", "p")
+    assert load_config(_ds(steps_per_print=None)).train.monitor.steps_per_print == 0
+    with pytest.raises(ConfigError, match=r"^unknown DeepSpeed key tensorboard.outpt_path; did you "
+                                          r"mean tensorboard.output_path\?$"):
+        load_config(_ds(tensorboard={"enabled": True, "outpt_path": "x"}))
+    with pytest.raises(ConfigError, match=r"^steps_per_print must be 0 \(no step lines\)"):
+        load_config(_ds(steps_per_print=-1))
+    with pytest.raises(ConfigError, match=r"^wall_clock_breakdown: expected true or false"):
+        load_config(_ds(wall_clock_breakdown="yes"))
 
 
 def test_only_translated_keys_are_renamed_in_a_message():

@@ -545,6 +545,76 @@ class LossScaleConfig:
                 f"2**{self.initial_scale_power}; lower it or raise {prefix}.initial_scale_power")
 
 
+@dataclass
+class TensorBoardConfig:
+    """TensorBoard event files of the job's figures (DeepSpeed's `tensorboard` section), written
+    through torch.utils.tensorboard's SummaryWriter, which needs the tensorboard package."""
+
+    enabled: bool = False
+    """Write the event files (rank 0; without tensorboard installed, one line says so)."""
+    output_path: str = ""
+    """The files go to output_path/job_name ('' : job_name under the working directory)."""
+    job_name: str = "DeepSpeedJobName"
+    """The run's directory under output_path."""
+
+
+@dataclass
+class CsvMonitorConfig:
+    """One CSV file per figure (DeepSpeed's `csv_monitor` section): output_path/job_name/
+    Train_Samples_train_loss.csv and so on, each a `step,<figure>` header then a row per step."""
+
+    enabled: bool = False
+    """Write the files (rank 0)."""
+    output_path: str = ""
+    """The files go to output_path/job_name ('' : job_name under the working directory)."""
+    job_name: str = "DeepSpeedJobName"
+    """The run's directory under output_path."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (DeepSpeed's `wandb` section): the job's figures go to wandb.log, where
+    the wandb package is installed (otherwise one line says so and training goes on)."""
+
+    enabled: bool = False
+    """Log the figures (rank 0)."""
+    group: str = ""
+    """The run's group ('' : none)."""
+    team: str = ""
+    """The entity the run belongs to ('' : wandb's default)."""
+    project: str = "deepspeed"
+    """The wandb project."""
+
+
+@dataclass
+class MonitorConfig:
+    """What an engine from tierstack.initialize prints and records of its steps, as DeepSpeed's
+    (worker/api/step_report.py): step lines, phase timers, and the figures (loss, learning
+    rate, loss scale, phase times) for TensorBoard, CSV files and wandb, under DeepSpeed's
+    event names (Train/Samples/train_loss, Train/Samples/lr, ...). The node's dashboard and
+    Prometheus get the same figures whatever this says."""
+
+    steps_per_print: int = 0
+    """Every this many optimizer steps, the step line ('[Rank 0] step=N, skipped=S, lr=[...],
+    mom=[...]') and the throughput line (samples/s, memory); 0: none."""
+    wall_clock_breakdown: bool = False
+    """Time each micro step's forward, backward and optimizer step and print them ('time (ms)
+    | fwd_microstep: ...'), and each optimizer step's sums ('time (ms) | fwd: ...')."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    csv_monitor: CsvMonitorConfig = field(default_factory=CsvMonitorConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def validate(self, prefix: str) -> None:
+        if self.steps_per_print < 0:
+            raise ConfigError(f"{prefix}.steps_per_print must be 0 (no step lines) or a number of "
+                              f"steps, got {self.steps_per_print}")
+
+    @property
+    def writes_events(self) -> bool:
+        """Whether any monitor records the figures (DeepSpeed's monitor.enabled)."""
+        return self.tensorboard.enabled or self.csv_monitor.enabled or self.wandb.enabled
+
+
 DEVICE_BUDGET_LAYERS = 3
 """The device budget, in offloaded layers' worth, when none is given."""
 
@@ -576,6 +646,7 @@ class TrainConfig:
     parameters and optimizer state alike, e.g. "model.layers[3-]": "nvme"."""
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     fp16: LossScaleConfig = field(default_factory=LossScaleConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def device_budget_bytes(self, layer_bytes: int) -> int:
         """The device budget in bytes, for a model whose offloaded layers are `layer_bytes`."""
@@ -599,6 +670,7 @@ class TrainConfig:
         self.activations.validate(f"{prefix}.activations")
         self.lr_schedule.validate(f"{prefix}.lr_schedule")
         self.fp16.validate(f"{prefix}.fp16")
+        self.monitor.validate(f"{prefix}.monitor")
         from tierstack.module_tiers import ModuleTiers
         ModuleTiers(self.tier_overrides, f"{prefix}.tier_overrides")  # checks every pattern
 

@@ -109,6 +109,10 @@ def _deepspeed() -> str:
              "\nKeys refused (a feature tierstack does not have; the error says this):\n",
              "| key | why |", "| --- | --- |"]
     lines += [f"| `{k}` | {why.replace('|', '/')} |" for k, why in refused]
+    lines += ["\nKeys accepted with a warning when enabled (a tool tierstack does not have, whose "
+              "absence changes no training; warned once per process):\n",
+              "| key | instead |", "| --- | --- |"]
+    lines += [f"| `{k}` | {why.replace('|', '/')} |" for k, why in sorted(deepspeed_config._WARNED.items())]
     return "\n".join(lines)
 
 

@@ -17,6 +17,12 @@ manager over the ranks' nodes in proportion to their pools (worker/engine/partit
 Inputs kept on the device (no cpu_checkpointing, and an HBM budget that holds them) stay
 whole, as DeepSpeed's do without model parallelism; one rank keeps everything whole.
 
+`steps_per_print`, `wall_clock_breakdown` and the monitor sections (`tensorboard`,
+`csv_monitor`, `wandb`) are train.monitor, which the engine from tierstack.initialize
+follows as DeepSpeed's engine does (worker/api/step_report.py); `flops_profiler` and
+`comms_logger`, tools tierstack does not have, are accepted and, when enabled, warned
+about once per process.
+
 `scheduler` is train.lr_schedule (DeepSpeed's schedules: tierstack/lr_schedules.py), the
 `fp16` section's loss-scaling keys are train.fp16. An `"auto"` value is the Hugging Face
 Trainer's placeholder: its integration fills it in (tierstack/hf_deepspeed.py does the same
@@ -53,7 +59,7 @@ log = logging.getLogger(__name__)
 _DECIDED_BY_TIERSTACK = {
     "zero_optimization.offload_param.pin_memory", "zero_optimization.offload_optimizer.pin_memory",
     "zero_optimization.offload_optimizer.buffer_count",
-    "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+    "zero_allow_untested_optimizer",
     "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
     "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
     "zero_optimization.reduce_scatter", "zero_optimization.allgather_partitions",
@@ -86,10 +92,23 @@ _REFUSED = {
     "zero_optimization.zero_quantized_weights": "quantized weights are not supported",
     "zero_optimization.zero_hpz_partition_size": "hierarchical partitioning is not supported",
     "zero_optimization.mics_shard_size": "MiCS sharding is not supported",
-    "flops_profiler": "use bench/train.py for FLOP/s figures",
-    "tensorboard": "tierstack exports Prometheus metrics instead",
-    "wandb": "tierstack exports Prometheus metrics instead",
-    "comms_logger": "not supported",
+}
+
+# Tools tierstack does not have, whose absence changes no training: accepted, and when
+# enabled a warning once per process says what to use instead (a working JSON keeps working).
+_WARNED = {
+    "flops_profiler": "the FLOPs profiler is not part of tierstack; the step lines "
+                      "(steps_per_print) give samples/s, and torch.profiler counts FLOPs",
+    "comms_logger": "the communication logger is not part of tierstack; wall_clock_breakdown "
+                    "times the gradients' collectives of a partitioned job (bwd_allreduce)",
+}
+_warned_once: set[str] = set()
+
+# The monitor sections (train.monitor) and the keys each takes, as DeepSpeed's.
+_MONITOR_SECTIONS = {
+    "tensorboard": ("enabled", "output_path", "job_name"),
+    "csv_monitor": ("enabled", "output_path", "job_name"),
+    "wandb": ("enabled", "group", "team", "project"),
 }
 
 
@@ -127,6 +146,14 @@ def _screened(key: str, decided: list[str], value: Any = True) -> bool:
         decided.append(key)
         return True
     return False
+
+
+def _warn_once(key: str, value: Any) -> None:
+    """An enabled tool tierstack does not have: one warning per process, nothing refused."""
+    section = _section(value, key, '{"enabled": false}')
+    if section.get("enabled") is True and key not in _warned_once:
+        _warned_once.add(key)
+        log.warning("%s: %s (the section is accepted and changes nothing)", key, _WARNED[key])
 
 
 def is_deepspeed_config(data: dict) -> bool:
@@ -279,6 +306,10 @@ class _Translator:
                 self.keys["train.lr_schedule"] = name
             elif name == "checkpoint":
                 self.checkpoint(value)
+            elif name in ("steps_per_print", "wall_clock_breakdown") or name in _MONITOR_SECTIONS:
+                self.monitor(name, value)
+            elif name in _WARNED:
+                _warn_once(name, value)
             elif name in ("tier_overrides", "device_budget"):
                 # tierstack's own additions are welcome in a DeepSpeed file
                 self.put(self.train, name, value, f"train.{name}", name)
@@ -389,6 +420,30 @@ class _Translator:
         if name == "fp16":
             self.put(self.train, "fp16", loss_scaling, "train.fp16", "fp16")
         return enabled
+
+    def monitor(self, name: str, value: Any) -> None:
+        """steps_per_print, wall_clock_breakdown and the monitor sections: train.monitor."""
+        monitor = self.train.setdefault("monitor", {})
+        into = f"train.monitor.{name}"
+        if name == "steps_per_print":
+            steps = 0 if value is None else _number(value, name)
+            if not isinstance(steps, int):
+                raise ConfigError(f"steps_per_print: expected a whole number of steps, got {value!r}")
+            self.put(monitor, name, steps, into, name)
+        elif name == "wall_clock_breakdown":
+            self.put(monitor, name, value, into, name)
+        else:
+            section = _section(value, name, '{"enabled": true, "output_path": "logs/"}')
+            known = _MONITOR_SECTIONS[name]
+            out: dict[str, Any] = {}
+            for key, item in section.items():
+                if key not in known:
+                    raise ConfigError(f"unknown DeepSpeed key {name}.{key}; "
+                                      f"{suggest(key, known, name + '.')}")
+                # DeepSpeed's null (no group, no team) is tierstack's empty string.
+                self.put(out, key, "" if item is None and key != "enabled" else item,
+                         f"{into}.{key}", f"{name}.{key}")
+            self.put(monitor, name, out, into, name)
 
     def checkpoint(self, value: Any) -> None:
         value = _section(value, "checkpoint", '{"use_node_local_storage": false}')
@@ -538,6 +593,7 @@ _TOP_KEYS = ("zero_optimization", "aio", "activation_checkpointing",
              "train_micro_batch_size_per_gpu", "train_batch_size",
              "gradient_accumulation_steps", "gradient_clipping", "bf16", "fp16", "optimizer",
              "scheduler", "checkpoint", "tier_overrides", "device_budget", "budgets", "tier_manager",
+             "steps_per_print", "wall_clock_breakdown", *_MONITOR_SECTIONS, *_WARNED,
              *(k for k in _DECIDED_BY_TIERSTACK | set(_REFUSED) if "." not in k))
 _ZERO_KEYS = ("stage", "offload_param", "offload_optimizer",
               *(k.split(".", 1)[1] for k in _DECIDED_BY_TIERSTACK | set(_REFUSED)

@@ -50,7 +50,9 @@ what its user wrote into a `JobSpec`; nothing else makes a store or an engine.
 """
 
 ROOMS = {
-    "tierstack": "shared by every room; imports no room",
+    "tierstack": "shared by every room; imports no room (comm.py, DeepSpeed's name for the "
+                 "worker's collectives: the worker's doors only)",
+    "tierstack.ops": "DeepSpeed's optimizer names (shared: imports no room)",
     "tierstack.cli": "`tierstack ...` (the only room allowed to import the daemons)",
     "tierstack.proto": "the .proto files and their generated code (`make proto`; a test checks it is in sync)",
     "tierstack.services": "the services, each a room of its own",

@@ -18,6 +18,7 @@ no close) is closed when it is collected or the interpreter exits: nothing is le
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,8 +30,10 @@ import torch
 import torch.distributed as dist
 
 from tierstack.addresses import JOB_ENV
-from tierstack.config import load_config
+from tierstack import checkpointing
+from tierstack.config import ActivationConfig, load_config
 from tierstack.errors import ConfigError
+from tierstack.ops.adam import DeepSpeedAdam
 from tierstack.worker.api.training_engine import TrainingEngine
 from tierstack.worker.engine.model_blocks import check_blocks, find_blocks
 from tierstack.worker.job import JobSpec, open_job
@@ -53,8 +56,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     `config` (or `config_params`, or `args.deepspeed_config`): a DeepSpeed or tierstack
     JSON path or dict. `optimizer`: None (the config's AdamW over `model_parameters`, all
     trainable parameters by default, param groups allowed), a torch AdamW (its param groups,
-    hyperparameters and all; Adam without weight decay is the same step), or a callable
-    that makes one from the parameters. `lr_scheduler`: a scheduler object, a callable
+    hyperparameters and all; Adam without weight decay is the same step), DeepSpeed's
+    DeepSpeedCPUAdam or FusedAdam (tierstack.ops.adam: the same AdamW), or a callable
+    that makes one from the parameters. tierstack.checkpointing.configure()'s arguments,
+    when it was called, override the config's activation_checkpointing section. `lr_scheduler`: a scheduler object, a callable
     taking the optimizer, or None (the config's `scheduler` section, if any).
     `training_data`: a dataset, batched by the micro-batch size (shuffled, `collate_fn`).
     tierstack's own: `blocks_attr` (the ModuleList of blocks to offload; default the one
@@ -72,6 +77,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     raw = _config_dict(args, config, config_params)
     settings = load_config(raw)
     train = settings.train
+    train.activations = _configured_activations(train.activations)
     groups = _param_groups(model, optimizer, model_parameters, raw)
     blocks_attr = blocks_attr or find_blocks(model)
     check_blocks(model, blocks_attr)
@@ -195,6 +201,26 @@ def _config_dict(args: Any, config: Any, config_params: Any) -> dict:
                       f"{type(source).__name__}")
 
 
+def _configured_activations(activations: ActivationConfig) -> ActivationConfig:
+    """The config's activation policy with tierstack.checkpointing.configure()'s arguments
+    over it, as DeepSpeed's arguments override its file: checkpoint_in_cpu is policy 'cpu'
+    (False takes a 'cpu' policy back to 'auto'), partition_activations is `partition`."""
+    request = checkpointing.requested()
+    if request is None:
+        return activations
+    policy, partition = activations.policy, activations.partition
+    if request.cpu is not None:
+        policy = "cpu" if request.cpu else ("auto" if policy == "cpu" else policy)
+    if request.partition is not None:
+        partition = request.partition
+    chosen = dataclasses.replace(activations, policy=policy, partition=partition)
+    chosen.validate("tierstack.checkpointing.configure")
+    if chosen != activations:
+        log.info("tierstack.checkpointing.configure: activation policy %r, partition %s (the "
+                 "config said %r, %s)", policy, partition, activations.policy, activations.partition)
+    return chosen
+
+
 def _has_optimizer_section(raw: dict) -> bool:
     return "optimizer" in raw or "optimizer" in raw.get("train", {})
 
@@ -226,24 +252,36 @@ def _param_groups(model: torch.nn.Module, optimizer: Any, model_parameters: Any,
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """The caller's optimizer must be AdamW (the step the tier managers run)."""
+    """The caller's optimizer must be AdamW (the step the tier managers run): torch's AdamW,
+    Adam without L2 decay, or DeepSpeed's Adam classes (tierstack.ops.adam) in AdamW mode."""
     kind = type(optimizer)
-    if kind is torch.optim.Adam:
+    if kind is torch.optim.Adam or issubclass(kind, DeepSpeedAdam):
         decayed = [g for g in optimizer.param_groups if g.get("weight_decay", 0)]
         if decayed and not optimizer.param_groups[0].get("decoupled_weight_decay", False):
+            fix = ("adamw_mode=True (adam_w_mode=True for FusedAdam)" if kind is not torch.optim.Adam
+                   else "torch.optim.AdamW (decoupled decay)")
             raise ConfigError(
-                "initialize: torch.optim.Adam with weight_decay adds the decay to the gradient "
-                "(L2), which the tier managers' AdamW does not do; use torch.optim.AdamW "
-                "(decoupled decay) or weight_decay 0")
+                f"initialize: {_adam_name(optimizer)} with weight_decay adds the decay to the gradient "
+                f"(L2), which the tier managers' AdamW does not do; use {fix} or weight_decay 0")
     elif not issubclass(kind, torch.optim.AdamW):
         raise ConfigError(
             f"initialize: the optimizer is {kind.__name__}, and the tier managers run AdamW next to "
-            f"the offloaded state; pass torch.optim.AdamW (or none: the config's optimizer)")
+            f"the offloaded state; pass torch.optim.AdamW or tierstack.ops.adam.DeepSpeedCPUAdam / "
+            f"FusedAdam (or none: the config's optimizer)")
     for g, group in enumerate(optimizer.param_groups):
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
                 raise ConfigError(f"initialize: the optimizer's param group {g} sets {flag}=True, "
                                   f"which the tier managers' AdamW does not do; drop it")
+
+
+def _adam_name(optimizer: torch.optim.Optimizer) -> str:
+    """How the caller wrote the optimizer: torch.optim.Adam, DeepSpeedCPUAdam(adamw_mode=False)."""
+    kind = type(optimizer)
+    if kind is torch.optim.Adam:
+        return "torch.optim.Adam"
+    flag = "adam_w_mode" if kind.__name__ == "FusedAdam" else "adamw_mode"
+    return f"{kind.__name__}({flag}=False)"
 
 
 def _configured_schedule(optimizer: torch.optim.Optimizer, train):

@@ -16,7 +16,9 @@ updates overlap the next forward. What it adds is DeepSpeed's bookkeeping, with 
 conventions: micro steps and the accumulation boundary, the learning-rate schedule stepped
 after each applied optimizer step, fp16's dynamic loss scale (an overflowed step is
 skipped, the scale lowered), checkpoints by tag with a `latest` file and the caller's
-client state.
+client state, and what DeepSpeed prints and records of each step (train.monitor: step
+lines, phase timers, `engine.monitor`'s events; worker/api/step_report.py), from the same
+figures the node's dashboard gets.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from tierstack import checkpointing
 from tierstack.config import TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
+from tierstack.monitor import MonitorMaster
+from tierstack.worker.api.step_report import StepFigures, StepReport
 from tierstack.worker.engine import checkpoint
 from tierstack.worker.engine.param_groups import HYPER_KEYS
 from tierstack.worker.job import Job
@@ -121,6 +126,14 @@ class TrainingEngine(torch.nn.Module):
         # and tokens, for the node's dashboard.
         self._window_losses: list[torch.Tensor] = []
         self._window_tokens = 0
+        # What DeepSpeed prints and records of each step (train.monitor), from the figures
+        # the dashboard gets (_step_ended).
+        monitoring = self.config.monitor
+        self.monitor = MonitorMaster(monitoring)
+        self._report = StepReport(monitoring, self.monitor, self.global_rank, self.train_batch_size(),
+                                  core.time_phases() if monitoring.wall_clock_breakdown else None)
+        self._report.started(self._figures(loss=None))
+        checkpointing.engine_built(core.model.get_submodule(job.spec.blocks_attr))
 
     # ---- what DeepSpeed's engine tells ------------------------------------------------------
 
@@ -172,6 +185,16 @@ class TrainingEngine(torch.nn.Module):
         """Each param group's learning rate now (the next optimizer step's)."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def get_mom(self) -> list:
+        """Each param group's AdamW betas (DeepSpeed's momentum for Adam)."""
+        return [group["betas"] for group in self.optimizer.param_groups]
+
+    def steps_per_print(self) -> int | None:
+        return self.config.monitor.steps_per_print or None
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.monitor.wall_clock_breakdown
+
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last optimizer step (before clipping), as DeepSpeed
         reports it every step; None before the first."""
@@ -212,6 +235,8 @@ class TrainingEngine(torch.nn.Module):
                 self.core.place_with(lambda: _probe_loss(self.module(*args, **kwargs)))
             if self.module.training:
                 self._window_tokens += _tokens(args, kwargs)
+                with self._report.forward():
+                    return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
@@ -235,33 +260,45 @@ class TrainingEngine(torch.nn.Module):
         self._window_losses.append(scaled.detach())
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
-        self.core.backward(scaled, boundary=self.is_gradient_accumulation_boundary())
+        with self._report.backward():
+            self.core.backward(scaled, boundary=self.is_gradient_accumulation_boundary())
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """End a micro step: at an accumulation boundary, the optimizer step (clipping,
         fp16 unscaling and overflow check), then the learning-rate schedule; every step
         counts toward the boundary."""
-        if self.is_gradient_accumulation_boundary():
-            self.optimizer.step()  # through the optimizer: torch schedulers see it stepped
-            if self._step_applied and self.lr_scheduler is not None:
-                self._step_schedule(lr_kwargs or {})
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            self._step_ended()
+        figures = None
+        with self._report.step():
+            if self.is_gradient_accumulation_boundary():
+                self.optimizer.step()  # through the optimizer: torch schedulers see it stepped
+                if self._step_applied and self.lr_scheduler is not None:
+                    self._step_schedule(lr_kwargs or {})
+                self.global_steps += 1
+                self.global_samples += self.train_batch_size()
+                figures = self._step_ended()
         self.micro_steps += 1
+        self._report.micro_step_ended(figures)
 
-    def _step_ended(self) -> None:
+    def _step_ended(self) -> StepFigures:
         """An optimizer step ended: its time (since the last one ended, the caller's loop
         included, as a plan's step is) goes to the job's plans, and it with its loss,
-        tokens and learning rate to the node's dashboard."""
+        tokens and learning rate to the node's dashboard; the same figures, returned, are
+        the step lines' and monitors' (StepReport)."""
         now = time.monotonic()
         losses, self._window_losses = self._window_losses, []
         tokens, self._window_tokens = self._window_tokens, 0
-        loss = float(torch.stack(losses).sum()) if losses else None
+        figures = self._figures(loss=float(torch.stack(losses).sum()) if losses else None)
         seconds = None if self._last_step_end is None else now - self._last_step_end
-        self._job.step_done(self.global_steps, seconds, loss, tokens, self.get_lr()[0])
+        self._job.step_done(figures.step, seconds, figures.loss, tokens, figures.lrs[0])
         self._last_step_end = time.monotonic()
+        return figures
+
+    def _figures(self, loss: float | None) -> StepFigures:
+        return StepFigures(step=self.global_steps, samples=self.global_samples,
+                           skipped=self.skipped_steps, loss=loss,
+                           lrs=self.get_lr(), moms=self.get_mom(),
+                           loss_scale=self.loss_scale() if self.loss_scaler is not None else None)
 
     def _step_schedule(self, lr_kwargs: dict) -> None:
         """The LR schedule's step. A torch scheduler built on the caller's own optimizer
@@ -395,6 +432,7 @@ class TrainingEngine(torch.nn.Module):
         try:
             self.core.wait_for_optimizer()
         finally:
+            self._report.close()
             self._close_job()
 
     def __enter__(self) -> "TrainingEngine":
