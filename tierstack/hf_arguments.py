@@ -20,10 +20,11 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from tierstack.config import LRScheduleConfig, load_config
+from tierstack.config import load_config
 from tierstack.deepspeed_config import is_deepspeed_config
 from tierstack.errors import ConfigError
 from tierstack.hf_deepspeed import fill_auto
+from tierstack.lr_schedules import LRScheduleConfig
 
 # TrainingArguments.optim values that are torch's AdamW: the step the tier managers run.
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
@@ -98,8 +99,8 @@ def read_deepspeed_json(value: Any) -> dict | None:
         raise ConfigError(f"TrainingArguments.deepspeed: expected a DeepSpeed JSON file's path or "
                           f"a dict, got {type(value).__name__}")
     if not is_deepspeed_config(data):
-        raise ConfigError("TrainingArguments.deepspeed: the config has no zero_optimization "
-                          "section; give a DeepSpeed ZeRO-3 config, e.g. "
+        raise ConfigError("TrainingArguments.deepspeed: the config has none of DeepSpeed's keys; "
+                          "give a DeepSpeed JSON, e.g. "
                           '{"zero_optimization": {"stage": 3}}')
     return data
 
