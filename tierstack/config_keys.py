@@ -45,6 +45,11 @@ class UserKeys:
                 return self.names[prefix] + key[len(prefix):]
         return key
 
+    def of_item(self, key: str, index: int) -> str:
+        """How the user wrote item `index` of list `key` (one DeepSpeed nvme_path of the
+        NVMe pool's paths), else `key` as `of` names it."""
+        return self.names.get(f"{key}[{index}]") or self.of(key)
+
     def in_message(self, message: str) -> str:
         """`message` with every translated key in it named as the user wrote it."""
         if not self.names:

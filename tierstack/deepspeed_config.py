@@ -251,6 +251,8 @@ class _Translator:
         self.aio: dict[str, Any] = {}
         self.decided: list[str] = []
         self.keys: dict[str, str] = {}  # translated key -> the user's
+        # tierstack's additions to a DeepSpeed file sit at its top (the errors name them so).
+        self.keys.update({f"train.{name}": name for name in ("tier_overrides", "device_budget")})
         self.stage = 0  # DeepSpeed's default: no zero_optimization, or one without a stage
         self.offloads: dict[str, str] = {}  # offload section -> the device it asks for
 
@@ -490,6 +492,8 @@ class _Translator:
             # Both offload sections' directories: the NVMe pool stripes every tensor over them.
             tier_manager["nvme_pool"] = {"paths": list(self.nvme_paths)}
             self.keys["tier_manager.nvme_pool.paths"] = " and ".join(dict.fromkeys(self.nvme_paths.values()))
+            for i, user in enumerate(self.nvme_paths.values()):  # each directory's own key
+                self.keys[f"tier_manager.nvme_pool.paths[{i}]"] = user
         if self.aio:
             tier_manager.setdefault("nvme_pool", {})["aio"] = self.aio
         out: dict[str, Any] = {"train": self.train, **tierstack_sections}

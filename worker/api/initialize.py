@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tierstack.addresses import JOB_ENV
-from tierstack.config import load_config
+from tierstack.config import load_config_with_keys
 from tierstack.errors import ConfigError
 from tierstack.worker.api.training_engine import TrainingEngine
 from tierstack.worker.engine.model_blocks import check_blocks, find_blocks
@@ -70,8 +70,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"initialize needs model=, a torch.nn.Module; got {type(model).__name__}")
     raw = _config_dict(args, config, config_params)
-    settings = load_config(raw)
-    train = settings.train
+    loaded = load_config_with_keys(raw)
+    settings, train = loaded.config, loaded.config.train
     groups = _param_groups(model, optimizer, model_parameters, raw)
     blocks_attr = blocks_attr or find_blocks(model)
     check_blocks(model, blocks_attr)
@@ -86,7 +86,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     built = open_job(JobSpec(job, settings, model, blocks_attr, device, param_groups=groups,
                              partitioned=ranks is not None, tier_manager=tier_manager or "",
                              tier_manager_setting="initialize(tier_manager=)",
-                             total_steps=int(total_steps) if total_steps else None))
+                             total_steps=int(total_steps) if total_steps else None,
+                             keys=loaded.keys))
     def schedule(optimizer: torch.optim.Optimizer):
         """The schedule over the engine's optimizer: the caller's, made by the caller's
         callable, or the config's `scheduler` section."""
