@@ -47,15 +47,16 @@ from typing import Any
 
 import torch
 
+from tierstack.errors import ConfigError, InvalidArgumentError, MissingExtraError, TierstackError
+
 try:
     import transformers
     from transformers.trainer_pt_utils import remove_dummy_checkpoint
     from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
-except ImportError as e:  # transformers (and accelerate) are the user's, not tierstack's
-    raise ImportError(f"tierstack's Hugging Face Trainer integration needs transformers>=5 and "
-                      f"accelerate: pip install 'transformers>=5' accelerate ({e})") from None
+except ImportError as e:  # transformers and accelerate: the [hf] extra
+    raise MissingExtraError(f"tierstack's Hugging Face Trainer integration needs transformers>=5 "
+                            f"and accelerate: pip install 'tierstack[hf]' ({e})") from None
 
-from tierstack.errors import ConfigError, InvalidArgumentError, TierstackError
 from tierstack.hf_arguments import (deepspeed_schedule, engine_config, has_optimizer,
                                     has_scheduler, read_deepspeed_json, refuse_unsupported)
 from tierstack.lr_schedules import build_schedule
@@ -65,8 +66,8 @@ from tierstack.worker.api.training_engine import TrainingEngine
 log = logging.getLogger(__name__)
 
 if int(transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(f"tierstack's Trainer integration follows transformers 5's Trainer; this is "
-                      f"transformers {transformers.__version__}: pip install 'transformers>=5'")
+    raise MissingExtraError(f"tierstack's Trainer integration follows transformers 5's Trainer; this "
+                            f"is transformers {transformers.__version__}: pip install 'tierstack[hf]'")
 
 
 def _json_read_by_tierstack(post_init):
