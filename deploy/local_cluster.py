@@ -29,10 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
 
 from tierstack.addresses import SECURITY_DIR_ENV, cluster_dir_name, node_dir, node_tier_manager_address, user_dir
 from tierstack.errors import InvalidArgumentError
+from tierstack.extras import require
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = REPO / ".venv" / "bin" / "ray"
@@ -124,6 +124,8 @@ def _read(path: Path) -> str | None:
 
 
 def _config() -> dict:
+    import yaml  # Ray's dependency: the [cluster] extra
+
     return yaml.safe_load((REPO / "deploy" / "cluster-local.yaml").read_text())
 
 
@@ -145,6 +147,8 @@ def _write_files(d: Path) -> None:
     config = _config()
     config["auth"]["ssh_user"] = os.environ.get("USER") or "root"
     config["auth"]["ssh_private_key"] = str(d / "client")
+    import yaml
+
     (d / "cluster.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
@@ -374,4 +378,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require("cluster", "tierstack local-cluster")
     return up() if args.action == "up" else down()

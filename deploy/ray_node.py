@@ -31,6 +31,7 @@ from pathlib import Path
 from tierstack.addresses import TIER_MANAGER_ENV, cluster_dir_name, node_dir, node_tier_manager_address
 from tierstack.config import config_dict, load_config
 from tierstack.errors import InvalidArgumentError
+from tierstack.extras import require
 from tierstack.service_process import ServiceProcess
 
 log = logging.getLogger(__name__)
@@ -282,6 +283,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require("cluster", "tierstack ray-node")
     if args.make_secrets:
         return make_secrets(args.make_secrets)
     if not args.role or not args.node_ip or not args.ray_address:

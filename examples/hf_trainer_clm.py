@@ -3,15 +3,17 @@
     python examples/hf_trainer_clm.py --output_dir /tmp/clm --deepspeed examples/ds_config_zero3.json
 
 A tiny Llama learns a paragraph byte by byte, on the CPU in well under a minute. It is a
-plain transformers script but for the one line marked "tierstack"; the DeepSpeed JSON is
-the stock ZeRO-3 offload file of Hugging Face's docs, its "auto" values unchanged (leave
---deepspeed out for tierstack's defaults). Every TrainingArguments flag works as usual.
+plain transformers script (HfArgumentParser over transformers' own TrainingArguments) but
+for the one line marked "tierstack"; the DeepSpeed JSON is a stock file of Hugging Face's
+docs, its "auto" values unchanged: ZeRO-3 offload, or ZeRO-2 with the optimizer offloaded
+(examples/ds_config_zero2.json); leave --deepspeed out for tierstack's defaults. Every
+TrainingArguments flag works as usual, --gradient_checkpointing too.
 """
 
 import torch
-from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, set_seed
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, TrainingArguments, set_seed
 
-from tierstack.worker.hf_trainer import Trainer, TrainingArguments  # tierstack: was `from transformers import ...`
+from tierstack.worker.hf_trainer import Trainer  # tierstack: was `from transformers import Trainer`
 
 TEXT = (
     "Parameters, gradients and optimizer states live across three tiers: GPU memory, CPU "

@@ -96,7 +96,10 @@ def test_a_deepspeed_zero_infinity_config_is_accepted_as_is(caplog):
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda d: d["zero_optimization"].update(stage=2), "zero_optimization.stage is 2"),
+    (lambda d: d["zero_optimization"].update(stage=4),
+     "zero_optimization.stage: expected 0, 1, 2 or 3, got 4"),
+    (lambda d: d["zero_optimization"].update(stage="2"),
+     r"zero_optimization.stage: expected 0, 1, 2 or 3, got '2' \(str\); write 2 without quotes"),
     (lambda d: d.update(fp16={"enabled": True}), "bf16.enabled and fp16.enabled"),
     (lambda d: d["zero_optimization"]["offload_param"].pop("nvme_path"),
      "offload_param.device is 'nvme' but zero_optimization.offload_param.nvme_path is missing"),
@@ -279,7 +282,7 @@ def test_buffer_size_limits_only_when_stated():
 
 @pytest.mark.parametrize("change,message", [
     (lambda d: d["zero_optimization"].update(stage="3"),
-     r"^zero_optimization.stage: expected the number 3, got '3' \(str\); write 3 without quotes$"),
+     r"^zero_optimization.stage: expected 0, 1, 2 or 3, got '3' \(str\); write 3 without quotes$"),
     (lambda d: d["zero_optimization"].update(offload_param="nvme"),
      r"^zero_optimization.offload_param: expected an object such as \{\"device\": \"nvme\""),
     (lambda d: d.update(train_batch_size="auto"),
@@ -352,14 +355,27 @@ def test_bad_loss_scaling_is_refused_naming_the_key(fp16, message):
         load_config({"train": {"precision": "fp16", "fp16": fp16}})
 
 
-@pytest.mark.parametrize("data,key", [
-    ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "train_batch_size"),
-    ({"bf16": {"enabled": True}}, "bf16"),
+@pytest.mark.parametrize("data", [
+    {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+    {"bf16": {"enabled": True}},
 ])
-def test_a_deepspeed_config_without_zero_optimization_is_named_as_deepspeeds_stage_0(data, key):
-    with pytest.raises(ConfigError, match=rf'^{key} is a DeepSpeed key, but the config has no '
-                                          rf'zero_optimization section .* add "zero_optimization": \{{"stage": 3'):
+def test_a_deepspeed_config_without_zero_optimization_is_deepspeeds_stage_0(data):
+    """DeepSpeed's own reading: no zero_optimization section is stage 0; tierstack places
+    the state by its budgets (train.params.device 'auto')."""
+    config = load_config(data)
+    assert config.train.params.device == "auto" and config.train.optimizer_state.device == "none"
+
+
+@pytest.mark.parametrize("data", [
+    {"train_batch_size": 8, "train": {"micro_batch_size": 8}},
+    {"zero_optimization": {"stage": 3}, "security": {"token_file": "/x"}},
+])
+def test_a_config_in_both_formats_at_once_is_refused_in_one_line(data):
+    with pytest.raises(ConfigError, match=r"^(train|security) is a section of tierstack's own config "
+                                          r"format, and (train_batch_size|zero_optimization) a "
+                                          r"DeepSpeed key: write the file in one format") as err:
         load_config(data)
+    assert "\n" not in str(err.value)
 
 
 def test_deepspeeds_bias_correction_true_is_adamw_and_false_is_refused_by_name():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 
 import pytest
@@ -299,3 +300,107 @@ def test_optimizer_state_a_deepspeed_json_puts_on_nvme_is_on_nvme_and_out_of_the
     # Between steps the pool holds the four blocks' parameters and their layouts; the
     # moments (twice the parameters) would have tripled it.
     assert max(used) < 4 * block_params + state_on_nvme / 4, (used, block_params)
+
+
+# ---- ZeRO stages 0, 1 and 2: what each asks of the placement ---------------------------
+
+ZERO2_OFFLOAD = {  # DeepSpeed's ZeRO-Offload, as its tutorials and Hugging Face write it
+    "train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "AdamW", "params": HYPER},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+                          "contiguous_gradients": True, "round_robin_gradients": True},
+}
+STAGE_0 = {  # no zero_optimization section: DeepSpeed's stage 0 (plain data parallelism)
+    "train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "AdamW", "params": HYPER},
+}
+
+
+def _stage(stage: int, **sections) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": dict(HYPER)},
+            "zero_optimization": {"stage": stage, **sections}}
+
+
+@pytest.mark.parametrize("data,params,state,warning", [
+    (ZERO2_OFFLOAD, "none", "cpu", None),
+    (_stage(1, offload_optimizer={"device": "nvme", "nvme_path": "/x"}), "none", "nvme", None),
+    (_stage(2), "auto", "none", "zero_optimization.stage 2 without offload: DeepSpeed keeps the "
+                                "parameters, gradients and optimizer state on the GPU; tierstack "
+                                "places them by its HBM budget"),
+    (STAGE_0, "auto", "none", "zero_optimization.stage 0 without offload: DeepSpeed (no ZeRO) "
+                              "keeps every parameter, gradient and optimizer state on each GPU"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "none", "cpu",
+     "zero_optimization.stage 0 with zero_optimization.offload_optimizer: DeepSpeed offloads the "
+     "optimizer state at stages 1-3 only"),
+    (_stage(2, offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"}), "cpu", "cpu",
+     "zero_optimization.stage 2: DeepSpeed offloads parameters at stage 3 only and ignores "
+     "zero_optimization.offload_param; tierstack offloads them as the section asks"),
+    (_stage(3), "auto", "none", None),
+])
+def test_each_zero_stage_is_a_placement_and_a_difference_from_deepspeed_is_said_once(
+        data, params, state, warning, caplog, monkeypatch):
+    from tierstack import deepspeed_config
+    monkeypatch.setattr(deepspeed_config, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="tierstack.deepspeed_config"):
+        for _ in range(2):  # a Trainer run reads its JSON more than once: one warning
+            train = load_config(data).train
+    assert (train.params.device, train.optimizer_state.device) == (params, state)
+    said = [r.getMessage() for r in caplog.records]
+    if warning is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and said[0].startswith(warning), said
+
+
+def test_several_ranks_below_stage_3_are_partitioned_and_it_is_said(caplog, monkeypatch):
+    from tierstack import deepspeed_config
+    monkeypatch.setattr(deepspeed_config, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="tierstack.deepspeed_config"):
+        load_config(dict(ZERO2_OFFLOAD, train_batch_size=8), world_size=2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "zero_optimization.stage 2 with 2 ranks: DeepSpeed keeps a whole copy of the parameters "
+        "on every rank; tierstack partitions every offloaded block's state over the ranks, as at "
+        "stage 3"]
+
+
+@pytest.mark.parametrize("name", ["zero2_offload_optimizer", "stage0"])
+def test_a_zero2_offload_json_and_a_stage0_json_train_as_plain_pytorch(shared_daemon, tmp_path, name):
+    """Through tierstack.initialize, as a DeepSpeed script runs them: the same losses as plain
+    PyTorch's AdamW on the same seed. ZeRO-Offload keeps every block's optimizer state (its
+    moments) in the tier manager's CPU pool, stepped there; stage 0 leaves the blocks to the
+    placement ('auto')."""
+    import tierstack
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(ZERO2_OFFLOAD if name == "zero2_offload_optimizer" else STAGE_0))
+    torch.manual_seed(0)
+    reference = TinyGPT(dim=64, layers=3)
+    model = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 256, (4, 32), generator=g), torch.randint(0, 256, (4, 32), generator=g))
+               for _ in range(4)]
+    expected = _plain_losses(reference, batches)
+    engine, _, _, _ = tierstack.initialize(model=model, model_parameters=model.parameters(),
+                                           config=str(path), tier_manager=shared_daemon.address)
+    client = TierManagerClient(shared_daemon.address)
+    try:
+        got = []
+        for x, y in batches:
+            loss = torch.nn.functional.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+            engine.backward(loss)
+            engine.step()
+            got.append(loss.item())
+        core = engine.core
+        core.wait_for_optimizer()
+        if name == "zero2_offload_optimizer":
+            assert core.tiers == core.state_tiers == ["cpu"] * 3
+            moments = [client.describe(core.store.key(i, kind)) for i in range(3) for kind in MOMENTS]
+            assert all(m.in_cpu for m in moments), moments
+        else:
+            assert core.tiers == ["auto"] * 3
+    finally:
+        client.close()
+        engine.close()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import json
 import math
 import os
@@ -19,11 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tierstack.config_keys import UserKeys, suggest
+from tierstack.deepspeed_config import is_deepspeed_config, refuse_mixed_formats, translate
 from tierstack.errors import ConfigError
+from tierstack.lr_schedules import LRScheduleConfig
+from tierstack.tiers import ACTIVATION_POLICIES, AUTO, NVME, OFFLOAD_DEVICES, BlockTier
 
 if typing.TYPE_CHECKING:
     from tierstack.budgets import Budgets, MachineLimits
-from tierstack.tiers import ACTIVATION_POLICIES, AUTO, NVME, OFFLOAD_DEVICES, BlockTier
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 AUTO_SIZE = "auto"
@@ -484,28 +486,6 @@ class ActivationConfig:
 
 
 @dataclass
-class LRScheduleConfig:
-    """The learning-rate schedule: DeepSpeed's `scheduler` section (tierstack/lr_schedules.py
-    has the formulas). The schedule steps after each optimizer step, as DeepSpeed's does."""
-
-    type: str = "none"
-    """'none' (train.optimizer.lr throughout) or one of DeepSpeed's schedules: WarmupLR,
-    WarmupDecayLR, WarmupCosineLR, OneCycle."""
-    params: dict[str, Any] = field(default_factory=dict)
-    """That schedule's parameters under DeepSpeed's names, e.g. {"warmup_num_steps": 100,
-    "total_num_steps": 1000} for WarmupDecayLR."""
-
-    def validate(self, prefix: str) -> None:
-        from tierstack.lr_schedules import NONE, check_params, check_type
-        check_type(self.type, f"{prefix}.type")
-        if self.type != NONE:
-            check_params(self.type, self.params, f"{prefix}.params")
-        elif self.params:
-            raise ConfigError(f"{prefix}.params: given, but {prefix}.type is 'none' (no "
-                              f"schedule); name the schedule or drop the params")
-
-
-@dataclass
 class LossScaleConfig:
     """fp16 loss scaling (DeepSpeed's `fp16` section), used when train.precision is 'fp16'
     (worker/engine/loss_scaler.py). A step whose gradients overflow is skipped; with dynamic
@@ -825,14 +805,6 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def suggest(key: str, known, where: str = "") -> str:
-    """'did you mean X?' for the nearest known key (difflib), else the known keys."""
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    if close:
-        return f"did you mean {where}{close[0]}?"
-    return f"known keys here: {', '.join(sorted(known))}"
-
-
 def apply_budgets(config: TierstackConfig) -> None:
     """Stated host / NVMe budgets size the tier manager's pools where those say 'auto':
     the CPU pool gets the host budget's pool share, the NVMe pool the NVMe budget. (With
@@ -854,11 +826,29 @@ def load_config(source: dict | str | os.PathLike | None = None,
                 world_size: int | None = None) -> TierstackConfig:
     """Load, validate and return the config from a dict, a JSON file, or defaults.
 
-    A DeepSpeed config (one with a `zero_optimization` section) is accepted as is and
-    translated (tierstack/deepspeed_config.py); anything else is tierstack's own format.
-    `world_size`: the job's data-parallel ranks, which a DeepSpeed train_batch_size counts
-    (default: WORLD_SIZE, as each rank of torchrun or tierstack launch has it).
+    A DeepSpeed config (one with a `zero_optimization` section, or any key only DeepSpeed
+    has: stage 0) is accepted as is and translated (tierstack/deepspeed_config.py); anything
+    else is tierstack's own format. `world_size`: the job's data-parallel ranks, which a
+    DeepSpeed train_batch_size counts (default: WORLD_SIZE, as each rank of torchrun or
+    tierstack launch has it).
     """
+    return load_config_with_keys(source, world_size).config
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A config as `load_config_with_keys` loaded it, and the keys its user wrote."""
+
+    config: TierstackConfig
+    keys: UserKeys
+    """The user's key behind each translated one (a DeepSpeed JSON's); empty for tierstack's
+    own format. A door names settings with it in the errors it raises later (a directory
+    that cannot be made, a block too large for offload_param.buffer_size)."""
+
+
+def load_config_with_keys(source: dict | str | os.PathLike | None = None,
+                          world_size: int | None = None) -> LoadedConfig:
+    """`load_config`, with the user's keys for the errors that come after loading."""
     if source is None:
         data: dict = {}
     elif isinstance(source, dict):
@@ -871,15 +861,14 @@ def load_config(source: dict | str | os.PathLike | None = None,
             raise ConfigError(f"config file {path} does not exist") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-    from tierstack.deepspeed_config import is_deepspeed_config, refuse_deepspeed_without_zero, translate
     if not is_deepspeed_config(data):
-        refuse_deepspeed_without_zero(data, tuple(f.name for f in dataclasses.fields(TierstackConfig)))
-        return _load(data)
+        return LoadedConfig(_load(data), UserKeys())
+    refuse_mixed_formats(data, tuple(f.name for f in dataclasses.fields(TierstackConfig)))
     translation = translate(data, world_size)  # its own errors name the user's keys already
     try:
-        return _load(translation.config)
+        return LoadedConfig(_load(translation.config), translation.keys)
     except ConfigError as e:  # a translated key named as the user wrote it
-        raise ConfigError(translation.in_user_keys(str(e))) from None
+        raise translation.keys.rename(e) from None
 
 
 def _load(data: dict) -> TierstackConfig:

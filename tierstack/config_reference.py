@@ -29,8 +29,9 @@ A tierstack config is JSON: `tierstack train --config FILE`, `tierstack launch -
 FILE`, `tierstack.initialize(config=...)` (a path or a dict) and the daemons' `--config`.
 Every key below may be left out (its default applies); an unknown key is refused by its
 dotted name with the nearest known one. Sizes are bytes or strings with a unit (`"4GiB"`,
-`"512MB"`). A DeepSpeed JSON (one with `zero_optimization`) is read as it is: see the
-last section for what each DeepSpeed key becomes.
+`"512MB"`). A DeepSpeed JSON (one with `zero_optimization`, or any key only DeepSpeed
+has: its stage 0) is read as it is: see the last section for what each DeepSpeed key
+becomes.
 """
 
 

@@ -28,7 +28,20 @@ about once per process.
 Trainer's placeholder: its integration fills it in (tierstack/hf_deepspeed.py does the same
 for a Trainer run); anywhere else it is refused, naming the key. Every error, including the
 ones raised while the translated config is validated, names the key the user wrote
-(`DeepSpeedTranslation.in_user_keys`), never the tierstack key it became.
+(`DeepSpeedTranslation.keys`, tierstack/config_keys.py's UserKeys, which the job's doors
+also use for the errors that come later: a directory that cannot be made, a block larger
+than offload_param.buffer_size), never the tierstack key it became.
+
+ZeRO stages: every stage is accepted, and a file with DeepSpeed's keys and no
+`zero_optimization` section is stage 0, as in DeepSpeed. Stage 3 is tierstack's own way
+(the offload sections place the blocks' state). Stage 1 or 2 with `offload_optimizer`
+(ZeRO-Offload) pins the parameters and gradients to the device and the optimizer state to
+the tiers, stepped by the tier manager (train.params.device "none": the engine's
+ZeRO-Offload shape, worker/engine/offload_engine.py's block_tiers). Stage 0, 1 or 2 without
+offload trains with tierstack's own placement: what fits the HBM budget on the device, the
+rest streamed. Where tierstack's choice differs from what DeepSpeed does (that placement;
+offload_param below stage 3, which DeepSpeed ignores and tierstack honours; several ranks,
+which tierstack partitions as at stage 3) it says so once, at WARNING.
 
 Offload sections: `device` (none, cpu, nvme) and `nvme_path` in both; `buffer_count`,
 `buffer_size` and `max_in_cpu` of offload_param mean what they mean in DeepSpeed (see
@@ -43,15 +56,25 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierstack.config import suggest
+from tierstack.config_keys import UserKeys, suggest
 from tierstack.errors import ConfigError
 from tierstack.tiers import OFFLOAD_DEVICES
 
 log = logging.getLogger(__name__)
+
+ZERO_STAGES = (0, 1, 2, 3)
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A WARNING the first time this process translates a config that earns it (a Trainer
+    run reads its JSON more than once)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
 
 # Knobs tierstack sets itself: the scheduler from measured bandwidth and the layer
 # trace; the tier manager's CPU pool (always page-locked, so pin_memory has no job); its
@@ -157,21 +180,22 @@ def _warn_once(key: str, value: Any) -> None:
 
 
 def is_deepspeed_config(data: dict) -> bool:
-    return isinstance(data, dict) and "zero_optimization" in data
+    """Whether `data` is a DeepSpeed config: one with a `zero_optimization` section, or
+    (DeepSpeed's stage 0 has none) with any key only DeepSpeed's format has."""
+    return isinstance(data, dict) and ("zero_optimization" in data or any(k in _DEEPSPEED_ONLY for k in data))
 
 
-def refuse_deepspeed_without_zero(data: dict, own_sections: tuple[str, ...]) -> None:
-    """A config read as tierstack's own (no zero_optimization section) that has DeepSpeed's
-    keys is a DeepSpeed config at stage 0: say so in one line, rather than 'unknown key'."""
-    if not isinstance(data, dict):
-        return
-    theirs = [key for key in data if key in _TOP_KEYS and key not in own_sections]
-    if theirs:
+def refuse_mixed_formats(data: dict, own_sections: tuple[str, ...]) -> None:
+    """One line for a DeepSpeed config that also has a section only tierstack's own format
+    has (`train`, `security`), rather than 'unknown DeepSpeed key train'."""
+    theirs = [key for key in data if key in _DEEPSPEED_ONLY or key == "zero_optimization"]
+    ours = [key for key in data if key in own_sections and key not in _TIERSTACK_SECTIONS
+            and key != "scheduler"]  # DeepSpeed's scheduler is its learning-rate schedule
+    if theirs and ours:
         raise ConfigError(
-            f"{theirs[0]} is a DeepSpeed key, but the config has no zero_optimization section "
-            f"(DeepSpeed's stage 0); tierstack trains as ZeRO stage 3: add "
-            f'"zero_optimization": {{"stage": 3, "offload_param": {{"device": "cpu"}}, '
-            f'"offload_optimizer": {{"device": "cpu"}}}}')
+            f"{ours[0]} is a section of tierstack's own config format, and {theirs[0]} a DeepSpeed "
+            f"key: write the file in one format (a DeepSpeed JSON takes tierstack's "
+            f"{', '.join(_TIERSTACK_SECTIONS)} sections besides its own keys)")
 
 
 # Sections of tierstack's own that a DeepSpeed file may carry: read as tierstack reads them.
@@ -207,28 +231,17 @@ def _leaves(node: Any, key: str):
         yield key, node
 
 
-_DOTTED_KEY = re.compile(r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
-
-
 @dataclass
 class DeepSpeedTranslation:
     """A DeepSpeed config as tierstack's config dict, and the user's key behind each part."""
 
     config: dict
-    user_keys: dict[str, str] = field(default_factory=dict)
+    keys: UserKeys = field(default_factory=UserKeys)
     """Translated dotted key (or section) -> the DeepSpeed key it came from."""
 
     def in_user_keys(self, message: str) -> str:
         """`message` with each translated key in it named as the user wrote it."""
-        def user_key(match: re.Match) -> str:
-            key = match.group(0)
-            parts = key.split(".")
-            for n in range(len(parts), 0, -1):  # the longest translated prefix
-                prefix = ".".join(parts[:n])
-                if prefix in self.user_keys:
-                    return self.user_keys[prefix] + key[len(prefix):]
-            return key
-        return _DOTTED_KEY.sub(user_key, message)
+        return self.keys.in_message(message)
 
 
 def translate_deepspeed(ds: dict) -> dict:
@@ -265,6 +278,10 @@ class _Translator:
         self.aio: dict[str, Any] = {}
         self.decided: list[str] = []
         self.keys: dict[str, str] = {}  # translated key -> the user's
+        # tierstack's additions to a DeepSpeed file sit at its top (the errors name them so).
+        self.keys.update({f"train.{name}": name for name in ("tier_overrides", "device_budget")})
+        self.stage = 0  # DeepSpeed's default: no zero_optimization, or one without a stage
+        self.offloads: dict[str, str] = {}  # offload section -> the device it asks for
 
     def put(self, section: dict, name: str, value: Any, translated: str, user: str) -> None:
         section[name] = value
@@ -321,9 +338,10 @@ class _Translator:
         if precision_key:
             self.keys["train.precision"] = precision_key
         self.batch_size(ds)
+        self.stage_placement()
         if self.decided:
             log.info("DeepSpeed settings decided by tierstack instead: %s", ", ".join(self.decided))
-        return DeepSpeedTranslation(self.assemble(tierstack_sections), self.keys)
+        return DeepSpeedTranslation(self.assemble(tierstack_sections), UserKeys(self.keys))
 
     def zero_optimization(self, value: Any) -> None:
         value = _section(value, "zero_optimization", '{"stage": 3, "offload_param": {"device": "cpu"}}')
@@ -332,13 +350,12 @@ class _Translator:
             if _screened(full, self.decided, zvalue):
                 continue
             if zname == "stage":
-                if isinstance(zvalue, bool) or not isinstance(zvalue, int):
-                    raise ConfigError(f"zero_optimization.stage: expected the number 3, got "
-                                      f"{zvalue!r} ({type(zvalue).__name__}); write 3 without quotes")
-                if zvalue != 3:
-                    raise ConfigError(
-                        f"zero_optimization.stage is {zvalue}: tierstack partitions parameters, "
-                        f"gradients and optimizer states (stage 3); set it to 3")
+                if isinstance(zvalue, bool) or zvalue not in ZERO_STAGES:
+                    fix = (f" ({type(zvalue).__name__}); write {zvalue.strip()} without quotes"
+                           if isinstance(zvalue, str) and zvalue.strip() in ("0", "1", "2", "3") else "")
+                    raise ConfigError(f"zero_optimization.stage: expected 0, 1, 2 or 3, got "
+                                      f"{zvalue!r}{fix}")
+                self.stage = zvalue
             elif full in _OFFLOAD_INTO:
                 into = f"train.{_OFFLOAD_INTO[full]}"
                 self.train[_OFFLOAD_INTO[full]] = self.offload(zvalue, full, into)
@@ -358,6 +375,7 @@ class _Translator:
                 if value is not None and value not in OFFLOAD_DEVICES:
                     raise ConfigError(f"{full}: {value!r} is not one of {', '.join(OFFLOAD_DEVICES)}")
                 self.put(out, "device", "none" if value is None else value, f"{into}.device", full)
+                self.offloads[key] = out["device"]
             elif name == "nvme_path":
                 if not isinstance(value, str) or not value:
                     raise ConfigError(f"{full}: expected a directory path, got {value!r}")
@@ -377,6 +395,45 @@ class _Translator:
             # keeps what fits) the H200's nvme JSON had its optimizer state in a 98 GiB pool.
             self.put(out, "max_in_cpu", 0, f"{into}.max_in_cpu", f"{key}.device")
         return out
+
+    def stage_placement(self) -> None:
+        """What the ZeRO stage asks of the placement (module docstring: ZeRO stages); where
+        tierstack's choice differs from what DeepSpeed does, one WARNING says so."""
+        stage, key = self.stage, "zero_optimization.stage"
+        params = self.offloads.get("zero_optimization.offload_param", "none")
+        state = self.offloads.get("zero_optimization.offload_optimizer", "none")
+        if stage == 3:
+            return
+        if params != "none":
+            _warn_once(f"{key} {stage}: DeepSpeed offloads parameters at stage 3 only and "
+                       f"ignores zero_optimization.offload_param; tierstack offloads them as the "
+                       f"section asks (device {params!r})")
+        elif state != "none":
+            # ZeRO-Offload: the parameters (and gradients) on the device, the optimizer
+            # state in the tiers, where the tier manager steps it.
+            self.put(self.train.setdefault("params", {}), "device", "none",
+                     "train.params.device", key)
+            self.keys.setdefault("train.params", key)
+            if stage == 0:
+                _warn_once(f"{key} 0 with zero_optimization.offload_optimizer: DeepSpeed offloads "
+                           f"the optimizer state at stages 1-3 only; tierstack keeps the parameters "
+                           f"on the device and the optimizer state in the tier manager ({state}), "
+                           f"as ZeRO-Offload")
+            else:
+                log.info("%s %d with offload_optimizer %r (ZeRO-Offload): parameters and gradients "
+                         "on the device, the optimizer state and its AdamW step in the tier manager",
+                         key, stage, state)
+        else:
+            deepspeed = ("DeepSpeed (no ZeRO) keeps every parameter, gradient and optimizer "
+                         "state on each GPU" if stage == 0 else
+                         "DeepSpeed keeps the parameters, gradients and optimizer state on the GPU")
+            _warn_once(f"{key} {stage} without offload: {deepspeed}; tierstack places them by its "
+                       f"HBM budget (what fits stays on the device after the first step, the "
+                       f"rest streams from the tier manager)")
+        if self.world_size > 1:
+            _warn_once(f"{key} {stage} with {self.world_size} ranks: DeepSpeed keeps a whole copy of "
+                       f"the parameters on every rank; tierstack partitions every offloaded block's "
+                       f"state over the ranks, as at stage 3")
 
     def aio_section(self, value: Any) -> None:
         value = _section(value, "aio", '{"block_size": 1048576, "queue_depth": 8}')
@@ -490,6 +547,8 @@ class _Translator:
             # Both offload sections' directories: the NVMe pool stripes every tensor over them.
             tier_manager["nvme_pool"] = {"paths": list(self.nvme_paths)}
             self.keys["tier_manager.nvme_pool.paths"] = " and ".join(dict.fromkeys(self.nvme_paths.values()))
+            for i, user in enumerate(self.nvme_paths.values()):  # each directory's own key
+                self.keys[f"tier_manager.nvme_pool.paths[{i}]"] = user
         if self.aio:
             tier_manager.setdefault("nvme_pool", {})["aio"] = self.aio
         out: dict[str, Any] = {"train": self.train, **tierstack_sections}
@@ -595,6 +654,11 @@ _TOP_KEYS = ("zero_optimization", "aio", "activation_checkpointing",
              "scheduler", "checkpoint", "tier_overrides", "device_budget", "budgets", "tier_manager",
              "steps_per_print", "wall_clock_breakdown", *_MONITOR_SECTIONS, *_WARNED,
              *(k for k in _DECIDED_BY_TIERSTACK | set(_REFUSED) if "." not in k))
+# Top keys only DeepSpeed's format has: a file with one is a DeepSpeed JSON, at stage 0 if it
+# has no zero_optimization section. (Not `scheduler`, which both formats have, nor
+# tierstack's own sections and the two tierstack keys a DeepSpeed file may carry.)
+_DEEPSPEED_ONLY = frozenset(_TOP_KEYS) - {"scheduler", "tier_overrides", "device_budget",
+                                          *_TIERSTACK_SECTIONS}
 _ZERO_KEYS = ("stage", "offload_param", "offload_optimizer",
               *(k.split(".", 1)[1] for k in _DECIDED_BY_TIERSTACK | set(_REFUSED)
                 if k.startswith("zero_optimization.") and k.count(".") == 1))

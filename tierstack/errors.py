@@ -118,6 +118,11 @@ class PermissionDeniedError(TierstackError):
     grpc_status = "PERMISSION_DENIED"
 
 
+class MissingExtraError(TierstackError, ImportError):
+    """An optional part of tierstack is used without its dependencies installed; the
+    message names the pip extra that brings them (tierstack/extras.py)."""
+
+
 class DeviceBudgetError(TierstackError, MemoryError):
     """A layer does not fit in the worker's device-memory budget."""
 

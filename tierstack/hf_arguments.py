@@ -4,10 +4,15 @@ with, and the arguments it refuses.
 A run given a DeepSpeed JSON (`TrainingArguments.deepspeed`) trains with that JSON, its
 "auto" values filled as the Trainer fills them for DeepSpeed (tierstack/hf_deepspeed.py). A
 run without one trains with tierstack's defaults and the arguments' batch size, gradient
-accumulation, clipping (max_grad_norm) and precision (fp16 / bf16). As under DeepSpeed, the
-optimizer is the JSON's when it has an `optimizer` section (every trainable parameter, one
-weight decay), else the Trainer's own AdamW (no decay on biases and norms); the schedule is
-the JSON's `scheduler` section when it has one, else the Trainer's lr_scheduler_type.
+accumulation, clipping (max_grad_norm) and precision (fp16 / bf16). Either way
+`gradient_checkpointing` (transformers 5: `activation_checkpointing`) asks the offloaded
+blocks to recompute their activations (train.activations.policy 'recompute'), unless the
+JSON sends their inputs to the CPU already (`activation_checkpointing.cpu_checkpointing`).
+As under DeepSpeed, the optimizer is the JSON's when it has an `optimizer` section (every
+trainable parameter, one weight decay), else the Trainer's own AdamW (no decay on biases
+and norms); the schedule is the JSON's `scheduler` section when it has one, else the
+Trainer's lr_scheduler_type. Errors name the JSON's keys and the TrainingArguments' fields
+(`EngineConfig.keys`), never the tierstack keys they became.
 
 `args` is read by attribute, so this module imports no transformers.
 """
@@ -17,13 +22,16 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from tierstack.config import LRScheduleConfig, load_config
-from tierstack.deepspeed_config import is_deepspeed_config
+from tierstack.config import load_config
+from tierstack.config_keys import UserKeys
+from tierstack.deepspeed_config import is_deepspeed_config, translate
 from tierstack.errors import ConfigError
 from tierstack.hf_deepspeed import fill_auto
+from tierstack.lr_schedules import LRScheduleConfig
 
 # TrainingArguments.optim values that are torch's AdamW: the step the tier managers run.
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
@@ -33,10 +41,6 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("torch_compile", bool,
      "the engine streams each offloaded block in around the model's own modules, which a "
      "compiled graph would not call; set it False"),
-    ("activation_checkpointing", bool,
-     "(or its alias gradient_checkpointing) the offloaded blocks recompute their activations "
-     "already (what they keep is the placement's choice, or the DeepSpeed JSON's "
-     "activation_checkpointing section); set it False"),
     ("fsdp", bool,
      "FSDP shards the model itself, while tierstack keeps its state in the tiers; drop it"),
     ("parallelism_config", lambda v: v is not None,
@@ -98,8 +102,8 @@ def read_deepspeed_json(value: Any) -> dict | None:
         raise ConfigError(f"TrainingArguments.deepspeed: expected a DeepSpeed JSON file's path or "
                           f"a dict, got {type(value).__name__}")
     if not is_deepspeed_config(data):
-        raise ConfigError("TrainingArguments.deepspeed: the config has no zero_optimization "
-                          "section; give a DeepSpeed ZeRO-3 config, e.g. "
+        raise ConfigError("TrainingArguments.deepspeed: the config has none of DeepSpeed's keys; "
+                          "give a DeepSpeed JSON, e.g. "
                           '{"zero_optimization": {"stage": 3}}')
     return data
 
@@ -114,18 +118,55 @@ def has_scheduler(deepspeed: dict | None) -> bool:
     return deepspeed is not None and "scheduler" in deepspeed
 
 
-def engine_config(args: Any, deepspeed: dict | None, model: Any) -> dict:
-    """The config `tierstack.initialize` gets for the run: the DeepSpeed JSON filled in
-    without its scheduler section (the schedule is made once the run's optimizer steps are
-    known: `deepspeed_schedule`), or tierstack's defaults with the arguments' knobs."""
+@dataclass(frozen=True)
+class EngineConfig:
+    """The config a Trainer run's engine gets, and the user's names for its keys."""
+
+    config: dict
+    """tierstack's own config format, for `tierstack.initialize`."""
+    keys: UserKeys
+    """Each of its keys as the user gave it: the DeepSpeed JSON's key, or the
+    TrainingArguments field it came from (the errors name these)."""
+
+
+# TrainingArguments fields behind the config of a run without a DeepSpeed JSON.
+_ARGUMENT_KEYS = {"train.micro_batch_size": "TrainingArguments.per_device_train_batch_size",
+                  "train.gradient_accumulation_steps": "TrainingArguments.gradient_accumulation_steps",
+                  "train.gradient_clipping": "TrainingArguments.max_grad_norm"}
+
+
+def engine_config(args: Any, deepspeed: dict | None, model: Any) -> EngineConfig:
+    """The config `tierstack.initialize` gets for the run: the DeepSpeed JSON filled in and
+    translated, without its scheduler section (the schedule is made once the run's
+    optimizer steps are known: `deepspeed_schedule`), or tierstack's defaults with the
+    arguments' knobs; activation checkpointing as the arguments ask (module docstring)."""
     if deepspeed is None:
-        return {"train": {
+        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        config = {"train": {
             "micro_batch_size": args.per_device_train_batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "gradient_clipping": float(args.max_grad_norm or 0.0),
-            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+            "precision": precision,
         }}
-    return fill_auto({k: v for k, v in deepspeed.items() if k != "scheduler"}, args, model=model)
+        names = dict(_ARGUMENT_KEYS)
+        if precision != "fp32":
+            names["train.precision"] = f"TrainingArguments.{precision}"
+    else:
+        filled = fill_auto({k: v for k, v in deepspeed.items() if k != "scheduler"}, args, model=model)
+        translation = translate(filled)
+        config, names = translation.config, dict(translation.keys.names)
+    if _activation_checkpointing(args):
+        activations = config["train"].setdefault("activations", {})
+        if activations.get("policy", "auto") == "auto":  # "cpu" recomputes already
+            activations["policy"] = "recompute"
+            names["train.activations.policy"] = "TrainingArguments.gradient_checkpointing"
+    return EngineConfig(config, UserKeys(names))
+
+
+def _activation_checkpointing(args: Any) -> bool:
+    """TrainingArguments.activation_checkpointing, or its older name gradient_checkpointing."""
+    return bool(getattr(args, "activation_checkpointing", None) or
+                getattr(args, "gradient_checkpointing", None))
 
 
 def deepspeed_schedule(args: Any, deepspeed: dict, model: Any,

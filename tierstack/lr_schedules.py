@@ -18,6 +18,9 @@ Deliberate differences: an unknown warmup_type is refused (DeepSpeed logs it and
 'log'); get_last_lr() answers before the first step for every schedule; load_state_dict
 also sets the groups' lr (and OneCycle's betas) for the loaded iteration, so a resumed run
 is right whether or not its optimizer's state was restored.
+
+The config section, `LRScheduleConfig` (train.lr_schedule), lives here with the schedules
+it names; tierstack/config.py takes it from here.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tierstack.config import LRScheduleConfig, suggest
+from tierstack.config_keys import suggest
 from tierstack.errors import ConfigError, InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -151,6 +155,27 @@ def check_params(schedule: str, params: dict, prefix: str) -> dict:
     if missing:
         raise ConfigError(f"{prefix}.{missing[0]}: {schedule} needs it; give a value")
     return {name: checks[name](value, f"{prefix}.{name}") for name, value in params.items()}
+
+
+@dataclass
+class LRScheduleConfig:
+    """The learning-rate schedule: DeepSpeed's `scheduler` section (tierstack/lr_schedules.py
+    has the formulas). The schedule steps after each optimizer step, as DeepSpeed's does."""
+
+    type: str = "none"
+    """'none' (train.optimizer.lr throughout) or one of DeepSpeed's schedules: WarmupLR,
+    WarmupDecayLR, WarmupCosineLR, OneCycle."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """That schedule's parameters under DeepSpeed's names, e.g. {"warmup_num_steps": 100,
+    "total_num_steps": 1000} for WarmupDecayLR."""
+
+    def validate(self, prefix: str) -> None:
+        check_type(self.type, f"{prefix}.type")
+        if self.type != NONE:
+            check_params(self.type, self.params, f"{prefix}.params")
+        elif self.params:
+            raise ConfigError(f"{prefix}.params: given, but {prefix}.type is 'none' (no "
+                              f"schedule); name the schedule or drop the params")
 
 
 def _per_group(optimizer: Any, value: float | list[float], name: str) -> list[float]:

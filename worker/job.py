@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from tierstack.budgets import Budgets
 from tierstack.config import DEVICE_BUDGET_LAYERS, TierstackConfig
+from tierstack.config_keys import UserKeys
 from tierstack.errors import TierstackError
 from tierstack.services.scheduler.model import Plan
 from tierstack.services.tier_manager.client import TierManagerClient
@@ -81,7 +82,7 @@ class JobSpec:
     scheduler: SchedulerUse = SchedulerUse.AUTO
     nvme_paths: list[str] | None = None
     """A door's flag over tier_manager.nvme_pool.paths (for a tier manager started here)."""
-    nvme_setting: str = "tier_manager.nvme_pool.paths"
+    nvme_setting: str = "--nvme-path"
     cpu_pool_size: int | str | None = None
     """A door's flag over tier_manager.cpu_pool.size (for a tier manager started here)."""
     device_budget: int = 0
@@ -94,6 +95,9 @@ class JobSpec:
     """Steps done before this run (a resumed run)."""
     keep: bool = False
     """Keep the job's state with its tier manager after the job ends."""
+    keys: UserKeys = field(default_factory=UserKeys)
+    """The keys the user wrote for the config's (a DeepSpeed JSON's): every error the job
+    raises while it is built names the user's key (config.load_config_with_keys)."""
 
 
 @dataclass
@@ -164,19 +168,27 @@ class Job:
             self._stack.close()
 
 
-def open_services(stack: contextlib.ExitStack, config: TierstackConfig, name: str, **options
-                  ) -> NodeServices:
+def open_services(stack: contextlib.ExitStack, config: TierstackConfig, name: str,
+                  keys: UserKeys = UserKeys(), **options) -> NodeServices:
     """The node's services for job `name`, as open_job decides them (worker/node/services.py),
     for a door whose job is built elsewhere (`tierstack launch`: the script's initialize;
-    the Ray job: its ranks). What is started stops when `stack` closes."""
-    return open_node_services(stack, config, name, **options)
+    the Ray job: its ranks). What is started stops when `stack` closes; an error names the
+    settings as the user wrote them (`keys`)."""
+    try:
+        return open_node_services(stack, config, name, keys=keys, **options)
+    except TierstackError as e:
+        raise keys.rename(e) from None
 
 
 def open_job(spec: JobSpec) -> Job:
-    """The job `spec` asks for, its parts made in order (module docstring)."""
+    """The job `spec` asks for, its parts made in order (module docstring). One error, in the
+    user's keys, where it cannot be built."""
     stack = contextlib.ExitStack()
     try:
         return _open(spec, stack)
+    except TierstackError as e:
+        stack.close()
+        raise spec.keys.rename(e) from None
     except BaseException:
         stack.close()
         raise
@@ -190,7 +202,7 @@ def _open(spec: JobSpec, stack: contextlib.ExitStack) -> Job:
         stack, config, directory, tier_manager=spec.tier_manager,
         tier_manager_setting=spec.tier_manager_setting, scheduler=spec.scheduler,
         nvme_paths=spec.nvme_paths, nvme_setting=spec.nvme_setting,
-        cpu_pool_size=spec.cpu_pool_size)
+        cpu_pool_size=spec.cpu_pool_size, keys=spec.keys)
     blocks = spec.model.get_submodule(spec.blocks_attr)
     largest = max((_layout_bytes(b) for b in blocks), default=1)
     device_budget = spec.device_budget or train.device_budget or spec.device_budget_layers * largest

@@ -30,6 +30,7 @@ from tierstack.worker.api import hf_trainer  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer_clm.py"
 STOCK_JSON = ROOT / "examples" / "ds_config_zero3.json"
+STOCK_ZERO2_JSON = ROOT / "examples" / "ds_config_zero2.json"
 VOCAB, SEQ = 97, 12
 
 
@@ -201,6 +202,58 @@ def test_the_stock_auto_json_trains_unchanged_as_deepspeed_would(node_tier_manag
         trainer.end()
 
 
+def test_transformers_own_arguments_with_the_stock_zero2_json_and_gradient_checkpointing_train_as_its_trainer(
+        node_tier_manager, tmp_path):
+    """transformers' own TrainingArguments (no DeepSpeed installed), HF's stock ZeRO-2 JSON
+    (offload_optimizer cpu, "auto" values) and gradient_checkpointing=True: the blocks'
+    parameters on the device and their optimizer state in the tier manager (ZeRO-Offload),
+    recomputed by the engine (the model's own checkpointing turned off again); the same
+    losses and learning rates as transformers' Trainer with checkpointing, DeepSpeed's AdamW
+    and WarmupLR."""
+    assert json.loads(STOCK_ZERO2_JSON.read_text())["zero_optimization"]["stage"] == 2
+    knobs = dict(RUN, warmup_steps=3, weight_decay=0.1, max_grad_norm=0.5, adam_beta2=0.95,
+                 gradient_checkpointing=True)
+    reference_model = _model()
+    optimizer = torch.optim.AdamW(reference_model.parameters(), lr=3e-3, betas=(0.9, 0.95),
+                                  eps=1e-8, weight_decay=0.1)
+    schedule = WarmupLR(optimizer, warmup_min_lr=0, warmup_max_lr=3e-3, warmup_num_steps=3)
+    plain, expected = _train(transformers.Trainer, transformers.TrainingArguments(
+        output_dir=str(tmp_path / "plain"), **knobs), reference_model, optimizers=(optimizer, schedule))
+    assert plain.model.is_activation_checkpointing  # transformers' own run checkpointed
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "ours"),
+                                          deepspeed=str(STOCK_ZERO2_JSON), **knobs)
+    assert args.deepspeed == str(STOCK_ZERO2_JSON) and args.deepspeed_plugin is None
+    trainer, logs = _train(hf_trainer.Trainer, args, _model())
+    try:
+        _assert_same(logs.values("loss"), expected.values("loss"))
+        _assert_same(logs.values("learning_rate"), expected.values("learning_rate"), rtol=1e-12)
+        core = trainer.model_wrapped.core
+        assert core.tiers == core.state_tiers == ["cpu", "cpu"]  # ZeRO-Offload's placement
+        assert core.activation_policy == "recompute"
+        assert not trainer.model.is_activation_checkpointing  # the engine's, not the model's
+    finally:
+        trainer.end()
+
+
+def test_a_directory_the_run_cannot_make_is_named_by_the_jsons_key(tmp_path, monkeypatch):
+    """The error, one line, names the key the user wrote (the JSON's nvme_path), not the
+    tier manager's setting it became."""
+    monkeypatch.setenv("TIERSTACK_TIER_MANAGER", f"unix:{tmp_path}/nobody-here.sock")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    (tmp_path / "a-file").write_text("")
+    ds = {"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path / "a-file")}}}
+    trainer = hf_trainer.Trainer(model=_model(), args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), deepspeed=ds, **RUN), train_dataset=_Tokens(8, 1))
+    with pytest.raises(ConfigError) as info:
+        trainer.train()
+    assert str(info.value).startswith(
+        f"zero_optimization.offload_optimizer.nvme_path {tmp_path / 'a-file'} is a file, not a "
+        f"directory"), str(info.value)
+    assert "\n" not in str(info.value) and "nvme_pool" not in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_the_precision_flags_set_the_engines_precision(node_tier_manager, tmp_path, precision):
     """bf16=True / fp16=True: the engine trains in that precision (fp32 masters; fp16 with
@@ -248,11 +301,10 @@ def test_an_fp16_overflow_skips_its_step_and_holds_the_schedule(node_tier_manage
 
 @pytest.mark.parametrize("arguments, trainer_kwargs, named", [
     ({"torch_compile": True}, {}, "TrainingArguments.torch_compile"),
-    ({"gradient_checkpointing": True}, {}, "TrainingArguments.activation_checkpointing"),
     ({"auto_find_batch_size": True}, {}, "TrainingArguments.auto_find_batch_size"),
     ({"bf16_full_eval": True}, {}, "TrainingArguments.bf16_full_eval"),
     ({"optim": "sgd"}, {}, "TrainingArguments.optim='sgd'"),
-    ({"deepspeed": {"train_batch_size": 8}}, {}, "no zero_optimization section"),
+    ({"deepspeed": {"train": {"micro_batch_size": 8}}}, {}, "none of DeepSpeed's keys"),
     ({"deepspeed": "/nonexistent/ds.json"}, {}, "file /nonexistent/ds.json does not exist"),
     ({}, {"model_init": lambda: _model()}, "model_init"),
 ])
@@ -305,23 +357,28 @@ def test_with_no_tier_manager_running_the_trainer_starts_one_and_end_stops_it(tm
     assert not list((tmp_path / "state" / "tierstack" / "runs").glob("*.json"))
 
 
-def test_the_example_script_runs_as_written_and_cleans_up_at_exit(tmp_path):
-    """examples/hf_trainer_clm.py with the stock JSON, as its docstring runs it, with no
-    tier manager running: it learns, saves a model from_pretrained loads, and its exit
-    (no Trainer.end() in the script) stops the tier manager it started and removes its files."""
+@pytest.mark.parametrize("flags", [
+    ["--deepspeed", str(STOCK_JSON)],
+    ["--deepspeed", str(STOCK_ZERO2_JSON), "--gradient_checkpointing"],
+], ids=["zero3", "zero2-gradient-checkpointing"])
+def test_the_example_script_runs_as_written_and_cleans_up_at_exit(tmp_path, flags):
+    """examples/hf_trainer_clm.py (HfArgumentParser over transformers' own TrainingArguments,
+    tierstack's Trainer) with a stock JSON, as its docstring runs it, with no tier manager
+    running: it learns, saves a model from_pretrained loads, and its exit (no Trainer.end()
+    in the script) stops the tier manager it started and removes its files."""
     job = f"hf-example-{os.getpid()}"
     env = {**os.environ, "TIERSTACK_TIER_MANAGER": f"unix:{tmp_path}/nobody-here.sock",
            "XDG_STATE_HOME": str(tmp_path / "state"), "TIERSTACK_JOB": job}
     out = tmp_path / "clm"
-    run = subprocess.run([sys.executable, str(EXAMPLE), "--output_dir", str(out), "--deepspeed",
-                          str(STOCK_JSON)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=240)
+    run = subprocess.run([sys.executable, str(EXAMPLE), "--output_dir", str(out), *flags],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     printed = [ast.literal_eval(line) for line in run.stdout.splitlines() if line.startswith("{")]
     train = [p for p in printed if "train_samples_per_second" in p][-1]  # the script's prints
     evaluation = [p for p in printed if "eval_loss" in p][-1]
     assert float(train["train_samples_per_second"]) > 0
     assert float(evaluation["eval_loss"]) < math.log(256) - 1  # it learned the text's bytes
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]  # no "deepspeed not found"
     transformers.LlamaForCausalLM.from_pretrained(str(out))
     from tierstack.config import NvmePoolConfig
     assert not any((Path(p) / job).exists() for p in NvmePoolConfig().paths)

@@ -428,6 +428,41 @@ def test_with_no_daemon_one_is_started_in_a_directory_named_by_the_job_under_nvm
     assert os.environ["TIERSTACK_TIER_MANAGER"].endswith("nobody-here.sock")
 
 
+@pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
+def test_a_directory_that_cannot_be_made_is_named_by_the_deepspeed_key_in_one_exception(
+        tmp_path, monkeypatch, section):
+    """initialize's error names the JSON's own key (each nvme_path by its section, where the
+    two name different directories), not tier_manager.nvme_pool.paths, and is one exception:
+    nothing chained behind it."""
+    monkeypatch.setenv("TIERSTACK_TIER_MANAGER", f"unix:{tmp_path}/nobody-here.sock")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    (tmp_path / "a-file").write_text("")
+    config = json.loads(json.dumps(CONFIG))
+    for name, path in (("offload_param", tmp_path / "nvme"), ("offload_optimizer", tmp_path / "nvme2")):
+        where = tmp_path / "a-file" if name == section else path
+        config["zero_optimization"][name] = {"device": "nvme", "nvme_path": str(where)}
+    with pytest.raises(ConfigError) as info:
+        tierstack.initialize(model=Net(), config=config, job="bad-dir")
+    assert str(info.value) == (f"zero_optimization.{section}.nvme_path {tmp_path / 'a-file'} is a "
+                               f"file, not a directory; give a directory (on an NVMe drive for "
+                               f"speed), created if missing")
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert not (tmp_path / "nvme").exists() and not (tmp_path / "nvme2").exists()
+
+
+def test_an_engine_error_names_the_deepspeed_key(shared_daemon):
+    """Refused while the engine registers its blocks (offload_param.buffer_size, DeepSpeed's
+    staging buffer): the message names the JSON's keys."""
+    config = json.loads(json.dumps(CONFIG))
+    config["zero_optimization"]["offload_param"]["buffer_size"] = 100
+    with pytest.raises(ConfigError) as info:
+        tierstack.initialize(model=Net(), config=config, tier_manager=shared_daemon.address)
+    assert str(info.value) == (
+        "block blocks.0: tensor 'up.weight' has 2,048 elements, more than "
+        "zero_optimization.offload_param.buffer_size (100); raise it to at least 2048, or keep "
+        "the block on the device with tier_overrides")
+
+
 FP16_CONFIG = {
     "train_micro_batch_size_per_gpu": ROWS,
     "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},

@@ -1,15 +1,24 @@
 """Hugging Face's Trainer, training through tierstack's engine: a Trainer script changes its
 import and nothing else.
 
-    from tierstack.worker.hf_trainer import Trainer, TrainingArguments  # was: from transformers
+    from tierstack.worker.hf_trainer import Trainer  # was: from transformers import Trainer
 
-`TrainingArguments(deepspeed=...)` takes the same DeepSpeed JSON as for DeepSpeed (the stock
-ZeRO-3 offload file with its "auto" values), or none: tierstack's defaults with the
-arguments' knobs (tierstack/hf_arguments.py says which config and optimizer a run gets, and
-what it refuses). The Trainer's own loop runs unchanged — its data loading, loss (and
-`num_items_in_batch` scaling), gradient accumulation, logging, evaluation, callbacks,
-checkpoint rotation and metrics — over `tierstack.initialize`'s engine in place of the
-model, the way it runs over DeepSpeed's engine:
+The script keeps transformers' own `TrainingArguments` (and `HfArgumentParser`, as
+run_clm does). `TrainingArguments(deepspeed=...)` takes the same DeepSpeed JSON as for
+DeepSpeed (the stock ZeRO-2 or ZeRO-3 offload file with its "auto" values), or none:
+tierstack's defaults with the arguments' knobs (tierstack/hf_arguments.py says which
+config and optimizer a run gets, and what it refuses). transformers sets DeepSpeed up
+while it makes the arguments (its __post_init__ wants DeepSpeed installed and hands the
+JSON to accelerate's DeepSpeed plugin); importing this module has TrainingArguments read
+the JSON for tierstack instead (`_json_read_by_tierstack`, on transformers' class, so its
+subclasses and HfArgumentParser get it too): DeepSpeed need not be installed.
+`gradient_checkpointing=True` asks the engine to recompute the offloaded blocks'
+activations; the model's own checkpointing, which transformers' train() turns on, is turned
+off again before the first step (the engine recomputes, once). The Trainer's own loop runs
+unchanged — its data loading, loss (and `num_items_in_batch` scaling), gradient
+accumulation, logging, evaluation, callbacks, checkpoint rotation and metrics — over
+`tierstack.initialize`'s engine in place of the model, the way it runs over DeepSpeed's
+engine:
 
 - the engine is made at the first train() or evaluate() (the model's state goes to the
   tiers then; the node's tier manager is used, or one is started for the run);
@@ -32,22 +41,23 @@ The user's guide: docs/guides/hf-trainer.md.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 import weakref
 from typing import Any
 
 import torch
 
+from tierstack.errors import ConfigError, InvalidArgumentError, MissingExtraError, TierstackError
+
 try:
     import transformers
     from transformers.trainer_pt_utils import remove_dummy_checkpoint
     from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
-except ImportError as e:  # transformers (and accelerate) are the user's, not tierstack's
-    raise ImportError(f"tierstack's Hugging Face Trainer integration needs transformers>=5 and "
-                      f"accelerate: pip install 'transformers>=5' accelerate ({e})") from None
+except ImportError as e:  # transformers and accelerate: the [hf] extra
+    raise MissingExtraError(f"tierstack's Hugging Face Trainer integration needs transformers>=5 "
+                            f"and accelerate: pip install 'tierstack[hf]' ({e})") from None
 
-from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.hf_arguments import (deepspeed_schedule, engine_config, has_optimizer,
                                     has_scheduler, read_deepspeed_json, refuse_unsupported)
 from tierstack.lr_schedules import build_schedule
@@ -57,23 +67,34 @@ from tierstack.worker.api.training_engine import TrainingEngine
 log = logging.getLogger(__name__)
 
 if int(transformers.__version__.split(".")[0]) < 5:
-    raise ImportError(f"tierstack's Trainer integration follows transformers 5's Trainer; this is "
-                      f"transformers {transformers.__version__}: pip install 'transformers>=5'")
+    raise MissingExtraError(f"tierstack's Trainer integration follows transformers 5's Trainer; this "
+                            f"is transformers {transformers.__version__}: pip install 'tierstack[hf]'")
 
 
-@dataclasses.dataclass
-class TrainingArguments(transformers.TrainingArguments):
-    """transformers' TrainingArguments, whose `deepspeed` (a DeepSpeed JSON's path, a JSON
-    string or a dict) tierstack runs instead of DeepSpeed: read here, never handed to
-    DeepSpeed or accelerate (DeepSpeed need not be installed)."""
-
+def _json_read_by_tierstack(post_init):
+    """transformers.TrainingArguments.__post_init__, with `deepspeed` (a DeepSpeed JSON's
+    path, a JSON string or a dict) read by tierstack (args.tierstack_deepspeed) and hidden
+    from transformers meanwhile, so that it sets up neither DeepSpeed nor accelerate's
+    DeepSpeed plugin; `deepspeed` is then left as the user gave it, as transformers does."""
+    @functools.wraps(post_init)
     def __post_init__(self) -> None:
         self.tierstack_deepspeed = read_deepspeed_json(self.deepspeed)
         given, self.deepspeed = self.deepspeed, None
         try:
-            super().__post_init__()
+            post_init(self)
         finally:
-            self.deepspeed = given  # as transformers does: left as the user gave it
+            self.deepspeed = given
+    __post_init__.reads_json_for_tierstack = True
+    return __post_init__
+
+
+if not getattr(transformers.TrainingArguments.__post_init__, "reads_json_for_tierstack", False):
+    transformers.TrainingArguments.__post_init__ = _json_read_by_tierstack(
+        transformers.TrainingArguments.__post_init__)
+
+TrainingArguments = transformers.TrainingArguments
+"""transformers' own class (its `deepspeed` read by tierstack once this module is imported),
+named here too for scripts that import both names from tierstack."""
 
 
 class Trainer(transformers.Trainer):
@@ -102,14 +123,29 @@ class Trainer(transformers.Trainer):
         """The run's DeepSpeed JSON (TrainingArguments.deepspeed), as given."""
         return getattr(self.args, "tierstack_deepspeed", None)
 
+    def _leave_checkpointing_to_the_engine(self) -> None:
+        """transformers' train() turned the model's own activation checkpointing on
+        (TrainingArguments.gradient_checkpointing): the engine recomputes the offloaded
+        blocks itself (train.activations.policy 'recompute'), so the model's is turned off
+        again. (The input hook transformers adds with it stays: it only marks the
+        embeddings' output as needing a gradient, which a trained embedding's has.)"""
+        model = self.model
+        on = getattr(model, "is_activation_checkpointing", None)
+        if on is None:  # transformers 5 releases before the rename
+            on = getattr(model, "is_gradient_checkpointing", False)
+        if on:
+            disable = getattr(model, "activation_checkpointing_disable", None) or \
+                model.gradient_checkpointing_disable
+            disable()
+
     # ---- set-up: an accelerator without DeepSpeed or autocast, the model left in place ------
 
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         if self.args.deepspeed_plugin is not None:
             raise ConfigError(
-                "TrainingArguments set DeepSpeed up itself (deepspeed=..., or "
-                "ACCELERATE_USE_DEEPSPEED): use TrainingArguments from tierstack.worker.hf_trainer, "
-                "which hands the JSON to tierstack")
+                "TrainingArguments set DeepSpeed up itself: made before tierstack.worker.hf_trainer "
+                "was imported (import it first: the JSON is then tierstack's), or under "
+                "ACCELERATE_USE_DEEPSPEED=true (accelerate launch --use_deepspeed: unset it)")
         # The engine keeps the weights in the training precision with fp32 masters (and
         # fp16's loss scale): accelerate's autocast and GradScaler would do it twice.
         return {**super()._build_accelerator_args(**kwargs), "mixed_precision": "no"}
@@ -130,13 +166,16 @@ class Trainer(transformers.Trainer):
         max_steps where train() made it (the dashboard's ETA)."""
         if self._engine is not None:
             return self._engine
-        config = engine_config(self.args, self._deepspeed, self.model)
+        setup = engine_config(self.args, self._deepspeed, self.model)
         optimizer = self.optimizer
         if optimizer is None and not has_optimizer(self._deepspeed):
             optimizer = self.create_optimizer()  # HF's AdamW: no decay on biases and norms
         self._parameter_count = _parameter_count(self.model)  # before its blocks leave it
-        engine, _, _, _ = initialize(model=self.model, optimizer=optimizer, config=config,
-                                     total_steps=total_steps)
+        try:
+            engine, _, _, _ = initialize(model=self.model, optimizer=optimizer, config=setup.config,
+                                         total_steps=total_steps)
+        except TierstackError as e:  # named as the user wrote it: the JSON's key, the argument
+            raise setup.keys.rename(e) from None
         self._engine = engine
         # Closed at Trainer.end(), when the Trainer is collected, or at the interpreter's
         # exit: a finalizer holds the engine, not the Trainer.
@@ -189,6 +228,7 @@ class Trainer(transformers.Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """transformers' set-up before the loop, with the engine in place of the wrapped
         model and its optimizer (as DeepSpeed's under the Trainer)."""
+        self._leave_checkpointing_to_the_engine()
         engine = self._training_engine(max_steps if max_steps and max_steps > 0 else None)
         self._schedule(max_steps)
         if resume_from_checkpoint is not None:

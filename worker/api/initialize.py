@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from tierstack.addresses import JOB_ENV
 from tierstack import checkpointing
-from tierstack.config import ActivationConfig, load_config
+from tierstack.config import ActivationConfig, load_config_with_keys
 from tierstack.errors import ConfigError
 from tierstack.ops.adam import DeepSpeedAdam
 from tierstack.worker.api.training_engine import TrainingEngine
@@ -75,8 +75,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"initialize needs model=, a torch.nn.Module; got {type(model).__name__}")
     raw = _config_dict(args, config, config_params)
-    settings = load_config(raw)
-    train = settings.train
+    loaded = load_config_with_keys(raw)
+    settings, train = loaded.config, loaded.config.train
     train.activations = _configured_activations(train.activations)
     groups = _param_groups(model, optimizer, model_parameters, raw)
     blocks_attr = blocks_attr or find_blocks(model)
@@ -98,7 +98,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                              param_groups=groups,
                              partitioned=ranks is not None, tier_manager=tier_manager or "",
                              tier_manager_setting="initialize(tier_manager=)",
-                             total_steps=int(total_steps) if total_steps else None))
+                             total_steps=int(total_steps) if total_steps else None,
+                             keys=loaded.keys))
     def schedule(optimizer: torch.optim.Optimizer):
         """The schedule over the engine's optimizer: the caller's, made by the caller's
         callable, or the config's `scheduler` section."""

@@ -874,7 +874,7 @@ def _check_buffer_size(block_list: torch.nn.Module, blocks_attr: str, positions:
             if tensor.numel() > buffer_size:
                 raise ConfigError(
                     f"block {blocks_attr}.{position}: tensor {name!r} has {tensor.numel():,} "
-                    f"elements, more than train.params.buffer_size ({buffer_size:,}; DeepSpeed: "
-                    f"zero_optimization.offload_param.buffer_size); raise it to at least "
-                    f"{tensor.numel()}, or keep the block on the device with train.tier_overrides")
+                    f"elements, more than train.params.buffer_size ({buffer_size:,}); raise it "
+                    f"to at least {tensor.numel()}, or keep the block on the device with "
+                    f"train.tier_overrides")
 

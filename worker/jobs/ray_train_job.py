@@ -21,6 +21,7 @@ from rich.table import Table
 
 from tierstack.config import MiB, TierstackConfig, TrainConfig, parse_size
 from tierstack.errors import ConfigError
+from tierstack.extras import require
 from tierstack.tiers import AUTO, GPU
 from tierstack.worker.job import SchedulerUse, open_services
 from tierstack.worker.jobs.gpt import GPTConfig
@@ -63,6 +64,7 @@ def check_train_config(train: TrainConfig) -> None:
 
 def run(args: argparse.Namespace, config: TierstackConfig) -> int:
     check_train_config(config.train)
+    require("cluster", "tierstack train --ranks/--address (its ranks are Ray actors)")
     import ray
 
     from tierstack.worker.jobs.ray_workers import start_local_ray, train_with_ray

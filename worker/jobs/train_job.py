@@ -23,9 +23,10 @@ from typing import Callable
 
 import torch
 
-from tierstack.config import AUTO_SIZE, MiB, TierstackConfig, load_config
+from tierstack.config import AUTO_SIZE, MiB, TierstackConfig, load_config_with_keys
+from tierstack.config_keys import UserKeys
 from tierstack.lr_schedules import build_schedule, schedule_for_cli
-from tierstack.errors import ConfigError
+from tierstack.errors import ConfigError, TierstackError
 from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from tierstack.worker.engine.offload_engine import OffloadEngine, materialize
 from tierstack.worker.engine.training_loop import StepRecord, StopSignal, run_steps
@@ -109,8 +110,17 @@ def build_job(args: argparse.Namespace, device: torch.device) -> Job:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train as the flags say (checked by train_flags.run first)."""
-    config = load_config(args.config, world_size=args.ranks)
+    """Train as the flags say (checked by train_flags.run first); an error names the
+    settings as the config file wrote them (a DeepSpeed JSON's keys)."""
+    loaded = load_config_with_keys(args.config, world_size=args.ranks)
+    try:
+        return _configured_run(args, loaded.config, loaded.keys)
+    except TierstackError as e:
+        loaded.keys.rename(e)
+        raise
+
+
+def _configured_run(args: argparse.Namespace, config: TierstackConfig, keys: UserKeys) -> int:
     if not args.config:  # the main job's point: the blocks' state streams through NVMe,
         # out of the CPU pool between uses however large the pool (max_in_cpu 0)
         config.train.params.device = config.train.optimizer_state.device = "nvme"
@@ -140,11 +150,11 @@ def run(args: argparse.Namespace) -> int:
     # checkpoint to write, Ctrl-C does the same (exit 130); a second Ctrl-C stops at once.
     also = (signal.SIGINT,) if args.checkpoint_dir else ()
     with StopSignal(also=also) as stop:
-        return _run(args, config, device, f"train-{os.getpid()}", stop)
+        return _run(args, config, device, f"train-{os.getpid()}", stop, keys)
 
 
 def _run(args: argparse.Namespace, config: TierstackConfig, device: torch.device, job_name: str,
-         stop: StopSignal) -> int:
+         stop: StopSignal, keys: UserKeys) -> int:
     accumulation = config.train.gradient_accumulation_steps
     torch.manual_seed(args.seed)
     job = build_job(args, device)
@@ -160,7 +170,7 @@ def _run(args: argparse.Namespace, config: TierstackConfig, device: torch.device
             scheduler=SchedulerUse.OFF if args.no_scheduler else SchedulerUse.AUTO,
             nvme_paths=[args.nvme_path] if args.nvme_path else None, nvme_setting="--nvme-path",
             cpu_pool_size=args.cpu_pool_size, device_budget=args.device_budget or 0,
-            total_steps=args.steps))
+            total_steps=args.steps, keys=keys))
         try:
             micro = f" in {accumulation} micro-batches" if accumulation > 1 else ""
             budget = built.store.figures().device_capacity

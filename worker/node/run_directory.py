@@ -37,17 +37,19 @@ def run_directory(base: str | Path, name: str = "", setting: str = "--nvme-path"
 
 
 @contextlib.contextmanager
-def job_directories(bases: list[str | Path], job: str = "", setting: str = "nvme_pool.paths"
-                    ) -> Iterator[list[str]]:
+def job_directories(bases: list[str | Path], job: str = "",
+                    setting: str | list[str] = "nvme_pool.paths") -> Iterator[list[str]]:
     """One directory named `job` under each of `bases` (a job's NVMe pool striped over
-    several drives), made and recorded as one run; all removed after the `with` block."""
+    several drives), made and recorded as one run; all removed after the `with` block.
+    `setting`: how the user named the bases (one name, or one per base), for the error."""
     job = job or uuid.uuid4().hex[:8]
+    settings = [setting] * len(bases) if isinstance(setting, str) else setting
     record = RunRecord(job, os.getpid(), socket.gethostname(), time.time(), [])
     index = new_index_file(record)
     try:
         with contextlib.ExitStack() as stack:
-            for base in bases:
-                record.directories.append(stack.enter_context(_one_directory(Path(base), job, setting)))
+            for base, named in zip(bases, settings, strict=True):
+                record.directories.append(stack.enter_context(_one_directory(Path(base), job, named)))
                 write_record(index, record)
             yield list(record.directories)
     finally:

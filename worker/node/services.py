@@ -29,6 +29,7 @@ from enum import Enum
 
 from tierstack.addresses import SCHEDULER_ENV, default_scheduler_address, grpc_target, unix_socket_path
 from tierstack.config import TierManagerConfig, TierstackConfig
+from tierstack.config_keys import UserKeys
 from tierstack.errors import ConfigError
 from tierstack.worker.node.daemon_address import REACH_SECONDS, check_reachable, running_tier_manager
 from tierstack.worker.node.run_directory import job_directories
@@ -71,20 +72,26 @@ def open_node_services(stack: contextlib.ExitStack, config: TierstackConfig, job
                        tier_manager: str = "", tier_manager_setting: str = "tier_manager.listen",
                        scheduler: SchedulerUse = SchedulerUse.AUTO,
                        nvme_paths: list[str] | None = None,
-                       nvme_setting: str = "tier_manager.nvme_pool.paths",
-                       cpu_pool_size: int | str | None = None) -> NodeServices:
+                       nvme_setting: str = "--nvme-path",
+                       cpu_pool_size: int | str | None = None,
+                       keys: UserKeys = UserKeys()) -> NodeServices:
     """The job's services (module docstring); what is started stops when `stack` closes.
     `tier_manager`: an address the door was given ('' to look as above). `nvme_paths`,
-    `cpu_pool_size`: a door's flags over the config's, for a tier manager started here."""
+    `cpu_pool_size`: a door's flags over the config's, for a tier manager started here
+    (`nvme_setting`: how the user gave `nvme_paths`). `keys`: the config's keys as the user
+    wrote them (a DeepSpeed JSON's nvme_path), for the errors."""
     named = tier_manager or config.tier_manager.listen
     if named:
-        check_reachable(named, tier_manager_setting if tier_manager else "tier_manager.listen")
+        check_reachable(named, tier_manager_setting if tier_manager else keys.of("tier_manager.listen"))
         return NodeServices(named, _scheduler_for_node(config, scheduler), _node_id(config))
     running = running_tier_manager()
     if running is not None:
         log.info("using the node's tier manager at %s", running)
         return NodeServices(running, _scheduler_for_node(config, scheduler), _node_id(config))
-    return _start_for_job(stack, config, job, scheduler, nvme_paths, nvme_setting, cpu_pool_size)
+    bases = list(nvme_paths or config.tier_manager.nvme_pool.paths)
+    settings = ([nvme_setting] * len(bases) if nvme_paths else
+                [keys.of_item("tier_manager.nvme_pool.paths", i) for i in range(len(bases))])
+    return _start_for_job(stack, config, job, scheduler, bases, settings, cpu_pool_size)
 
 
 def job_tier_manager_config(config: TierManagerConfig, directories: list[str],
@@ -99,14 +106,15 @@ def job_tier_manager_config(config: TierManagerConfig, directories: list[str],
 
 
 def _start_for_job(stack: contextlib.ExitStack, config: TierstackConfig, job: str,
-                   scheduler: SchedulerUse, nvme_paths: list[str] | None, nvme_setting: str,
+                   scheduler: SchedulerUse, bases: list[str], settings: list[str],
                    cpu_pool_size: int | str | None) -> NodeServices:
+    """A tier manager (and a scheduler) started for the job, its NVMe pool in a directory
+    under each of `bases`; `settings` names where each came from, for the error when a
+    directory cannot be made."""
     from tierstack.services.scheduler.embedded import EmbeddedScheduler
     from tierstack.services.tier_manager.embedded import EmbeddedTierManager
 
-    bases = list(nvme_paths or config.tier_manager.nvme_pool.paths)
-    directories = stack.enter_context(job_directories(bases, job, nvme_setting if nvme_paths else
-                                                      "tier_manager.nvme_pool.paths"))
+    directories = stack.enter_context(job_directories(bases, job, settings))
     tm = job_tier_manager_config(config.tier_manager, directories, cpu_pool_size)
     node_id = tm.node_id or socket.gethostname()
     named = _named_scheduler(config) if scheduler is SchedulerUse.AUTO else ""

@@ -40,6 +40,7 @@ def main() -> None:
     engine, _, _, _ = tierstack.initialize(model=model, model_parameters=model.parameters(),
                                            config=os.environ.get("TIERSTACK_CONFIG"))
     print(f"job {os.environ['TIERSTACK_JOB']} at {os.environ['TIERSTACK_TIER_MANAGER']}", flush=True)
+    print(f"rank {engine.global_rank} of {engine.world_size}", flush=True)
     g = torch.Generator().manual_seed(1)
     for step in range(args.steps):
         if step == args.fail_at:
