@@ -125,7 +125,6 @@ _WARNED = {
     "comms_logger": "the communication logger is not part of tierstack; wall_clock_breakdown "
                     "times the gradients' collectives of a partitioned job (bwd_allreduce)",
 }
-_warned_once: set[str] = set()
 
 # The monitor sections (train.monitor) and the keys each takes, as DeepSpeed's.
 _MONITOR_SECTIONS = {
@@ -171,12 +170,11 @@ def _screened(key: str, decided: list[str], value: Any = True) -> bool:
     return False
 
 
-def _warn_once(key: str, value: Any) -> None:
+def _warn_tool_once(key: str, value: Any) -> None:
     """An enabled tool tierstack does not have: one warning per process, nothing refused."""
     section = _section(value, key, '{"enabled": false}')
-    if section.get("enabled") is True and key not in _warned_once:
-        _warned_once.add(key)
-        log.warning("%s: %s (the section is accepted and changes nothing)", key, _WARNED[key])
+    if section.get("enabled") is True:
+        _warn_once(f"{key}: {_WARNED[key]} (the section is accepted and changes nothing)")
 
 
 def is_deepspeed_config(data: dict) -> bool:
@@ -326,7 +324,7 @@ class _Translator:
             elif name in ("steps_per_print", "wall_clock_breakdown") or name in _MONITOR_SECTIONS:
                 self.monitor(name, value)
             elif name in _WARNED:
-                _warn_once(name, value)
+                _warn_tool_once(name, value)
             elif name in ("tier_overrides", "device_budget"):
                 # tierstack's own additions are welcome in a DeepSpeed file
                 self.put(self.train, name, value, f"train.{name}", name)

@@ -415,7 +415,7 @@ def test_an_optimizer_other_than_adam_names_deepspeeds_classes(shared_daemon):
 def test_flops_profiler_and_comms_logger_warn_once_per_process(caplog, monkeypatch):
     from tierstack import deepspeed_config
 
-    monkeypatch.setattr(deepspeed_config, "_warned_once", set())
+    monkeypatch.setattr(deepspeed_config, "_warned", set())
     ds = {"zero_optimization": {"stage": 3}, "flops_profiler": {"enabled": True, "profile_step": 2},
           "comms_logger": {"enabled": True, "verbose": False}}
     with caplog.at_level(logging.WARNING, logger="tierstack.deepspeed_config"):
