@@ -51,6 +51,7 @@ what its user wrote into a `JobSpec`; nothing else makes a store or an engine.
 
 ROOMS = {
     "tierstack": "shared by every room; imports no room",
+    "tierstack.utils": "DeepSpeed's deepspeed.utils module path; shared, imports no room",
     "tierstack.cli": "`tierstack ...` (the only room allowed to import the daemons)",
     "tierstack.proto": "the .proto files and their generated code (`make proto`; a test checks it is in sync)",
     "tierstack.services": "the services, each a room of its own",
