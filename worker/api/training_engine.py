@@ -36,6 +36,7 @@ from tierstack.checkpoint_layout import LATEST_FILE, checked_tag, find, holds_ch
 from tierstack.config import TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.worker.engine import checkpoint
+from tierstack.worker.engine.deepspeed_checkpoint import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from tierstack.worker.engine.param_groups import HYPER_KEYS
 from tierstack.worker.job import Job
 
@@ -328,7 +329,10 @@ class TrainingEngine(torch.nn.Module):
                         ) -> tuple[str | None, dict | None]:
         """Restore `load_dir`/`tag` (default: the tag in `load_dir`/latest, or `load_dir`
         itself where it is one checkpoint); returns (its path, its client_state), or (None,
-        None) when there is nothing to load (as DeepSpeed does). Training resumes bit for bit."""
+        None) when there is nothing to load (as DeepSpeed does). A tierstack checkpoint
+        resumes bit for bit; a DeepSpeed ZeRO-3 checkpoint (its `*_model_states.pt` and
+        `*_optim_states.pt`) brings its weights, fp32 masters, AdamW moments, step counters
+        and schedule, so a DeepSpeed run goes on here (worker/engine/deepspeed_checkpoint.py)."""
         load_dir = Path(load_dir)
         if tag is None and latest_tag(load_dir) is None and not holds_checkpoint(load_dir):
             log.warning("no checkpoint to load: %s has no %r file (save_checkpoint writes "
@@ -339,6 +343,8 @@ class TrainingEngine(torch.nn.Module):
             raise InvalidArgumentError(
                 "load_checkpoint restores the whole training state (weights, optimizer, schedule) "
                 "or nothing; call it with the defaults (partial loads are not supported)")
+        if is_deepspeed_checkpoint(path):
+            return str(path), self._load_deepspeed(path)
         extra = checkpoint.load_checkpoint(self.core, path)
         state = extra.get("engine")
         if state is None:
@@ -349,6 +355,18 @@ class TrainingEngine(torch.nn.Module):
         if state["lr_scheduler"] is not None and hasattr(self.lr_scheduler, "load_state_dict"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         return str(path), state["client_state"]
+
+    def _load_deepspeed(self, path: Path) -> dict:
+        """A DeepSpeed ZeRO-3 checkpoint into this engine, with DeepSpeed's counters and
+        schedule; its client state."""
+        counters = load_deepspeed_checkpoint(self.core, path)
+        self.global_steps, self.skipped_steps = counters.global_steps, counters.skipped_steps
+        self.global_samples = counters.global_samples or self.global_steps * self.train_batch_size()
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        if counters.lr_scheduler is not None and hasattr(self.lr_scheduler, "load_state_dict"):
+            self.lr_scheduler.load_state_dict(counters.lr_scheduler)
+        log.info("loaded DeepSpeed checkpoint %s at step %d", path, self.global_steps)
+        return counters.client_state
 
     def export(self, directory: str | os.PathLike) -> Path:
         """The weights as safetensors that Hugging Face's from_pretrained loads (with the
