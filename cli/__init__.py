@@ -253,6 +253,22 @@ def _doctor(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _zero_to_fp32(args: argparse.Namespace) -> int:
+    """Write a checkpoint's fp32 weights, then say what was written (DeepSpeed's spellings
+    of the flags are taken too: --safe_serialization, --max_shard_size, -t)."""
+    from tierstack.checkpoint_layout import find
+    from tierstack.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    files = convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir, args.output_dir, max_shard_size=args.max_shard_size,
+        safe_serialization=args.safetensors, tag=args.tag,
+        exclude_frozen_parameters=args.exclude_frozen_parameters)
+    total = sum(f.stat().st_size for f in files)
+    print(f"tierstack zero-to-fp32: {find(args.checkpoint_dir, args.tag)} -> {args.output_dir}: "
+          f"{', '.join(f.name for f in files)} ({total / 1e6:,.1f} MB)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="tierstack", description=DESCRIPTION, epilog=EPILOG,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,6 +299,26 @@ def build_parser() -> argparse.ArgumentParser:
     from tierstack.services.scheduler.estimator import add_arguments as add_plan_arguments
     add_plan_arguments(plan)
     plan.set_defaults(func=_plan)
+
+    fp32 = sub.add_parser("zero-to-fp32", help="write a checkpoint's fp32 weights for from_pretrained "
+                                               "(offline: no tier manager, no model code)",
+                          description=_doc("tierstack.utils.zero_to_fp32"))
+    fp32.add_argument("checkpoint_dir", metavar="CKPT_DIR",
+                      help="the directory save_checkpoint or --checkpoint-dir wrote (its `latest` tag "
+                           "is read), or one tag's directory")
+    fp32.add_argument("output_dir", metavar="OUT",
+                      help="the directory to write the fp32 weights (and config.json) into")
+    fp32.add_argument("-t", "--tag", help="the tag to read (default: the one `latest` names)")
+    fp32.add_argument("--safetensors", "--safe_serialization", dest="safetensors", action="store_true",
+                      help="write model.safetensors (default: pytorch_model.bin, torch.save's format)")
+    fp32.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default="5GB",
+                      type=types.positive_size, metavar="BYTES",
+                      help="bytes per file before the weights are split in shards with an index "
+                           "(default 5GB); memory holds one shard")
+    fp32.add_argument("--exclude-frozen-parameters", "--exclude_frozen_parameters",
+                      dest="exclude_frozen_parameters", action="store_true",
+                      help="leave out the parameters that did not train")
+    fp32.set_defaults(func=_zero_to_fp32)
 
     tm = sub.add_parser("tier-manager", help="run this node's tier-manager daemon (gRPC) in the foreground",
                         description=_doc("tierstack.services.tier_manager.daemon"))

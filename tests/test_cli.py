@@ -124,14 +124,17 @@ def test_sigterm_to_a_job_s_group_ends_it_after_its_step_with_a_checkpoint_to_re
     stopped = re.search(r"stopped by SIGTERM after step (\d+) of 100000", out)
     assert stopped, out[-2000:]
     step = int(stopped.group(1))
-    assert f"checkpoint: {ckpt} (step {step})" in out and f"done: {step} steps" in out, out[-2000:]
+    tag = ckpt / f"global_step{step}"
+    assert f"checkpoint: {tag} (step {step})" in out and f"done: {step} steps" in out, out[-2000:]
     assert not nvme.exists()  # the run made it, and removed it with its run directory
     assert not any(Path(f"/proc/{pid}").exists() for pid in daemons)
     resumed = subprocess.run([sys.executable, "-m", "tierstack.cli", "train", "--steps", str(step + 1),
                               "--resume", *flags], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
-    assert f"resumed from {ckpt} after step {step}" in resumed.stdout
+    assert f"resumed from {tag} after step {step}" in resumed.stdout  # the tag `latest` named
     assert "done: 1 steps" in resumed.stdout
+    # The resumed run's checkpoint replaced the one it resumed from (--keep-checkpoints 1).
+    assert sorted(os.listdir(ckpt)) == [f"global_step{step + 1}", "latest"]
 
 
 def _nvme_volumes(stdout: str) -> tuple[float, float]:
@@ -234,6 +237,19 @@ def test_train_refuses_a_file_as_nvme_path(capsys, tmp_path):
     file.write_text("x")
     line = _one_line_error(capsys, "train", *TINY, "--nvme-path", str(file))
     assert f"--nvme-path {file} is a file, not a directory" in line
+
+
+def test_train_resume_without_a_checkpoint_names_what_to_give(capsys, tmp_path):
+    """--resume reads the tag `latest` names, as the engine does; without one it says what
+    is there, before anything starts."""
+    line = _one_line_error(capsys, "train", *TINY, "--checkpoint-dir", str(tmp_path), "--resume")
+    assert f"--resume: {tmp_path} has no 'latest' file and holds no checkpoint itself; save a " \
+           f"checkpoint there first" in line
+    (tmp_path / "global_step3").mkdir()
+    (tmp_path / "global_step3" / "engine.pt").write_bytes(b"")
+    line = _one_line_error(capsys, "train", *TINY, "--checkpoint-dir", str(tmp_path), "--resume")
+    assert f"--resume: {tmp_path} has no 'latest' file; write the tag to resume from into it " \
+           f"(tags there: global_step3)" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -433,15 +449,27 @@ def test_a_hugging_face_model_trains_checkpoints_resumes_bit_for_bit_and_exports
                    "--export", str(tmp_path / "hf")),
         (*hf, "--steps", "6", "--seq-len", "16", "--checkpoint-dir", str(tmp_path / "a"), "--resume"))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "after step 2" in resumed.stdout
+    assert f"resumed from {tmp_path / 'b' / 'global_step2'} after step 2" in resumed.stdout
     assert bad.returncode == 2 and "seq_len 32" in bad.stderr and "resume with the flags" in bad.stderr
-    for i in range(2):
-        a = load_file(str(tmp_path / "a" / f"block-{i:05d}.safetensors"))
-        b = load_file(str(tmp_path / "b" / f"block-{i:05d}.safetensors"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # One layout, the engine's: a tag per checkpoint and `latest`; the newest kept.
+    for run in "ab":
+        assert sorted(os.listdir(tmp_path / run)) == ["global_step4", "latest"]
+        assert (tmp_path / run / "latest").read_text() == "global_step4"
+    a, b = tmp_path / "a" / "global_step4", tmp_path / "b" / "global_step4"
+    for name in ["persistent.safetensors"] + [f"block-{i:05d}.safetensors" for i in range(2)]:
+        saved_a, saved_b = load_file(str(a / name)), load_file(str(b / name))
+        assert saved_a.keys() == saved_b.keys() and all(torch.equal(saved_a[k], saved_b[k]) for k in saved_a)
     exported = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    block0 = load_file(str(tmp_path / "a" / "block-00000.safetensors"))
+    block0 = load_file(str(a / "block-00000.safetensors"))
     assert torch.equal(exported.model.layers[0].mlp.up_proj.weight, block0["mlp.up_proj.weight"])
+    # tierstack zero-to-fp32 reads the run's checkpoint (its latest tag) into what
+    # from_pretrained loads: the export's weights, every one.
+    fp32 = subprocess.run([sys.executable, "-m", "tierstack.cli", "zero-to-fp32", str(tmp_path / "b"),
+                           str(tmp_path / "fp32"), "--safetensors"], capture_output=True, text=True, timeout=300)
+    assert fp32.returncode == 0, fp32.stdout + fp32.stderr
+    consolidated = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "fp32")).state_dict()
+    assert consolidated.keys() == exported.state_dict().keys()
+    assert all(torch.equal(consolidated[k], v) for k, v in exported.state_dict().items())
     # The export is a model directory with weights: training can start from it. With no
     # --cpu-pool-size the pools' caps are the machine's budgets: nothing sized by hand.
     unsized = tuple(a for a in SMALL if a not in ("--cpu-pool-size", "4MiB"))
@@ -651,5 +679,7 @@ def test_ctrl_c_with_a_checkpoint_dir_checkpoints_at_the_step_in_progress(tmp_pa
     out = _train_then_stop(flags, lambda proc: os.killpg(proc.pid, signal.SIGINT), 130)
     stopped = re.search(r"stopped by SIGINT after step (\d+) of 100000", out)
     assert stopped, out[-2000:]
-    assert f"checkpoint: {ckpt} (step {stopped.group(1)})" in out
-    assert (ckpt / "engine.pt").exists() and not nvme.exists()
+    tag = f"global_step{stopped.group(1)}"
+    assert f"checkpoint: {ckpt / tag} (step {stopped.group(1)})" in out
+    assert (ckpt / "latest").read_text() == tag and (ckpt / tag / "engine.pt").exists()
+    assert not nvme.exists()

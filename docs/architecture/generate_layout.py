@@ -53,6 +53,7 @@ ROOMS = {
     "tierstack": "shared by every room; imports no room (comm.py, DeepSpeed's name for the "
                  "worker's collectives: the worker's doors only)",
     "tierstack.ops": "DeepSpeed's optimizer names (shared: imports no room)",
+    "tierstack.utils": "DeepSpeed's deepspeed.utils module path; shared, imports no room",
     "tierstack.cli": "`tierstack ...` (the only room allowed to import the daemons)",
     "tierstack.proto": "the .proto files and their generated code (`make proto`; a test checks it is in sync)",
     "tierstack.services": "the services, each a room of its own",

@@ -5,6 +5,7 @@ partitioned Hugging Face model: tests/worker/test_sharded.py's LLaMA test."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -46,9 +47,12 @@ def test_two_ranks_resumed_from_a_checkpoint_continue_bit_for_bit(tmp_path):
     assert not list(tmp_path.glob(".*.writing"))  # rank 0 wrote it, alone, into place
     checkpoint = str(tmp_path / "ckpt")
     launch_partitioned(_spec(steps=2, checkpoint_dir=checkpoint), 2)
-    saved = json.loads((tmp_path / "ckpt" / "checkpoint.json").read_text())["files"]
-    assert {"block-00000.safetensors", "block-00001.safetensors", "engine.pt"} <= set(saved)
-    with safe_open(str(tmp_path / "ckpt" / "block-00000.safetensors"), "pt") as f:
+    assert sorted(os.listdir(tmp_path / "whole")) == ["global_step4", "latest"]  # step 2's replaced
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+    saved = json.loads((tmp_path / "ckpt" / "global_step2" / "checkpoint.json").read_text())["files"]
+    assert {"block-00000.safetensors", "block-00001.safetensors", "persistent.safetensors",
+            "engine.pt"} <= set(saved)
+    with safe_open(str(tmp_path / "ckpt" / "global_step2" / "block-00000.safetensors"), "pt") as f:
         assert {"qkv.weight.master", "qkv.weight.exp_avg", "qkv.weight.exp_avg_sq"} <= set(f.keys())
 
     rest = launch_partitioned(_spec(checkpoint_dir=checkpoint, resume=True), 2)

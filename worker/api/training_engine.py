@@ -35,17 +35,17 @@ import torch
 import torch.distributed as dist
 
 from tierstack import checkpointing
+from tierstack.checkpoint_layout import LATEST_FILE, checked_tag, find, holds_checkpoint, latest_tag
 from tierstack.config import TrainConfig
 from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.monitor import MonitorMaster
 from tierstack.worker.api.step_report import StepFigures, StepReport
 from tierstack.worker.engine import checkpoint
+from tierstack.worker.engine.deepspeed_checkpoint import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from tierstack.worker.engine.param_groups import HYPER_KEYS
 from tierstack.worker.job import Job
 
 log = logging.getLogger(__name__)
-
-LATEST_FILE = "latest"  # DeepSpeed's: the tag of the newest checkpoint in a directory
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -348,8 +348,7 @@ class TrainingEngine(torch.nn.Module):
         """The whole training state as `save_dir`/`tag` (default global_step<N>), atomic and
         verified (worker/engine/checkpoint.py), with `client_state`; `save_latest` points
         `save_dir`/latest at it."""
-        tag = _checked_tag(f"global_step{self.global_steps}" if tag is None else tag)
-        save_dir = Path(save_dir)
+        tag = checked_tag(f"global_step{self.global_steps}" if tag is None else tag)
         state = {
             "client_state": dict(client_state or {}),
             "global_steps": self.global_steps, "global_samples": self.global_samples,
@@ -357,39 +356,32 @@ class TrainingEngine(torch.nn.Module):
             "lr_scheduler": (self.lr_scheduler.state_dict()
                              if hasattr(self.lr_scheduler, "state_dict") else None),
         }
-        checkpoint.save_checkpoint(self.core, save_dir / tag, extra={"engine": state})
-        store = self.core.store
-        if save_latest:
-            if store.writes_checkpoint:  # partitioned: rank 0 writes, as the checkpoint
-                staged = save_dir / f".{LATEST_FILE}.writing"
-                staged.write_text(tag)
-                staged.replace(save_dir / LATEST_FILE)
-            store.barrier()  # no rank reads `latest` before it points at this one
+        checkpoint.save_tagged(self.core, save_dir, tag, extra={"engine": state},
+                               save_latest=save_latest)
         return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: Any = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False
                         ) -> tuple[str | None, dict | None]:
-        """Restore `load_dir`/`tag` (default: the tag in `load_dir`/latest) saved by
-        save_checkpoint; returns (its path, its client_state), or (None, None) when the
-        directory has no `latest` (as DeepSpeed does). Training resumes bit for bit."""
+        """Restore `load_dir`/`tag` (default: the tag in `load_dir`/latest, or `load_dir`
+        itself where it is one checkpoint); returns (its path, its client_state), or (None,
+        None) when there is nothing to load (as DeepSpeed does). A tierstack checkpoint
+        resumes bit for bit; a DeepSpeed ZeRO-3 checkpoint (its `*_model_states.pt` and
+        `*_optim_states.pt`) brings its weights, fp32 masters, AdamW moments, step counters
+        and schedule, so a DeepSpeed run goes on here (worker/engine/deepspeed_checkpoint.py)."""
         load_dir = Path(load_dir)
-        if tag is None:
-            latest = load_dir / LATEST_FILE
-            if not latest.is_file():
-                log.warning("no checkpoint to load: %s has no %r file (save_checkpoint writes "
-                            "it); starting from the model as it is", load_dir, LATEST_FILE)
-                return None, None
-            tag = latest.read_text().strip()
-        path = load_dir / _checked_tag(tag)
-        if not path.is_dir():
-            raise InvalidArgumentError(f"no checkpoint {tag!r} in {load_dir}: {path} does not "
-                                       f"exist; give a tag saved there (or none for the latest)")
+        if tag is None and latest_tag(load_dir) is None and not holds_checkpoint(load_dir):
+            log.warning("no checkpoint to load: %s has no %r file (save_checkpoint writes "
+                        "it); starting from the model as it is", load_dir, LATEST_FILE)
+            return None, None
+        path = find(load_dir, tag)
         if not (load_module_strict and load_optimizer_states and load_lr_scheduler_states) or load_module_only:
             raise InvalidArgumentError(
                 "load_checkpoint restores the whole training state (weights, optimizer, schedule) "
                 "or nothing; call it with the defaults (partial loads are not supported)")
+        if is_deepspeed_checkpoint(path):
+            return str(path), self._load_deepspeed(path)
         extra = checkpoint.load_checkpoint(self.core, path)
         state = extra.get("engine")
         if state is None:
@@ -400,6 +392,18 @@ class TrainingEngine(torch.nn.Module):
         if state["lr_scheduler"] is not None and hasattr(self.lr_scheduler, "load_state_dict"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         return str(path), state["client_state"]
+
+    def _load_deepspeed(self, path: Path) -> dict:
+        """A DeepSpeed ZeRO-3 checkpoint into this engine, with DeepSpeed's counters and
+        schedule; its client state."""
+        counters = load_deepspeed_checkpoint(self.core, path)
+        self.global_steps, self.skipped_steps = counters.global_steps, counters.skipped_steps
+        self.global_samples = counters.global_samples or self.global_steps * self.train_batch_size()
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        if counters.lr_scheduler is not None and hasattr(self.lr_scheduler, "load_state_dict"):
+            self.lr_scheduler.load_state_dict(counters.lr_scheduler)
+        log.info("loaded DeepSpeed checkpoint %s at step %d", path, self.global_steps)
+        return counters.client_state
 
     def export(self, directory: str | os.PathLike) -> Path:
         """The weights as safetensors that Hugging Face's from_pretrained loads (with the
@@ -440,15 +444,6 @@ class TrainingEngine(torch.nn.Module):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _checked_tag(tag: Any) -> str:
-    """A checkpoint tag as a directory name of its own: no path tricks."""
-    text = str(tag)
-    if not text or text in (".", "..") or "/" in text or "\0" in text or text.startswith("."):
-        raise InvalidArgumentError(f"checkpoint tag {text!r} must be a plain name (no '/', not "
-                                   f"empty, not starting with '.'), e.g. global_step100")
-    return text
 
 
 def _without_cache(model: torch.nn.Module, kwargs: dict) -> dict:

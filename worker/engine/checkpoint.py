@@ -1,16 +1,22 @@
 """Checkpoints and Hugging Face export straight from the tiers, one block at a time.
 
-Never is the whole model gathered: each block's state is read from the tier manager,
-written to its own safetensors file, and dropped before the next one is read.
+Never is the whole model gathered: each block's state is read (from the tier manager, or
+the device for a block the placement made resident: worker/engine/engine_state.py), written
+to its own safetensors file, and dropped before the next one is read.
 
-- `save_checkpoint` / `load_checkpoint`: block i's parameters and AdamW moments in
-  `block-<i>.safetensors`, plus `engine.pt` with what lives on the device (persistent
-  parameters and their optimizer state), the step count and the caller's extra state.
-  Values are stored exactly, so training resumed from a checkpoint continues bit for bit.
-  A checkpoint is atomic: written into a staging directory beside its target, every file
+- `save_tagged` / `load_checkpoint`: DeepSpeed's layout, which the engine, `tierstack
+  train` and the partitioned job share (tierstack/checkpoint_layout.py): a directory of
+  tags and a `latest` file. A tag holds block i's weights, fp32 masters and AdamW
+  moments in `block-<i>.safetensors`, the rest of the model's in `persistent.safetensors`
+  (all under the model's names, so `tierstack zero-to-fp32` reads them without the
+  model's code), and `engine.pt` with the step count, the param groups, fp16's loss scale
+  and the caller's extra state. Values are stored exactly, so training resumed from a
+  checkpoint continues bit for bit, whichever blocks are resident on either side.
+  A tag is atomic: written into a staging directory beside its target, every file
   fsynced and listed with its size and crc32 in `checkpoint.json`, then swapped into place
-  in one rename; `load_checkpoint` checks every file against that list before it changes
-  anything. A save that dies leaves the previous checkpoint whole.
+  in one rename (and only then named by `latest`); `load_checkpoint` checks every file
+  against that list before it changes anything. A save that dies leaves the previous
+  checkpoint whole and removes what it wrote.
 - `export_safetensors`: the model's weights as a sharded safetensors checkpoint with its
   index (`model.safetensors.index.json`), under the model's own parameter names, so
   Hugging Face `from_pretrained` loads it.
@@ -25,152 +31,116 @@ shared filesystem).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
-import zlib
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tierstack.errors import DataCorruptionError, InvalidArgumentError
+from tierstack.checkpoint_layout import (ENGINE_FILE, PERSISTENT_FILE, ModelMap, block_file, checked_tag,
+                                         fsync, model_map, older_tags, remove_format1, swap_into_place,
+                                         verify, weight_names, write_latest, write_listing)
+from tierstack.errors import InvalidArgumentError
+from tierstack.worker.engine.engine_state import (block_state, frozen_block_parameters, persistent_state,
+                                                  put_block_state, put_persistent_state, shapes)
 from tierstack.worker.engine.offload_engine import OffloadEngine
-from tierstack.worker.engine.tiered_adamw import MOMENTS
-
-ENGINE_FILE = "engine.pt"  # train_flags.py names it too (without importing torch)
 
 
-def _block_file(directory: Path, index: int) -> Path:
-    return directory / f"block-{index:05d}.safetensors"
+def save_tagged(engine: OffloadEngine, save_dir: str | Path, tag: str, extra: dict | None = None,
+                save_latest: bool = True, keep: int = 0) -> Path:
+    """Save the engine as `save_dir`/`tag` (save_checkpoint), then point `save_dir`/latest
+    at it; with `keep`, remove the tags past the newest `keep` (and a format-1 checkpoint
+    written straight into `save_dir`) once `latest` names the new one. Every rank calls."""
+    save_dir = Path(save_dir)
+    path = save_dir / checked_tag(tag)
+    save_checkpoint(engine, path, extra)
+    store = engine.store
+    if save_latest:
+        if store.writes_checkpoint:  # partitioned: rank 0 writes, as the checkpoint
+            write_latest(save_dir, path.name)
+            for old in older_tags(save_dir, keep):
+                shutil.rmtree(save_dir / old)
+            if keep:
+                remove_format1(save_dir)
+        store.barrier()  # no rank reads `latest` before it points at this one
+    return path
 
 
 def save_checkpoint(engine: OffloadEngine, directory: str | Path, extra: dict | None = None) -> None:
-    """Write the engine's whole training state as `directory`, replacing what was there
-    only once every file of the new checkpoint is durable."""
+    """Write the engine's whole training state as checkpoint `directory` (one tag),
+    replacing what was there only once every file of the new checkpoint is durable."""
     engine.wait_for_optimizer()
     target = Path(directory).absolute()
-    directory = target.with_name(f".{target.name}.writing")
+    staged = target.with_name(f".{target.name}.writing")
     writes = engine.store.writes_checkpoint
     if writes:
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(directory, ignore_errors=True)  # what a save that died left
-        directory.mkdir()
-    store, optimizer = engine.store, engine.block_optimizer
-    for i in range(len(engine.blocks.blocks)):
-        tensors = dict(store.read_layer(i))  # partitioned: gathered from every rank
-        kinds = (MOMENTS if optimizer.steps else ()) + (("master",) if optimizer.masters else ())
-        for kind in kinds:
-            tensors.update(store.read_layer(i, kind))
+        shutil.rmtree(staged, ignore_errors=True)  # what a save killed outright left
+        staged.mkdir()
+    try:
+        for i in range(len(engine.blocks.blocks)):
+            tensors = block_state(engine, i)  # partitioned: gathered from every rank
+            if writes:
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(staged / block_file(i)))
+        persistent, tied, frozen = persistent_state(engine)
         if writes:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(_block_file(directory, i)))
-    if not writes:
-        engine.store.barrier()
-        return
-    torch.save({
-        "blocks": len(engine.blocks.blocks),
-        "steps": optimizer.steps,
-        "persistent": engine.views.persistent_state_dict(),
-        "persistent_optimizer": engine.persistent_optimizer.state_dict(),
-        "persistent_masters": [m.detach().cpu() for m in engine.persistent_masters],
+            save_file({k: v.contiguous() for k, v in persistent.items()}, str(staged / PERSISTENT_FILE))
+            torch.save(_engine_meta(engine, extra), staged / ENGINE_FILE)
+            _save_model_config(engine, staged)
+            write_listing(staged, ModelMap(
+                blocks_attr=engine.blocks_attr, blocks=list(engine.blocks.positions),
+                precision=engine.precision, steps=engine.block_optimizer.steps, tied=tied,
+                frozen=frozen + frozen_block_parameters(engine)))
+            swap_into_place(staged, target)
+    except BaseException:
+        if writes:
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+    engine.store.barrier()
+
+
+def _engine_meta(engine: OffloadEngine, extra: dict | None) -> dict:
+    return {
+        "steps": engine.block_optimizer.steps,
         # The groups' hyperparameters now (a schedule moved their lr) and fp16's loss scale.
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.param_groups],
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "extra": extra or {},
-    }, directory / ENGINE_FILE)
-    files = {}
-    for path in sorted(directory.iterdir()):
-        files[path.name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
-        _fsync(path)
-    (directory / LISTING_FILE).write_text(json.dumps({"files": files}, indent=1))
-    _fsync(directory / LISTING_FILE)
-    _fsync(directory)
-    _swap_into_place(directory, target)
-    engine.store.barrier()
-
-
-LISTING_FILE = "checkpoint.json"
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _swap_into_place(staged: Path, target: Path) -> None:
-    """`staged` becomes `target` in one step: renameat2(RENAME_EXCHANGE) swaps the two
-    directories atomically where the old one exists (a crash leaves one whole checkpoint
-    or the other under the name), a plain rename where it does not."""
-    if target.exists():
-        libc = ctypes.CDLL(None, use_errno=True)
-        at_fdcwd, rename_exchange = -100, 2
-        if libc.renameat2(at_fdcwd, bytes(staged), at_fdcwd, bytes(target), rename_exchange) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"cannot replace checkpoint {target}: {os.strerror(error)}")
-        shutil.rmtree(staged)  # now the old checkpoint
-    else:
-        staged.rename(target)
-    _fsync(target.parent)
-
-
-def _verify(directory: Path) -> None:
-    """Every file the checkpoint lists is there with its size and crc32."""
-    try:
-        listing = json.loads((directory / LISTING_FILE).read_text())["files"]
-    except (OSError, ValueError, KeyError):
-        raise InvalidArgumentError(
-            f"{directory} is not a complete tierstack checkpoint ({LISTING_FILE} is missing or "
-            f"unreadable: an interrupted save, or one from before checkpoints were verified)") from None
-    for name, expected in listing.items():
-        path = directory / name
-        if not path.exists() or path.stat().st_size != expected["bytes"] or _crc32(path) != expected["crc32"]:
-            raise DataCorruptionError(f"checkpoint file {path} is missing or does not match its "
-                                      f"size and crc32 in {LISTING_FILE}; load another checkpoint")
+    }
 
 
 def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
-    """Restore a checkpoint into an engine built for the same model; returns `extra`."""
+    """Restore checkpoint `directory` (one tag) into an engine built for the same model;
+    returns `extra`."""
     directory = Path(directory)
     if not (directory / ENGINE_FILE).exists():
         raise InvalidArgumentError(f"{directory} holds no tierstack checkpoint ({ENGINE_FILE} is missing)")
-    _verify(directory)
+    listing = verify(directory)
     meta = torch.load(directory / ENGINE_FILE, map_location="cpu", weights_only=False)
     groups = meta.get("param_groups", engine.param_groups)
     if len(groups) != len(engine.param_groups):
         raise InvalidArgumentError(
             f"checkpoint {directory} has {len(groups)} param groups but the engine "
             f"{len(engine.param_groups)}; give the engine the param groups it was saved with")
-    if meta["blocks"] != len(engine.blocks.blocks):
+    if "model" in listing:
+        _check_fits(engine, directory, model_map(directory, listing))
+    elif meta["blocks"] != len(engine.blocks.blocks):
         raise InvalidArgumentError(
             f"checkpoint {directory} has {meta['blocks']} blocks but the model has "
             f"{len(engine.blocks.blocks)}; load it into the model it was saved from")
     engine.wait_for_optimizer()
-    store, optimizer = engine.store, engine.block_optimizer
-    for i in range(meta["blocks"]):
-        saved = load_file(str(_block_file(directory, i)))
-        layout_names = {s.name for s in store.layout(i).slots}
-        store.write_back(i, {n: saved[n] for n in layout_names})
-        kinds = (MOMENTS if meta["steps"] else ()) + (("master",) if optimizer.masters else ())
-        for kind in kinds:
-            store.write_back(i, {k: v for k, v in saved.items() if k.endswith(f".{kind}")}, kind=kind)
-    engine.views.load_persistent_state_dict(meta["persistent"])
-    engine.persistent_optimizer.load_state_dict(meta["persistent_optimizer"])
-    with torch.no_grad():
-        for m, saved_master in zip(engine.persistent_masters, meta["persistent_masters"]):
-            m.copy_(saved_master)
-    optimizer.steps = meta["steps"]
+    steps = meta["steps"]
+    for i in range(len(engine.blocks.blocks)):
+        put_block_state(engine, i, load_file(str(directory / block_file(i))), steps)
+    if "model" in listing:
+        put_persistent_state(engine, load_file(str(directory / PERSISTENT_FILE)), steps,
+                             f"checkpoint {directory}")
+    else:
+        _load_format1_persistent(engine, meta)
+    engine.block_optimizer.steps = steps
     for group, saved_group in zip(engine.param_groups, meta.get("param_groups", [])):
         group.update(saved_group)
     if engine.loss_scaler is not None and meta.get("loss_scaler") is not None:
@@ -178,24 +148,55 @@ def load_checkpoint(engine: OffloadEngine, directory: str | Path) -> dict:
     return meta["extra"]
 
 
+def _check_fits(engine: OffloadEngine, directory: Path, model: ModelMap) -> None:
+    """Refuse, before anything changes, a checkpoint of another model (or of the same one
+    with other blocks offloaded), naming the first tensor that differs (read from the
+    files' headers only)."""
+    if (model.blocks_attr, model.blocks) != (engine.blocks_attr, engine.blocks.positions):
+        raise InvalidArgumentError(
+            f"checkpoint {directory} offloads blocks {model.blocks} of {model.blocks_attr}, the engine "
+            f"{engine.blocks.positions} of {engine.blocks_attr}; load it into the model it was saved "
+            f"from, with the same tier overrides")
+    mine = shapes(engine)
+    saved: dict[str, tuple[int, ...]] = {}
+    for path, prefix in [(directory / PERSISTENT_FILE, "")] + [
+            (directory / block_file(i), model.block_prefix(i)) for i in range(len(model.blocks))]:
+        with safe_open(str(path), "pt") as f:
+            saved.update({prefix + name: tuple(f.get_slice(name).get_shape())
+                          for name in weight_names(list(f.keys()))})
+    for name, shape in saved.items():
+        if mine.get(name, shape) != shape:
+            raise InvalidArgumentError(f"checkpoint {directory} has {name!r} of shape {list(shape)}, "
+                                       f"the model {list(mine[name])}; load it into the model it was "
+                                       f"saved from (same sizes)")
+    unknown = [n for n in saved if n not in mine]
+    missing = [n for n in mine if n not in saved and n not in model.tied]
+    if unknown or missing:
+        what = f"has {unknown[0]!r}, which the model has not" if unknown else f"has no {missing[0]!r} of the model"
+        raise InvalidArgumentError(f"checkpoint {directory} {what}; load it into the model it was saved from")
+
+
+def _load_format1_persistent(engine: OffloadEngine, meta: dict) -> None:
+    """The persistent part as format 1 kept it, in engine.pt (no block was resident then:
+    such a save failed)."""
+    engine.views.load_persistent_state_dict(meta["persistent"])
+    engine.persistent_optimizer.load_state_dict(meta["persistent_optimizer"])
+    with torch.no_grad():
+        for m, saved_master in zip(engine.persistent_masters, meta["persistent_masters"]):
+            m.copy_(saved_master)
+
+
 def _model_parts(engine: OffloadEngine):
     """The model's weights one part at a time, as (file name, tensors): the persistent
     parameters and buffers first (tied weights once), then each block as stored
     (partitioned: gathered from every rank). One block in memory at a time."""
     engine.wait_for_optimizer()
-    seen: set[int] = set()
-    persistent = {}
-    for name, tensor in engine.views.persistent_state_dict().items():
-        if tensor.data_ptr() in seen:  # tied weights (e.g. GPT-2's head): stored once
-            continue
-        seen.add(tensor.data_ptr())
-        persistent[name] = tensor.detach().cpu().contiguous()
+    persistent, _, _ = persistent_state(engine, optimizer_state=False)
     yield "model-persistent.safetensors", persistent
-    for i in range(len(engine.blocks.blocks)):
-        block = engine.store.read_layer(i)
+    for i, position in enumerate(engine.blocks.positions):
+        block = block_state(engine, i, optimizer_state=False)
         yield (f"model-block-{i:05d}.safetensors",
-               {f"{engine.blocks_attr}.{engine.blocks.positions[i]}.{n}": t.contiguous()
-                for n, t in block.items()})
+               {f"{engine.blocks_attr}.{position}.{n}": t.contiguous() for n, t in block.items()})
 
 
 def export_safetensors(engine: OffloadEngine, directory: str | Path) -> Path:
@@ -238,7 +239,7 @@ def save_one_file(engine: OffloadEngine, directory: str | Path, file_name: str) 
             save_file(whole, str(staged), metadata={"format": "pt"})
         else:
             torch.save(whole, staged)
-        _fsync(staged)
+        fsync(staged)
         os.replace(staged, path)
         _save_model_config(engine, directory)
     engine.store.barrier()

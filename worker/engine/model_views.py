@@ -40,9 +40,11 @@ class ModelViews:
                     if not k.startswith(offloaded)}
 
     def load_persistent_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore what persistent_state_dict saved (the offloaded blocks are not in it)."""
-        missing, unexpected = self._engine.model.load_state_dict(state, strict=False)
+        """Restore what persistent_state_dict saved; an offloaded block's entries in `state`
+        (a whole model's state dict) are left out: the tiers hold those."""
         offloaded = self._offloaded_prefixes()
+        state = {k: v for k, v in state.items() if not k.startswith(offloaded)}
+        missing, unexpected = self._engine.model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith(offloaded)]
         if missing or unexpected:
             raise InvalidArgumentError(

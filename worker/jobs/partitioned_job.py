@@ -23,12 +23,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from tierstack.checkpoint_layout import find
 from tierstack.config import (ActivationConfig, BudgetsConfig, MiB, OptimizerConfig,
                               ParamOffloadConfig, TierManagerConfig, TierstackConfig, TrainConfig,
                               config_dict, load_config)
 from tierstack.errors import InvalidArgumentError
 from tierstack.worker.engine.block_views import is_parked
-from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
+from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_tagged
 from tierstack.worker.engine.offload_engine import OffloadEngine, materialize
 from tierstack.worker.engine.training_loop import run_steps
 from tierstack.worker.job import Job, JobSpec, SchedulerUse, open_job
@@ -73,8 +74,9 @@ class PartitionedSpec:
     """tier_manager config (as config_dict gives) for the embedded daemons; paths get a per-rank suffix."""
     collect_state: bool = False   # gather the trained weights into the result (tests)
     checkpoint_dir: str = ""
-    """Where the whole training state is saved at the end (worker/engine/checkpoint.py's format:
-    rank 0 writes, every rank must see the directory)."""
+    """Where the whole training state is saved at the end: a `global_step<N>` tag and `latest`,
+    the newest kept (worker/engine/checkpoint.py's format: rank 0 writes, every rank must see
+    the directory)."""
     checkpoint_every: int = 0     # steps between checkpoints (0: only at the end)
     resume: bool = False          # continue from checkpoint_dir's state up to `steps`
     export: str = ""              # a directory for safetensors weights (from_pretrained)
@@ -254,7 +256,8 @@ def _train(env: RankEnv, spec: PartitionedSpec, job: Job) -> RankResult:
         job.starting_at(start)
 
     def save(step: int) -> None:
-        save_checkpoint(engine, spec.checkpoint_dir, extra={"step": step, **_signature(spec)})
+        save_tagged(engine, spec.checkpoint_dir, f"global_step{step}",
+                    extra={"step": step, **_signature(spec)}, keep=1)
 
     def on_step(record) -> None:
         done = start + record.index + 1
@@ -306,10 +309,11 @@ def _signature(spec: PartitionedSpec) -> dict:
 
 
 def _resume(spec: PartitionedSpec, engine: OffloadEngine) -> int:
-    """Load `spec.checkpoint_dir` into the engine (on every rank); the steps it had done."""
+    """Load the checkpoint `spec.checkpoint_dir`/latest names into the engine (on every
+    rank); the steps it had done."""
     if not spec.checkpoint_dir:
         raise InvalidArgumentError("resume needs checkpoint_dir: the checkpoint to continue from")
-    extra = load_checkpoint(engine, spec.checkpoint_dir)
+    extra = load_checkpoint(engine, find(spec.checkpoint_dir))
     saved = {k: extra.get(k) for k in _signature(spec)}
     if saved != _signature(spec):
         differs = sorted(k for k, v in _signature(spec).items() if saved[k] != v)

@@ -11,11 +11,11 @@ import argparse
 from pathlib import Path
 
 from tierstack import arguments as types
-from tierstack.errors import ConfigError
+from tierstack.checkpoint_layout import LATEST_FILE, find, latest_tag, tags
+from tierstack.errors import ConfigError, InvalidArgumentError
 from tierstack.worker.node.daemon_address import check_reachable
 
 GPT_DEFAULTS = {"dim": 384, "layers": 8, "heads": 6}
-ENGINE_FILE = "engine.pt"  # worker/engine/checkpoint.py's: a checkpoint directory holds it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,12 +93,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     state = parser.add_argument_group("checkpoints, export and output")
     state.add_argument("--checkpoint-dir", metavar="DIR",
                        help="save the whole training state here at the end (and every "
-                            "--checkpoint-every steps), one block at a time")
+                            "--checkpoint-every steps), one block at a time, as DeepSpeed lays "
+                            "it out: DIR/global_step<N>/ and DIR/latest")
     state.add_argument("--checkpoint-every", type=types.non_negative_int, default=0,
                        help="steps between checkpoints (default 0: only at the end)")
+    state.add_argument("--keep-checkpoints", type=types.non_negative_int, default=1, metavar="N",
+                       help="checkpoints kept in --checkpoint-dir, the newest (default 1: each "
+                            "replaces the last once it is whole; 0 keeps every one)")
     state.add_argument("--resume", action="store_true",
-                       help="continue from the checkpoint in --checkpoint-dir (same model and "
-                            "flags), up to --steps")
+                       help="continue from the checkpoint DIR/latest names in --checkpoint-dir "
+                            "(same model and flags), up to --steps")
     state.add_argument("--export", metavar="DIR",
                        help="write the trained weights as safetensors (+ config) that "
                             "from_pretrained loads")
@@ -129,10 +133,16 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.resume and not args.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir: the directory of the checkpoint to "
                           "continue from")
-    if args.resume and not (Path(args.checkpoint_dir) / ENGINE_FILE).exists():
-        raise ConfigError(f"--resume: {args.checkpoint_dir} holds no tierstack checkpoint "
-                          f"({ENGINE_FILE} is missing); train once with --checkpoint-dir "
-                          f"{args.checkpoint_dir} first")
+    if args.resume:  # the tag `latest` names, as the engine's load_checkpoint reads it
+        directory = Path(args.checkpoint_dir)
+        try:
+            there = tags(directory)
+            if there and latest_tag(directory) is None:
+                raise ConfigError(f"--resume: {directory} has no '{LATEST_FILE}' file; write the tag "
+                                  f"to resume from into it (tags there: {', '.join(there)})")
+            find(directory)
+        except InvalidArgumentError as e:
+            raise ConfigError(f"--resume: {e}") from None
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir (where to save)")
     if args.ranks > 1 or args.address:

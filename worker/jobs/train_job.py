@@ -8,8 +8,9 @@ device (each block is created just before it is stored, so the model never has t
 in host memory), and trains, showing progress. The default GPT's training state
 (parameters, gradients, AdamW moments) is larger than both the device budget and the CPU
 pool, so the NVMe pool really is used. `--checkpoint-dir` / `--resume` save and restore
-the whole training state (the data order included), `--export` writes safetensors that
-`from_pretrained` loads.
+the whole training state (the data order included) in DeepSpeed's layout, as the engine
+does (a `global_step<N>` tag per checkpoint and a `latest` file: `tierstack zero-to-fp32`
+reads it); `--export` writes safetensors that `from_pretrained` loads.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from typing import Callable
 
 import torch
 
+from tierstack.checkpoint_layout import find
 from tierstack.config import AUTO_SIZE, MiB, TierstackConfig, load_config_with_keys
 from tierstack.config_keys import UserKeys
 from tierstack.lr_schedules import build_schedule, schedule_for_cli
 from tierstack.errors import ConfigError, TierstackError
-from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
+from tierstack.worker.engine.checkpoint import export_safetensors, load_checkpoint, save_tagged
 from tierstack.worker.engine.offload_engine import OffloadEngine, materialize
 from tierstack.worker.engine.training_loop import StepRecord, StopSignal, run_steps
 from tierstack.worker.job import Job as BuiltJob
@@ -232,18 +234,20 @@ def _train(args, job: Job, built: BuiltJob, data: corpus.ByteBatches, config: Ti
     schedule = build_schedule(engine, config.train.lr_schedule)
     start, signature = 0, _signature(args, job, config.train.precision)
     if args.resume:
-        start = _resume(args, engine, data, signature, schedule)
+        path = find(args.checkpoint_dir)
+        start = _resume(args, path, engine, data, signature, schedule)
         built.starting_at(start)
         progress.resumed_at(start)
-        progress.say(f"resumed from {args.checkpoint_dir} after step {start}")
+        progress.say(f"resumed from {path} after step {start}")
     url = store.reports.dashboard_url() if store.reports is not None else ""
     if url:
         progress.say(f"dashboard: {url}/dashboard/   Prometheus metrics: {url}/metrics")
 
-    def save(step: int) -> None:
-        save_checkpoint(engine, args.checkpoint_dir,
-                        extra={**signature, "step": step, "data_state": data.state(),
-                               "lr_schedule": schedule.state_dict() if schedule else None})
+    def save(step: int):
+        return save_tagged(engine, args.checkpoint_dir, f"global_step{step}",
+                           extra={**signature, "step": step, "data_state": data.state(),
+                                  "lr_schedule": schedule.state_dict() if schedule else None},
+                           keep=args.keep_checkpoints)
 
     said = [0]  # the last plan version the progress named
 
@@ -286,8 +290,7 @@ def _train(args, job: Job, built: BuiltJob, data: corpus.ByteBatches, config: Ti
     if not steps:  # stopped before its first step: nothing new to save or report
         return stop.exit_code
     if args.checkpoint_dir:
-        save(done)
-        progress.say(f"checkpoint: {args.checkpoint_dir} (step {done})")
+        progress.say(f"checkpoint: {save(done)} (step {done})")
     if args.export:
         index = export_safetensors(engine, args.export)
         progress.say(f"exported: {index.parent} (safetensors for from_pretrained)")
@@ -307,16 +310,19 @@ def _train(args, job: Job, built: BuiltJob, data: corpus.ByteBatches, config: Ti
     return stop.exit_code if stop.requested else 0
 
 
-def _resume(args, engine: OffloadEngine, data: corpus.ByteBatches, signature: dict,
+def _resume(args, path, engine: OffloadEngine, data: corpus.ByteBatches, signature: dict,
             schedule) -> int:
-    """Load the checkpoint into the engine, the schedule and the data order; the steps it
-    had done."""
-    extra = load_checkpoint(engine, args.checkpoint_dir)
+    """Load checkpoint `path` (the tag `latest` names) into the engine, the schedule and
+    the data order; the steps it had done."""
+    extra = load_checkpoint(engine, path)
+    if "data_state" not in extra:
+        raise ConfigError(f"--resume: {path} was saved by a script's engine (tierstack.initialize), "
+                          f"not by tierstack train; resume it with engine.load_checkpoint in that script")
     if schedule is not None and extra.get("lr_schedule") is not None:
         schedule.load_state_dict(extra["lr_schedule"])
     differs = {k: (extra.get(k), v) for k, v in signature.items() if extra.get(k) != v}
     if differs:
-        raise ConfigError(f"--resume: {args.checkpoint_dir} was saved with " + ", ".join(
+        raise ConfigError(f"--resume: {path} was saved with " + ", ".join(
             f"{k} {saved!r}" for k, (saved, _) in differs.items()) + ", not " + ", ".join(
             f"{v!r}" for _, v in differs.values()) + "; resume with the flags it was saved with")
     step = int(extra.get("step", 0))
