@@ -136,6 +136,12 @@ class _Spill:
                 # glibc keeps what the parked tensors freed for its heap: give it back, or
                 # the process grows with the model after all (9 MB of 25 parked, measured).
                 _malloc_trim()
+                # The spill's dirty pages are host memory too until written: write them
+                # and drop them from the page cache (MemAvailable grew 1.46 GB over a
+                # 2.7 GB model's construction without this).
+                if self._fd is not None:
+                    os.fdatasync(self._fd)
+                    os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 self._parked_since_trim = 0
 
     def _park(self, param: torch.nn.Parameter) -> None:
