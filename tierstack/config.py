@@ -846,21 +846,26 @@ class LoadedConfig:
     that cannot be made, a block too large for offload_param.buffer_size)."""
 
 
-def load_config_with_keys(source: dict | str | os.PathLike | None = None,
-                          world_size: int | None = None) -> LoadedConfig:
-    """`load_config`, with the user's keys for the errors that come after loading."""
-    if source is None:
-        data: dict = {}
-    elif isinstance(source, dict):
-        data = source
-    else:
+def config_source(source: Any, who: str) -> dict:
+    """A config as a dict: given as one, or read from a JSON file's path; `who` takes it
+    (for the error when it is neither)."""
+    if isinstance(source, dict):
+        return source
+    if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         try:
-            data = json.loads(path.read_text())
+            return json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+    raise ConfigError(f"{who} takes a JSON file's path or a dict, got {type(source).__name__}")
+
+
+def load_config_with_keys(source: dict | str | os.PathLike | None = None,
+                          world_size: int | None = None) -> LoadedConfig:
+    """`load_config`, with the user's keys for the errors that come after loading."""
+    data = config_source({} if source is None else source, "the config")
     if not is_deepspeed_config(data):
         return LoadedConfig(_load(data), UserKeys())
     refuse_mixed_formats(data, tuple(f.name for f in dataclasses.fields(TierstackConfig)))

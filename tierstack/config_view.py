@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
-from tierstack.config import TierstackConfig, load_config
+from tierstack.config import TierstackConfig, config_source, load_config
 from tierstack.deepspeed_config import is_deepspeed_config
 from tierstack.errors import ConfigError
 
@@ -80,14 +79,4 @@ class DeepSpeedConfig:
 
 
 def _as_dict(config: Any) -> dict:
-    if isinstance(config, dict):
-        return config
-    if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-    raise ConfigError(f"DeepSpeedConfig takes a JSON file's path or a dict, got {type(config).__name__}")
+    return config_source(config, "DeepSpeedConfig")

@@ -19,7 +19,6 @@ no close) is closed when it is collected or the interpreter exits: nothing is le
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 from tierstack.addresses import JOB_ENV
 from tierstack import checkpointing
-from tierstack.config import ActivationConfig, load_config_with_keys
+from tierstack.config import ActivationConfig, config_source, load_config_with_keys
 from tierstack.errors import ConfigError
 from tierstack.ops.adam import DeepSpeedAdam
 from tierstack.worker.api.training_engine import TrainingEngine
@@ -188,18 +187,7 @@ def _config_dict(args: Any, config: Any, config_params: Any) -> dict:
         source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if source is None:
         return {}
-    if isinstance(source, dict):
-        return source
-    if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-    raise ConfigError(f"initialize: config must be a JSON file's path or a dict, got "
-                      f"{type(source).__name__}")
+    return config_source(source, "initialize: config")
 
 
 def _configured_activations(activations: ActivationConfig) -> ActivationConfig:

@@ -27,11 +27,11 @@ import socket
 from dataclasses import dataclass
 from enum import Enum
 
-from tierstack.addresses import SCHEDULER_ENV, default_scheduler_address, grpc_target, unix_socket_path
+from tierstack.addresses import SCHEDULER_ENV, default_scheduler_address
 from tierstack.config import TierManagerConfig, TierstackConfig
 from tierstack.config_keys import UserKeys
 from tierstack.errors import ConfigError
-from tierstack.worker.node.daemon_address import REACH_SECONDS, check_reachable, running_tier_manager
+from tierstack.worker.node.daemon_address import check_reachable, check_scheduler, running_tier_manager
 from tierstack.worker.node.run_directory import job_directories
 
 log = logging.getLogger(__name__)
@@ -141,10 +141,10 @@ def _node_id(config: TierstackConfig) -> str:
 def _named_scheduler(config: TierstackConfig) -> str:
     """The scheduler the config or the environment names ('' for none); it must answer."""
     if config.scheduler.listen:
-        _check_scheduler(config.scheduler.listen, "scheduler.listen")
+        check_scheduler(config.scheduler.listen, "scheduler.listen")
         return config.scheduler.listen
     if os.environ.get(SCHEDULER_ENV):
-        _check_scheduler(os.environ[SCHEDULER_ENV], f"${SCHEDULER_ENV}")
+        check_scheduler(os.environ[SCHEDULER_ENV], f"${SCHEDULER_ENV}")
         return os.environ[SCHEDULER_ENV]
     return ""
 
@@ -158,29 +158,9 @@ def _scheduler_for_node(config: TierstackConfig, use: SchedulerUse) -> str:
         return named
     address = default_scheduler_address()
     try:
-        _check_scheduler(address, "the per-user scheduler")
+        check_scheduler(address, "the per-user scheduler")
     except ConfigError:
         log.info("no scheduler answers at %s: the job keeps its configured prefetch depths "
                  "(start one with `tierstack scheduler`, or name it in scheduler.listen)", address)
         return ""
     return address
-
-
-def _check_scheduler(address: str, setting: str) -> None:
-    """Fail in one line naming `setting` when no scheduler answers at `address`."""
-    socket_path = unix_socket_path(grpc_target(address))
-    if socket_path is not None and not socket_path.exists():
-        raise ConfigError(f"{setting} {address}: nothing listens there ({socket_path} does not "
-                          f"exist); start one (`tierstack scheduler`) or leave it out")
-    from tierstack.errors import TierstackError
-    from tierstack.services.scheduler.client import SchedulerClient
-
-    client = SchedulerClient(address, timeout=REACH_SECONDS)
-    try:
-        client.list_nodes()
-    except TierstackError:
-        raise ConfigError(f"{setting} {address}: no scheduler answered within "
-                          f"{REACH_SECONDS:.0f} s; start one (`tierstack scheduler`) or leave it "
-                          f"out") from None
-    finally:
-        client.close()
