@@ -247,11 +247,15 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 def test_the_alias_serves_only_the_code_that_made_it_and_a_missing_name_fails_in_one_line():
     """After `import tierstack as deepspeed`, `deepspeed.X` imports are tierstack's; code
-    that did not alias (transformers probing for DeepSpeed) finds no `deepspeed`; a DeepSpeed
-    module tierstack lacks is one ModuleNotFoundError line naming the alternative."""
+    that did not alias (transformers probing for DeepSpeed) finds what is really installed
+    (the real DeepSpeed, which the checkpoint tests install, or nothing); a DeepSpeed module
+    tierstack lacks is one ModuleNotFoundError line naming the alternative."""
+    real = _python("import importlib.util\nspec = importlib.util.find_spec('deepspeed')\n"
+                   "print(spec.origin if spec else None)\n").stdout.strip()
     out = _python(
         "import importlib.util, tierstack\n"
-        "assert importlib.util.find_spec('deepspeed') is None  # not aliased here\n"
+        "spec = importlib.util.find_spec('deepspeed')  # not aliased here: the real one or none\n"
+        f"assert str(spec.origin if spec else None) == {real!r}, spec\n"
         "import tierstack as deepspeed\n"
         "from deepspeed.accelerator import get_accelerator\n"
         "import deepspeed.comm as dist\n"
@@ -267,8 +271,11 @@ def test_the_alias_serves_only_the_code_that_made_it_and_a_missing_name_fails_in
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("ModuleNotFoundError: tierstack does not provide deepspeed.pipe: pipeline "
                            "parallelism is not supported"), out.stderr
-    plain = _python("import tierstack\nimport deepspeed\n")
-    assert plain.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'deepspeed'"
+    plain = _python("import tierstack\nimport deepspeed\nprint(deepspeed.__file__)\n")
+    if real == "None":
+        assert plain.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'deepspeed'"
+    else:  # not aliased: the installed DeepSpeed, not tierstack
+        assert plain.stdout.strip().splitlines()[-1] == real, plain.stderr[-2000:]
 
 
 @pytest.mark.parametrize("reach,message", [
