@@ -35,7 +35,10 @@ _USER_DIR_BEFORE: set[str] | None = None
 SERIAL = ("tests/deploy/test_ray_up.py", "tests/deploy/test_ray_auth.py",
           "tests/deploy/test_two_clusters.py", "tests/worker/test_ray_workers.py",
           "tests/worker/test_plan_band.py", "tests/worker/test_plan_keeper.py",
-          "tests/tier_manager/test_no_waiting.py", "tests/test_host_budget.py")
+          "tests/tier_manager/test_no_waiting.py", "tests/test_host_budget.py",
+          # the machine's MemTotal - MemAvailable: the other worker's tests freeing memory
+          # meanwhile hid 340 MiB of the child's 512 (CI, 172 MiB seen)
+          "tests/bench/test_footprint.py::test_the_cross_check_sees_a_childs_allocation")
 
 
 def pytest_configure(config) -> None:
