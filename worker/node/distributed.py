@@ -105,21 +105,62 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _run_rank(index: int, fn: Callable, world: int, port: int, args: tuple) -> None:
+class _CallersWorld:
+    """The launching process's environment and stdout/stderr as they are at the launch,
+    for a rank the fork server starts (which would otherwise have the server's, taken when
+    the server started: an earlier call's variables and output files). Pickled into the
+    rank's arguments; unpickling in the rank applies them, before the rank runs anything."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        # DupFd while the rank's process is being started hands it the caller's open files.
+        return (_take_callers_world, (dict(os.environ), reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _take_callers_world(environ: dict, stdout, stderr) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, given in ((1, stdout), (2, stderr)):
+        received = given.detach()
+        os.dup2(received, fd)
+        os.close(received)
+
+
+def _run_rank(index: int, fn: Callable, world: int, port: int, args: tuple, _world: None = None) -> None:
     env = RankEnv(index, world, index, "127.0.0.1", port)
     os.environ.update(env.to_environ())
     fn(env, *args)
 
 
+def _fork_server_preload(fn: Callable) -> None:
+    """What the fork server imports once for all the ranks this process launches: torch,
+    torch._dynamo (which a model built on the meta device or a Hugging Face model imports:
+    3 s of CPU), the job's composition root and the module of the rank function. The
+    server is started at the first launch; a module given later is imported by each rank
+    itself, as under spawn. None of these starts a thread or touches a GPU at import."""
+    import multiprocessing
+
+    modules = ["torch", "torch._dynamo", "torch.distributed", __name__, "tierstack.worker.job"]
+    if fn.__module__ != "__main__":
+        modules.append(fn.__module__)
+    multiprocessing.set_forkserver_preload(modules)
+
+
 def launch_local(fn: Callable, world: int, *args) -> None:
     """Run `fn(rank_env, *args)` in `world` fresh processes on this machine, without Ray.
 
-    `fn` must be importable (a module-level function): processes are spawned, not forked,
-    so no thread or CUDA state of the caller leaks into the ranks.
+    `fn` must be importable (a module-level function). The ranks are forked from
+    multiprocessing's fork server, a fresh process that imports torch and `fn`'s module
+    once for every launch of this process (a spawned rank imports them itself: seconds of
+    CPU per rank), so no thread or CUDA state of the caller leaks into them; each takes the
+    caller's environment and stdout/stderr as they are at this call.
     """
     import torch.multiprocessing as mp
 
-    context = mp.spawn(_run_rank, args=(fn, world, free_port(), args), nprocs=world, join=False)
+    _fork_server_preload(fn)
+    context = mp.start_processes(_run_rank, args=(fn, world, free_port(), args, _CallersWorld()),
+                                 nprocs=world, join=False, start_method="forkserver")
     try:
         while not context.join():
             pass
