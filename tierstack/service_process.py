@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -97,6 +98,30 @@ class ServiceProcess:
             raise ServiceStartError(
                 f"the {self.name} did not start (log {self.log_path}):\n{log_tail}") from None
 
+    def _wait_listening(self, deadline: float) -> None:
+        """Until something accepts connections at the service's address, its process
+        exits, or `deadline` passes (then the health check below tells why)."""
+        from tierstack.addresses import grpc_target, unix_socket_path, unix_socket_unserved
+
+        target = grpc_target(self.address)
+        path = unix_socket_path(target)
+        host, _, port = target.rpartition(":")
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                return
+            if path is not None:
+                if not unix_socket_unserved(path, within=1.0):
+                    return
+            elif not port.isdigit() or target.startswith(("dns:", "ipv4:", "ipv6:", "unix-abstract:")):
+                return  # a form only gRPC's resolver reads: the health check alone
+            else:
+                try:
+                    socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=1.0).close()
+                    return
+                except OSError:
+                    pass
+            time.sleep(0.02)
+
     def wait_ready(self, timeout: float) -> None:
         """Wait until the service answers its health check with SERVING."""
         import grpc
@@ -107,6 +132,10 @@ class ServiceProcess:
         from tierstack.rpc import open_channel, security_from_dir
 
         deadline = time.monotonic() + timeout
+        # Until the service listens, a health check's channel backs off for a second
+        # between attempts (gRPC's reconnect backoff): half of a daemon's start-up was that
+        # wait. Its socket is polled instead, then asked once.
+        self._wait_listening(deadline)
         security = section(SecurityConfig, self.security, "security") if self.security else None
         if self.env and self.env.get(SECURITY_DIR_ENV):  # the child's, not ours
             security = security_from_dir(self.env[SECURITY_DIR_ENV], security)

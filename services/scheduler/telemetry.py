@@ -16,6 +16,7 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 
 from tierstack import metric_catalog as mc
 from tierstack.config import SchedulerConfig, SecurityConfig
+from tierstack.dashboards.http_listen import BackgroundHttp, http_framework_installed, http_security
 from tierstack.services.scheduler.cluster import ClusterState
 
 log = logging.getLogger(__name__)
@@ -60,28 +61,33 @@ class SchedulerTelemetry:
         self._serving.set()
         if not self.config.metrics_listen:
             return
-        try:
-            from tierstack.dashboards.cluster_view import ClusterView, RemoteNode
-            from tierstack.dashboards.http_api import HttpServer, create_app, http_security
-        except ImportError as e:
-            log.warning("no HTTP API or dashboard: %s (pip install fastapi uvicorn)", e)
+        if not http_framework_installed():
+            log.warning("no HTTP API or dashboard: FastAPI or uvicorn is not installed "
+                        "(pip install fastapi uvicorn)")
             return
         setting = "scheduler.metrics_listen"
         rules = http_security(self.config.metrics_listen, self.security, setting,
                               self.config.metrics_allowed_hosts, "scheduler's HTTP API")
-        peers: dict[str, RemoteNode] = {}
 
-        def nodes() -> list[RemoteNode]:
-            # One RemoteNode per registered URL, kept while the node stays registered
-            # (registration accepts only http(s) URLs: cluster.check_metrics_url).
-            urls = {r.metrics_url for r in self.cluster.node_records() if r.metrics_url}
-            for url in urls - set(peers):
-                peers[url] = RemoteNode(url, security=self.security)
-            return [peers[url] for url in sorted(urls)]
+        def make_app():
+            from tierstack.dashboards.cluster_view import ClusterView, RemoteNode
+            from tierstack.dashboards.http_api import create_app
 
-        app = create_app(ClusterView(nodes), self._serving.is_set, registry=self.registry,
-                         name="scheduler", guard=rules.guard)
-        self.http = HttpServer(app, self.config.metrics_listen, setting, tls=rules.tls)
+            peers: dict[str, RemoteNode] = {}
+
+            def nodes() -> list[RemoteNode]:
+                # One RemoteNode per registered URL, kept while the node stays registered
+                # (registration accepts only http(s) URLs: cluster.check_metrics_url).
+                urls = {r.metrics_url for r in self.cluster.node_records() if r.metrics_url}
+                for url in urls - set(peers):
+                    peers[url] = RemoteNode(url, security=self.security)
+                return [peers[url] for url in sorted(urls)]
+
+            return create_app(ClusterView(nodes), self._serving.is_set, registry=self.registry,
+                              name="scheduler", guard=rules.guard)
+
+        self.http = BackgroundHttp(self.config.metrics_listen, setting, rules, make_app,
+                                   "scheduler's HTTP API")
         self.http.start()
         log.info("cluster metrics and dashboard on %s/dashboard/", self.http.url)
 

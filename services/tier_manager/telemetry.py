@@ -12,6 +12,7 @@ import logging
 import threading
 
 from tierstack.config import SecurityConfig, TierManagerConfig
+from tierstack.dashboards.http_listen import BackgroundHttp, http_framework_installed, http_security
 from tierstack.proto import node_metrics_pb2_grpc as pb_grpc
 from tierstack.services.tier_manager.server import TierManagerServicer
 
@@ -52,25 +53,29 @@ class NodeTelemetry:
         self._serving.set()
         if not self.config.http_listen:
             return
-        try:
-            from tierstack.dashboards.cluster_view import ClusterView, LocalNode, RemoteNode
-            from tierstack.dashboards.http_api import HttpServer, create_app, http_security
-        except ImportError as e:
-            log.warning("no HTTP API or dashboard: %s (pip install fastapi uvicorn)", e)
+        if not http_framework_installed():
+            log.warning("no HTTP API or dashboard: FastAPI or uvicorn is not installed "
+                        "(pip install fastapi uvicorn)")
             return
         setting = "tier_manager.metrics.http_listen"
         rules = http_security(self.config.http_listen, self.security, setting,
                               self.config.allowed_hosts, "tier manager's HTTP API")
-        local = LocalNode(self.metrics)
-        peers = [RemoteNode(url, security=self.security) for url in self.config.cluster_nodes]
-        # The scheduler serves the view over every node it knows; a node alone sees itself
-        # and the peers its config names.
-        cluster = ClusterView(lambda: [local, *peers])
-        self.http = HttpServer(create_app(cluster, self._serving.is_set, node=self.metrics,
-                                          guard=rules.guard),
-                               self.config.http_listen, setting, tls=rules.tls)
-        self.http.start()
+
+        def make_app():
+            from tierstack.dashboards.cluster_view import ClusterView, LocalNode, RemoteNode
+            from tierstack.dashboards.http_api import create_app
+
+            local = LocalNode(self.metrics)
+            peers = [RemoteNode(url, security=self.security) for url in self.config.cluster_nodes]
+            # The scheduler serves the view over every node it knows; a node alone sees
+            # itself and the peers its config names.
+            cluster = ClusterView(lambda: [local, *peers])
+            return create_app(cluster, self._serving.is_set, node=self.metrics, guard=rules.guard)
+
+        self.http = BackgroundHttp(self.config.http_listen, setting, rules, make_app,
+                                   "tier manager's HTTP API")
         self.metrics.url = self.http.url
+        self.http.start()
         log.info("metrics and dashboard on %s/dashboard/", self.http.url)
 
     def stop(self) -> None:
