@@ -56,3 +56,27 @@ def test_closing_a_store_releases_the_pins_of_layers_still_in_use(daemon):
         assert _pinned(watcher, 0) == 0
     finally:
         watcher.close()
+
+
+def test_a_layer_in_a_graph_survives_writes_to_other_layers_of_its_arena(daemon):
+    """A block's buffer is the arena view itself (a parameter keeps its own version
+    counter, a buffer does not). Views were slices of one tensor per arena, sharing its
+    version counter: another layer's write into the arena during a block's recompute
+    failed its backward ("modified by an inplace operation", seen once in the suite)."""
+    layers = [{"w": torch.randn(64), "scale": torch.full((64,), 2.0)} for _ in range(3)]
+    with LayerStore("views-versions", device="cpu", device_budget=8 << 20, address=daemon.address,
+                    durable=False) as store:
+        store.register_layers(layers)
+        tensors = store.ensure_layer(0)
+        other = store.ensure_layer(1)
+        x = torch.ones(64, requires_grad=True)
+        y = (x * tensors["scale"]).sum()  # the graph saves the buffer (the view)
+        arenas = [store.session.arenas.view(a.index, 0, a.size) for a in store.tiers.node().arenas]
+        (arena,) = [a for a in arenas if a.data_ptr() <= tensors["scale"].data_ptr() < a.data_ptr() + a.numel()]
+        assert arena.data_ptr() <= other["scale"].data_ptr() < arena.data_ptr() + arena.numel()
+        with torch.no_grad():  # a write into another view of the same arena
+            other["scale"].mul_(3.0)
+        y.backward()
+        assert torch.equal(x.grad, torch.full((64,), 2.0))
+        store.release_layer(0)
+        store.release_layer(1)

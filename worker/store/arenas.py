@@ -55,11 +55,20 @@ class ArenaMap:
         self._apply(node)
 
     def view(self, arena: int, offset: int, nbytes: int) -> torch.Tensor:
-        """A uint8 tensor over `nbytes` bytes of an arena (shared memory, no copy)."""
+        """A uint8 tensor over `nbytes` bytes of an arena (shared memory, no copy).
+
+        A tensor of its own over the arena's storage, not a slice of the arena's tensor: a
+        slice shares its base's version counter, so a write anywhere in the arena (another
+        layer's gradients, written on a thread) failed the backward of a block whose
+        weights were views of the same arena ("modified by an inplace operation")."""
         tensor = self._tensors.get(arena)
         if tensor is None:
             tensor = self._map_named(arena)
-        return tensor[offset:offset + nbytes]
+        if not 0 <= offset <= offset + nbytes <= tensor.numel():
+            raise IndexError(f"bytes {offset}..{offset + nbytes} are outside arena {arena} "
+                             f"({tensor.numel()} bytes)")
+        own = torch.empty(0, dtype=torch.uint8)
+        return own.set_(tensor.untyped_storage(), offset, (nbytes,))
 
     def sync(self, epoch: int) -> None:
         """An answer carried the pool's arenas epoch: unmap what the daemon returned since."""
