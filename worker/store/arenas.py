@@ -32,6 +32,11 @@ import torch
 from tierstack.errors import TierstackError
 from tierstack.services.tier_manager.types import ArenaInfo, NodeInfo
 
+
+class StaleArenas(Exception):
+    """An answer refers to the arenas of a daemon instance other than the one mapped (the
+    daemon restarted under the call: TierSession.retrying redoes it on the new one)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -89,7 +94,10 @@ class ArenaMap:
         if arena not in self._tensors:
             if self._describe is None:
                 raise TierstackError(f"arena {arena} is not mapped and this map cannot look it up")
-            self._refresh()
+            if not self._refresh():
+                # The daemon that named the arena is gone (killed and restarted between
+                # its answer and this look-up): its pins went with it; redo the call.
+                raise StaleArenas()
             with self._lock:
                 if arena not in self._tensors and arena in self._listed:
                     self._map(self._listed[arena])
@@ -101,11 +109,13 @@ class ArenaMap:
                 f"check the daemon's log)")
         return tensor
 
-    def _refresh(self) -> None:
+    def _refresh(self) -> bool:
+        """Apply the daemon's listing; False when the daemon is another instance now."""
         node = self._describe()
         if node.instance_id != self.instance_id:
-            return  # a restarted daemon: the session remaps everything (TierSession.connect)
+            return False  # a restarted daemon: the session remaps everything (TierSession.connect)
         self._apply(node)
+        return True
 
     def _apply(self, node: NodeInfo) -> None:
         """Note the listed arenas (mapped when first named); unmap the ones no longer listed."""

@@ -101,14 +101,16 @@ class LayerLoader:
     # ---- the loads ---------------------------------------------------------------------------
 
     def _fetch(self, key: str, nbytes: int):
-        """Fetch and pin `key`'s block, redone after a daemon restart: (arenas, answer)."""
+        """Fetch and pin `key`'s block, redone after a daemon restart: (its bytes, a view
+        of the arena, and the answer). The view is made inside the retry: a daemon killed
+        between its answer and the arena's mapping leaves a stale answer to redo."""
         def op(arenas: ArenaMap):
             res = self._session.fetch_one(key, arenas)
             if res.info.nbytes != nbytes:
                 self._session.client.release(key, res.info.version)
                 raise InvalidArgumentError(
                     f"{key} holds {res.info.nbytes} bytes but its layout says {nbytes}")
-            return arenas, res
+            return arenas.view(res.arena, res.offset, nbytes), res
 
         return self._session.retrying(f"load of {key}", op)
 
@@ -121,8 +123,7 @@ class LayerLoader:
         """The CPU device's load: the layer's tensors are views of its pinned arena bytes."""
         key = self._key(index, "params")
         try:
-            arenas, res = self._fetch(key, copy.nbytes)
-            copy.buffer = arenas.view(res.arena, res.offset, copy.nbytes)
+            copy.buffer, res = self._fetch(key, copy.nbytes)
             copy.tensors = self._catalog.layouts[index].views(copy.buffer)
             copy.pin = (key, res.info.version)
             self._loaded(copy.nbytes)
@@ -136,10 +137,9 @@ class LayerLoader:
         key = self._key(index, "master")
         masters = self._catalog.layout_of(index, "master")
         try:
-            arenas, res = self._fetch(key, masters.nbytes)
+            pinned, res = self._fetch(key, masters.nbytes)
             try:
-                round_masters(copy.tensors, masters.views(arenas.view(res.arena, res.offset,
-                                                                      masters.nbytes)))
+                round_masters(copy.tensors, masters.views(pinned))
             finally:
                 self.unpin((key, res.info.version))
             self._loaded(masters.nbytes)
@@ -163,9 +163,8 @@ class LayerLoader:
         key = self.load_key(index)
         nbytes = self.staging_nbytes(index) or copy.nbytes
         try:
-            arenas, res = self._fetch(key, nbytes)
+            src, res = self._fetch(key, nbytes)
             try:
-                src = arenas.view(res.arena, res.offset, nbytes)
                 with torch.cuda.stream(self._copy_stream):
                     self._copy_stream.wait_event(allocated)
                     if self._made_from_masters():

@@ -30,7 +30,7 @@ from tierstack.services.tier_manager.client import TierManagerClient
 from tierstack.services.tier_manager.types import (AdamWBlock, AdamWHyper, AdamWResult, NodeInfo,
                                                    NodeStats, Resident)
 from tierstack.tiers import AUTO
-from tierstack.worker.store.arenas import ArenaMap
+from tierstack.worker.store.arenas import ArenaMap, StaleArenas
 from tierstack.worker.node.daemon_address import check_reachable
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,6 @@ T = TypeVar("T")
 
 CLOSE_WAIT_SECONDS = 120.0
 """How long close() waits for operations on the arenas (a write of a large block) to end."""
-
-
-class StaleArenas(Exception):
-    """An answer refers to the arenas of a daemon instance other than the one mapped."""
 
 
 class TierSession:
