@@ -37,6 +37,7 @@ class StaleArenas(Exception):
     """An answer refers to the arenas of a daemon instance other than the one mapped (the
     daemon restarted under the call: TierSession.retrying redoes it on the new one)."""
 
+
 log = logging.getLogger(__name__)
 
 
